@@ -1,0 +1,131 @@
+"""`specdec` command line. Every user error is one line on stderr and exit status 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .errors import SpecdecError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, not usage + error
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="smollm2-135m", help="built-in name, .gguf file or HF model directory")
+
+
+def add_generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text for one prompt")
+    p.add_argument("--prompt", required=True, help="a user chat message (plain text with --raw)")
+    add_model_args(p)
+    p.add_argument("--drafter", default="ngram", help="none | ngram[:min=N][:max=N] | model:PATH_OR_NAME")
+    p.add_argument("--k", default="auto", help="draft length: auto (adaptive) or an integer")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", nargs="+", default=None, help="stop strings")
+    p.add_argument("--raw", action="store_true", help="feed the prompt as plain text, not a chat message")
+    p.add_argument("--stream", action="store_true", help="print text as it is generated")
+    p.add_argument("--compare-plain", action="store_true", help="also decode without speculation and report the speedup")
+    p.add_argument("--json", action="store_true", help="end stdout with one JSON object")
+    p.set_defaults(func=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> None:
+    from .engine import Engine
+    from .sampling import SamplingParams
+
+    SamplingParams(args.temperature, args.top_k, args.top_p).validate()  # fail before loading
+    engine = Engine(target=args.target, drafter=args.drafter, k=args.k)
+    kwargs = dict(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, stop=args.stop, seed=args.seed, chat=not args.raw,
+    )
+    plain = None
+    if args.compare_plain:
+        baseline = Engine(target=engine.target, drafter="none", k=0)
+        baseline.generate(args.prompt, **{**kwargs, "max_new_tokens": 8})  # warm-up
+        plain = baseline.generate(args.prompt, **kwargs)
+    if args.stream and not args.json:
+        stream = engine.stream(args.prompt, **kwargs)
+        for delta in stream:
+            print(delta, end="", flush=True)
+        print()
+        result = stream.result
+    else:
+        result = engine.generate(args.prompt, **kwargs)
+        if not args.json:
+            print(result.text)
+    summary = result.stats.summary()
+    if plain is not None:
+        summary["plain_tokens_per_second"] = plain.stats.summary()["tokens_per_second"]
+        plain_tps = plain.stats.tokens_per_second
+        summary["speedup_vs_plain"] = round(result.stats.tokens_per_second / plain_tps, 3) if plain_tps else None
+        summary["matches_plain"] = plain.token_ids == result.token_ids
+    if args.json:
+        print(json.dumps({**result.to_dict(), "stats": summary, "drafter": engine.drafter_name}))
+        return
+    s = summary
+    print(
+        f"\n[{engine.drafter_name}, k={args.k}] {s['generated_tokens']} tokens in {s['wall_time_s']:.2f}s "
+        f"= {s['tokens_per_second']:.1f} tok/s | steps {s['steps']}, tau {s['mean_accepted_length']:.2f}, "
+        f"drafted {s['drafted_tokens']}, accepted {s['accepted_tokens']} "
+        f"({100 * s['acceptance_rate']:.0f}%), finish {result.finish_reason}",
+        file=sys.stderr if args.stream else sys.stdout,
+    )
+    if plain is not None:
+        print(
+            f"[plain decoding] {s['plain_tokens_per_second']:.1f} tok/s -> speedup {s['speedup_vs_plain']:.2f}x, "
+            f"identical output: {s['matches_plain']}"
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="specdec", description="Lossless speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    add_generate_parser(sub)
+    for module in ("bench_cli", "serve_cli", "datastore_cli"):
+        try:
+            mod = __import__(f"specdec.{module}", fromlist=["add_parser"])
+        except ModuleNotFoundError as e:
+            if e.name != f"specdec.{module}":
+                raise
+            continue
+        mod.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except SpecdecError as e:
+        print(f"specdec: error: {e.message}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except (FileNotFoundError, PermissionError, IsADirectoryError) as e:
+        print(f"specdec: error: {e.strerror}: {e.filename}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""The drafter interface and its registry.
+
+A drafter guesses the next tokens of a sequence. The engine calls:
+- `begin(prompt_ids, params, generator)` once per request;
+- `propose(context_ids, k) -> Draft` every step; the draft may be shorter than k, or empty,
+  which makes the step plain decoding;
+- `on_verified(context_ids, num_accepted)` after verification, with the context now holding
+  the accepted tokens plus the recovered or bonus token.
+
+A drafter with `Draft.probs = None` is deterministic; verification treats it as one-hot.
+A drafter that samples must return the distributions it sampled from.
+
+Drafters register themselves by name with `@register("name")`; `make_drafter("name:arg")` is
+the only place that turns a method string into a drafter.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import SpecdecError
+from ..sampling import SamplingParams
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    probs: torch.Tensor | None = None  # [len(tokens), V] or None for a deterministic drafter
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+class Drafter:
+    name = "base"
+
+    def begin(self, prompt_ids: list[int], params: SamplingParams, generator: torch.Generator | None) -> None:
+        """Start a new request."""
+
+    def propose(self, context_ids: list[int], k: int) -> Draft:
+        raise NotImplementedError
+
+    def on_verified(self, context_ids: list[int], num_accepted: int) -> None:
+        """Called after each step with the updated context."""
+
+    def end(self, context_ids: list[int]) -> None:
+        """Called when the request finishes, with the whole sequence."""
+
+
+@dataclass
+class DrafterSpec:
+    """A parsed method string: `name[:arg][:key=value...]`, e.g. `ngram:k=8` or `model:/path`."""
+
+    name: str
+    arg: str | None = None
+    options: dict[str, str] = field(default_factory=dict)
+    text: str = ""
+
+    @classmethod
+    def parse(cls, text: str) -> DrafterSpec:
+        text = text.strip()
+        parts = text.split(":")
+        name, args, options = parts[0], [], {}
+        for part in parts[1:]:
+            key, eq, value = part.partition("=")
+            if eq and key.isidentifier():
+                options[key] = value
+            else:
+                args.append(part)
+        if not name:
+            raise SpecdecError(f"empty drafter name in {text!r}", "drafter")
+        return cls(name, ":".join(args) or None, options, text)
+
+
+# A factory builds a drafter from its spec and the loaded target (for tokenizer checks or
+# shared weights).
+DrafterFactory = Callable[[DrafterSpec, object], Drafter]
+REGISTRY: dict[str, DrafterFactory] = {}
+_BUILTIN_MODULES = ("none", "ngram", "draft_model")
+
+
+def register(name: str) -> Callable[[DrafterFactory], DrafterFactory]:
+    def wrap(factory: DrafterFactory) -> DrafterFactory:
+        REGISTRY[name] = factory
+        return factory
+
+    return wrap
+
+
+def _load_builtins() -> None:
+    for module in _BUILTIN_MODULES:
+        importlib.import_module(f"{__name__}.{module}")
+
+
+def available() -> list[str]:
+    _load_builtins()
+    return sorted(REGISTRY)
+
+
+def make_drafter(spec: str | DrafterSpec, target: object) -> Drafter:
+    """Build a drafter from a method string. Engine-level options (like `k`) are ignored here."""
+    _load_builtins()
+    parsed = spec if isinstance(spec, DrafterSpec) else DrafterSpec.parse(spec)
+    factory = REGISTRY.get(parsed.name)
+    if factory is None:
+        raise SpecdecError(
+            f"unknown drafter {parsed.name!r}; choose one of: {', '.join(available())}", "drafter"
+        )
+    return factory(parsed, target)

@@ -1,0 +1,79 @@
+"""`model:PATH_OR_NAME`: a smaller causal LM with the target's tokenizer drafts k tokens.
+
+The draft keeps its own KV cache. Before each proposal it rolls back to the longest prefix
+it shares with the context, so tokens the target accepted are never recomputed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..backend import HFBackend
+from ..errors import SpecdecError
+from ..models import LoadedModel, check_same_tokenizer, load_model
+from ..sampling import SamplingParams, logits_to_probs, sample
+from . import Draft, Drafter, DrafterSpec, register
+
+
+class ModelDrafter(Drafter):
+    name = "model"
+
+    def __init__(self, backend: HFBackend, eos_token_ids: set[int]):
+        self.backend = backend
+        self.eos_token_ids = eos_token_ids
+        self._cached: list[int] = []  # tokens whose keys/values sit in the draft cache
+        self._params = SamplingParams()
+        self._generator: torch.Generator | None = None
+
+    def begin(self, prompt_ids, params, generator) -> None:
+        self._params, self._generator = params, generator
+        self.backend.reset()
+        self._cached = []
+
+    def propose(self, context_ids: list[int], k: int) -> Draft:
+        room = self.backend.max_length - len(context_ids)
+        k = min(k, room)
+        if k <= 0:
+            return Draft([])
+        shared = _common_prefix(self._cached, context_ids, limit=len(context_ids) - 1)
+        self.backend.rollback(shared)
+        logits = self.backend.forward(context_ids[shared:])[-1]  # [V]
+        self._cached = list(context_ids)
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        for i in range(k):
+            if self._params.greedy:
+                token = int(logits.argmax())
+            else:
+                probs = logits_to_probs(logits, self._params)  # [V]
+                token = int(sample(probs, self._generator))
+                rows.append(probs)
+            tokens.append(token)
+            if token in self.eos_token_ids or i == k - 1:
+                break
+            logits = self.backend.forward([token])[-1]
+            self._cached.append(token)
+        return Draft(tokens, torch.stack(rows) if rows else None)
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+@register("model")
+def _make(spec: DrafterSpec, target: LoadedModel) -> Drafter:
+    if not spec.arg:
+        raise SpecdecError("the model drafter needs a path or name: model:PATH_OR_NAME", "drafter")
+    if spec.arg == target.name:  # the target drafting for itself shares its weights
+        draft = target
+    else:
+        try:
+            draft = load_model(spec.arg)
+        except SpecdecError as e:
+            raise SpecdecError(f"draft model: {e.message}", "drafter") from e
+        check_same_tokenizer(target, draft)
+    return ModelDrafter(HFBackend(draft.model), target.eos_token_ids)
