@@ -1,0 +1,80 @@
+"""Shared fixtures: tiny random models built from a config (nothing is downloaded), a tiny
+byte-level BPE tokenizer trained in-process, and the real embedded model for slow tests."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    '{"name": "search", "arguments": {"query": "weather in Paris"}}',
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "| name | value |\n|------|-------|\n| a | 1 |\n",
+    "Speculative decoding drafts tokens and verifies them in one forward pass.",
+]
+
+
+@functools.cache
+def tiny_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<s>", "</s>", "<|user|>", "<|assistant|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    return fast
+
+
+def tiny_llama(seed: int = 0, layers: int = 2, hidden: int = 64, max_positions: int = 256):
+    """A randomly initialised Llama whose vocabulary matches `tiny_tokenizer()`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdec.models import LoadedModel
+
+    tok = tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    # Sharpen the random logits so greedy choices are far from ties.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return LoadedModel(name=f"tiny-llama-{seed}", model=model, tokenizer=tok)
+
+
+def save_loaded(loaded, path) -> str:
+    loaded.model.save_pretrained(str(path))
+    loaded.tokenizer.save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real embedded default model (slow: converts the GGUF once, then loads from cache)."""
+    from specdec.models import load_model
+
+    return load_model("smollm2-135m")
