@@ -94,6 +94,18 @@ class HFBackend:
         self._length = length
 
 
+def forward_batch(sequences: list[ModelBackend], token_lists: list[list[int]]) -> list[torch.Tensor]:
+    """One scoring pass for several sequences: returns logits [len(tokens_i), V] for each.
+
+    Backends whose sequences share a batched pool (attribute `pool` with `forward_batch`)
+    run one batched forward; others fall back to one forward per sequence.
+    """
+    pool = getattr(sequences[0], "pool", None) if sequences else None
+    if pool is not None and all(getattr(s, "pool", None) is pool for s in sequences):
+        return pool.forward_batch(sequences, token_lists)
+    return [seq.forward(tokens) for seq, tokens in zip(sequences, token_lists, strict=True)]
+
+
 BACKENDS = ("hf",)
 
 

@@ -30,6 +30,9 @@ from ..sampling import SamplingParams
 class Draft:
     tokens: list[int]
     probs: torch.Tensor | None = None  # [len(tokens), V] or None for a deterministic drafter
+    # A token tree instead of a chain: parents[i] is the index of token i's parent in
+    # `tokens`, or -1 when its parent is the pending token. None means a chain.
+    parents: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
