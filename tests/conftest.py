@@ -39,15 +39,15 @@ def tiny_tokenizer():
     return fast
 
 
-def tiny_llama(seed: int = 0, layers: int = 2, hidden: int = 64, max_positions: int = 256):
-    """A randomly initialised Llama whose vocabulary matches `tiny_tokenizer()`."""
+def tiny_llama(seed: int = 0, layers: int = 2, hidden: int = 64, max_positions: int = 256, vocab: int | None = None):
+    """A randomly initialised Llama whose vocabulary matches `tiny_tokenizer()` (or its first `vocab` ids)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from specdec.models import LoadedModel
 
     tok = tiny_tokenizer()
     config = LlamaConfig(
-        vocab_size=len(tok),
+        vocab_size=vocab or len(tok),
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,
@@ -56,7 +56,7 @@ def tiny_llama(seed: int = 0, layers: int = 2, hidden: int = 64, max_positions: 
         max_position_embeddings=max_positions,
         eos_token_id=tok.eos_token_id,
         bos_token_id=tok.bos_token_id,
-        tie_word_embeddings=True,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()

@@ -51,8 +51,29 @@ class HFBackend:
         self.max_length = int(getattr(config, "max_position_embeddings", 2048))
         self.device = next(model.parameters()).device
         self._length = 0
+        self._tree_base = 0  # cache length before the last forward_tree
         self.reset()
         self.last_hidden: torch.Tensor | None = None  # [T, H] of the last forward, for drafters
+        # Opt-in (set by the eagle drafter): keep the final post-norm hidden state of every
+        # cached token, in a buffer that rolls back with the cache.
+        self.keep_hidden = False
+        self._hidden: torch.Tensor | None = None  # [capacity, H]
+
+    @property
+    def hidden(self) -> torch.Tensor | None:
+        """[length, H] features of the cached tokens, when `keep_hidden` is set."""
+        return self._hidden[: self._length] if self.keep_hidden and self._hidden is not None else None
+
+    def _store_hidden(self, rows: torch.Tensor) -> None:  # rows: [T, H] for positions length..length+T-1
+        end = self._length + rows.shape[0]
+        if self._hidden is None or self._hidden.shape[0] < end:
+            grown = torch.empty(max(end, 2 * (0 if self._hidden is None else self._hidden.shape[0]), 256),
+                                rows.shape[1], dtype=rows.dtype, device=rows.device)
+            if self._hidden is not None:
+                grown[: self._length] = self._hidden[: self._length]
+            self._hidden = grown
+        self._hidden[self._length : end] = rows
+        self.last_hidden = rows
 
     @property
     def length(self) -> int:
@@ -83,7 +104,10 @@ class HFBackend:
             use_cache=True,
             cache_position=positions,
             position_ids=positions.unsqueeze(0),
+            output_hidden_states=self.keep_hidden,
         )
+        if self.keep_hidden:
+            self._store_hidden(out.hidden_states[-1][0])
         self._length += len(token_ids)
         return out.logits[0].float().cpu()
 
@@ -92,6 +116,54 @@ class HFBackend:
             raise ValueError(f"cannot roll back to {length}; the cache holds {self._length}")
         self._cache.crop(length - self._length)  # a negative count removes that many tokens
         self._length = length
+
+    @property
+    def supports_tree(self) -> bool:
+        """Tree attention needs a custom 4D mask: only full-attention DynamicLayers under
+        eager or SDPA attention accept one (sliding-window layers slice their keys)."""
+        from transformers.cache_utils import DynamicLayer
+
+        attn = getattr(self.model.config, "_attn_implementation", "eager")
+        layers = getattr(self._cache, "layers", [])
+        return attn in ("eager", "sdpa") and bool(layers) and all(type(x) is DynamicLayer for x in layers)
+
+    @torch.inference_mode()
+    def forward_tree(self, token_ids: list[int], parents: list[int]) -> torch.Tensor:
+        """Append a token tree; return logits [T, V]. Token i sits at position length + depth(i)
+        and attends to the whole cache, its ancestors and itself. Follow with `keep`."""
+        from .tree import ancestor_mask, check_tree, tree_depths
+
+        check_tree(parents)
+        n = len(token_ids)
+        if self._length + n > self.max_length:
+            raise ValueError(f"context overflow: {self._length} + {n} > {self.max_length}")
+        dtype = self.model.get_input_embeddings().weight.dtype
+        allowed = torch.ones(n, self._length + n, dtype=torch.bool, device=self.device)  # [T, cache+T]
+        allowed[:, self._length :] = ancestor_mask(parents).to(self.device)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)  # additive: eager and SDPA both take it
+        depths = torch.tensor(tree_depths(parents), dtype=torch.long, device=self.device)
+        out = self.model(
+            input_ids=torch.tensor([token_ids], dtype=torch.long, device=self.device),
+            attention_mask=mask[None, None],  # [1, 1, T, cache+T]
+            position_ids=(self._length + depths).unsqueeze(0),
+            cache=self._cache,
+            use_cache=True,
+        )
+        self._tree_base, self._length = self._length, self._length + n
+        return out.logits[0].float().cpu()
+
+    @torch.inference_mode()
+    def keep(self, indices: list[int]) -> None:
+        """After `forward_tree`, keep only the tree nodes `indices` (a root-to-leaf path)."""
+        base = self._tree_base
+        rows = torch.tensor(indices, dtype=torch.long, device=self.device) + base
+        for layer in self._cache.layers:
+            for name in ("keys", "values"):
+                kv = getattr(layer, name)  # [B, H, length, D]
+                kv[:, :, base : base + len(indices)] = kv[:, :, rows]  # the gather copies first
+                setattr(layer, name, kv[:, :, : base + len(indices)])
+        self._length = base + len(indices)
 
 
 def forward_batch(sequences: list[ModelBackend], token_lists: list[list[int]]) -> list[torch.Tensor]:
@@ -106,13 +178,30 @@ def forward_batch(sequences: list[ModelBackend], token_lists: list[list[int]]) -
     return [seq.forward(tokens) for seq, tokens in zip(sequences, token_lists, strict=True)]
 
 
-BACKENDS = ("hf",)
+BACKENDS = ("hf", "native")
 
 
-def make_backend(kind: str, target) -> ModelBackend:
-    """A fresh backend (its own KV cache) over the loaded target's weights."""
-    if kind == "hf":
-        return HFBackend(target.model)
+def make_backend(kind: str, target, **options) -> ModelBackend:
+    """A fresh backend (its own KV cache) over the loaded target's weights.
+
+    Options (None values are ignored): native takes precision (fp32|bf16|int8|int4), device,
+    max_length and slots; hf takes none.
+    """
     from .errors import SpecdecError
 
+    options = {key: value for key, value in options.items() if value is not None}
+    if kind == "hf":
+        if options:
+            raise SpecdecError(f"the hf backend takes no options, got {', '.join(options)}", "backend")
+        return HFBackend(target.model)
+    if kind == "native":
+        from .native import NATIVE_OPTIONS, make_native_backend
+
+        unknown = sorted(set(options) - set(NATIVE_OPTIONS))
+        if unknown:
+            raise SpecdecError(
+                f"unknown native backend option(s) {', '.join(unknown)}; known: {', '.join(NATIVE_OPTIONS)}",
+                "backend",
+            )
+        return make_native_backend(target, **options)
     raise SpecdecError(f"unknown backend {kind!r}; choose one of: {', '.join(BACKENDS)}", "backend")

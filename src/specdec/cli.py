@@ -45,6 +45,7 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--compare-plain", action="store_true", help="also decode without speculation and report the speedup")
     p.add_argument("--json", action="store_true", help="end stdout with one JSON object")
+    p.add_argument("--log-dir", help="append the prompt and output to a traffic log here (for distill --from-logs)")
     p.set_defaults(func=run_generate)
 
 
@@ -73,6 +74,13 @@ def run_generate(args: argparse.Namespace) -> None:
         result = engine.generate(args.prompt, **kwargs)
         if not args.json:
             print(result.text)
+    if args.log_dir:
+        from .traffic_log import TrafficLog
+
+        prompt = [{"role": "user", "content": args.prompt}] if not args.raw else args.prompt
+        meta = {"target": engine.target.name, "chat": not args.raw, "finish_reason": result.finish_reason,
+                "temperature": args.temperature, "drafter": engine.drafter_name}
+        TrafficLog(args.log_dir).record(prompt, result.text, meta)
     summary = result.stats.summary()
     if plain is not None:
         summary["plain_tokens_per_second"] = plain.stats.summary()["tokens_per_second"]
@@ -101,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="specdec", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     add_generate_parser(sub)
-    for module in ("bench_cli", "serve_cli", "datastore_cli"):
+    for module in ("bench_cli", "serve_cli", "datastore_cli", "distill_cli"):
         try:
             mod = __import__(f"specdec.{module}", fromlist=["add_parser"])
         except ModuleNotFoundError as e:

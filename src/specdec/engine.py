@@ -66,16 +66,18 @@ class Engine:
         drafter: str | Drafter = "ngram",
         k: str | int = "auto",
         backend: str = "hf",
+        backend_options: dict | None = None,  # e.g. {"precision": "int8"} for the native backend
     ):
         self.target = target if isinstance(target, LoadedModel) else load_model(target)
         self.tokenizer = self.target.tokenizer
-        self.backend = make_backend(backend, self.target)
+        self.backend = make_backend(backend, self.target, **(backend_options or {}))
         if isinstance(drafter, Drafter):
             self.drafter, self.drafter_name = drafter, drafter.name
         else:
             spec = DrafterSpec.parse(drafter)
             k = spec.options.pop("k", k)
             self.drafter, self.drafter_name = make_drafter(spec, self.target), spec.text
+        self.drafter.bind_target(self.backend)  # drafters that read the target's states keep it
         make_controller(k)  # validate now rather than at the first request
         self.k = k
         self.eos_token_ids = self.target.eos_token_ids
@@ -152,73 +154,161 @@ class Engine:
         return stream
 
     def _run(self, stream, prompt_ids, params, max_new_tokens, stop, seed, track_text) -> Iterator[str]:
-        stats = SpecStats(prompt_tokens=len(prompt_ids))
-        start = time.perf_counter()
-        generator = torch.Generator().manual_seed(seed if seed is not None else int(torch.seed() % 2**63))
-        controller = make_controller(self.k)
-        tracker = TextTracker(self.tokenizer, stop)
-        backend, drafter = self.backend, self.drafter
-
-        drafter.begin(prompt_ids, params, generator)
-        backend.prefill(prompt_ids[:-1])
-        stats.prefill_s = time.perf_counter() - start
-        context = list(prompt_ids)
-        generated: list[int] = []
-        finish_reason = "length"
-        while True:
-            remaining = max_new_tokens - len(generated)
-            room = backend.max_length - backend.length - 1  # cache slots left after the pending token
-            if remaining <= 0 or room < 0:
-                break
-            k = max(0, min(controller.next_k(), remaining - 1, room))
-
+        seq = Sequence(
+            self.backend, self.drafter, prompt_ids, params, max_new_tokens, self.k,
+            self.tokenizer, self.eos_token_ids, stop, seed, track_text,
+        )
+        seq.start()
+        while (tokens := seq.plan(tree=True)) is not None:
             t0 = time.perf_counter()
-            draft = drafter.propose(context, k) if k > 0 else None
-            draft_tokens = draft.tokens[:k] if draft else []
-            draft_probs = draft.probs[: len(draft_tokens)] if draft and draft.probs is not None else None
-            t1 = time.perf_counter()
-            cache_len = backend.length
-            logits = backend.forward([context[-1], *draft_tokens])  # [k+1, V]
-            t2 = time.perf_counter()
+            if seq.tree_parents is not None:  # a token tree: one forward with tree attention
+                logits = self.backend.forward_tree(tokens, seq.tree_parents)  # [len(tokens), V]
+            else:
+                logits = self.backend.forward(tokens)  # [len(tokens), V]
+            delta = seq.advance(logits, time.perf_counter() - t0)
+            if delta:
+                yield delta
+        final = seq.finish()
+        stream.result = seq.result
+        if final:
+            yield final
+
+
+class Sequence:
+    """One request's decoding state and its step, shared by Engine and the server's scheduler.
+
+    A step is split around the target forward so that a scheduler can score many sequences
+    in one batched forward: `plan()` drafts and returns the tokens to score ([pending,
+    d1..dk]), the caller runs the forward, and `advance(logits)` verifies, rolls back the
+    cache and emits. `finish()` ends the request and sets `result`.
+    """
+
+    def __init__(
+        self,
+        backend,
+        drafter: Drafter,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        max_new_tokens: int,
+        k: str | int,
+        tokenizer,
+        eos_token_ids: set[int],
+        stop: list[str] | None = None,
+        seed: int | None = None,
+        track_text: bool = True,
+    ):
+        self.start_time = time.perf_counter()
+        self.backend, self.drafter = backend, drafter
+        self.prompt_ids, self.params, self.max_new_tokens = prompt_ids, params, max_new_tokens
+        self.eos_token_ids, self.track_text = eos_token_ids, track_text
+        self.stats = SpecStats(prompt_tokens=len(prompt_ids))
+        self.generator = torch.Generator().manual_seed(seed if seed is not None else int(torch.seed() % 2**63))
+        self.controller = make_controller(k)
+        self.tracker = TextTracker(tokenizer, stop)
+        self.context = list(prompt_ids)
+        self.generated: list[int] = []
+        self.finish_reason = "length"
+        self.done = False
+        self.result: GenerationResult | None = None
+        self._step: tuple | None = None  # (k, draft_tokens, draft_probs, cache_len, propose_s) between plan and advance
+        self.tree_parents: list[int] | None = None  # parents of the planned tokens when they form a tree
+
+    def start(self) -> None:
+        """Prefill every prompt token but the last, which becomes the pending token."""
+        self.drafter.begin(self.prompt_ids, self.params, self.generator)
+        self.backend.prefill(self.prompt_ids[:-1])
+        self.stats.prefill_s = time.perf_counter() - self.start_time
+
+    def plan(self, k_cap: int | None = None, tree: bool = False) -> list[int] | None:
+        """Draft up to k tokens (at most k_cap); return the tokens to score, or None when done.
+
+        With tree=True the caller scores a token tree with `backend.forward_tree(tokens,
+        self.tree_parents)` whenever `tree_parents` is set; otherwise trees become chains.
+        """
+        self.tree_parents = None
+        if self.done:
+            return None
+        remaining = self.max_new_tokens - len(self.generated)
+        room = self.backend.max_length - self.backend.length - 1  # cache slots left after the pending token
+        if remaining <= 0 or room < 0:
+            self.done = True
+            return None
+        k = max(0, min(self.controller.next_k(), remaining - 1, room))
+        if k_cap is not None:
+            k = min(k, max(0, k_cap))
+        t0 = time.perf_counter()
+        draft = self.drafter.propose(self.context, k) if k > 0 else None
+        if draft is not None and draft.parents is not None:  # a tree: cut to fit, or its best chain
+            from .tree import fit_tree, supports_tree
+
+            draft = fit_tree(draft, k, room, use_tree=tree and supports_tree(self.backend))
+            if draft.parents is not None:
+                self.tree_parents = [-1, *[p + 1 for p in draft.parents]]  # the pending token is the root
+        draft_tokens = draft.tokens[: k if self.tree_parents is None else room] if draft else []
+        draft_probs = draft.probs[: len(draft_tokens)] if draft and draft.probs is not None else None
+        self._step = (k, draft_tokens, draft_probs, self.backend.length, time.perf_counter() - t0)
+        return [self.context[-1], *draft_tokens]
+
+    def advance(self, logits: torch.Tensor, score_s: float = 0.0) -> str:
+        """logits: [k+1, V] for the planned tokens. Verify, roll back, emit; return a text delta."""
+        assert self._step is not None, "advance() needs a plan() first"
+        k, draft_tokens, draft_probs, cache_len, propose_s = self._step
+        self._step = None
+        t2 = time.perf_counter()
+        params, backend = self.params, self.backend
+        num_drafted = len(draft_tokens)
+        if self.tree_parents is not None:
+            from .tree import keep_path, tree_depth, verify_tree
+
+            parents = [p - 1 for p in self.tree_parents[1:]]
+            result = verify_tree(draft_tokens, parents, draft_probs, logits, params, self.generator)
+            keep_path(backend, result.accepted)
+            num_drafted = tree_depth(parents)  # stats and controller count the tree's depth
+        else:
             drafted = torch.tensor(draft_tokens, dtype=torch.long)
             if params.greedy:
                 result = verify_greedy(drafted, logits.argmax(-1))
             else:
-                result = verify_sampling(drafted, draft_probs, logits_to_probs(logits, params), generator)
+                result = verify_sampling(drafted, draft_probs, logits_to_probs(logits, params), self.generator)
             backend.rollback(cache_len + 1 + result.num_accepted)
-            t3 = time.perf_counter()
+        t3 = time.perf_counter()
 
-            new = result.emitted(draft_tokens)
-            done = False
-            for i, token in enumerate(new):
-                if token in self.eos_token_ids:
-                    new, done, finish_reason = new[: i + 1], True, "stop"
-                    break
-            if len(new) >= remaining:
-                new, done = new[:remaining], True
-            if track_text:
-                keep = tracker.add(new)
-                if keep is not None:
-                    new, done, finish_reason = new[:keep], True, "stop"
-            context.extend(new)
-            generated.extend(new)
-            stats.observe_step(len(draft_tokens), result.num_accepted, len(new), k)
-            stats.propose_s += t1 - t0
-            stats.score_s += t2 - t1
-            stats.verify_s += t3 - t2
-            controller.observe(len(draft_tokens), result.num_accepted, len(draft_tokens) + 1, t2 - t1, t1 - t0)
-            if done:
+        remaining = self.max_new_tokens - len(self.generated)
+        new = result.emitted(draft_tokens)
+        done = False
+        for i, token in enumerate(new):
+            if token in self.eos_token_ids:
+                new, done, self.finish_reason = new[: i + 1], True, "stop"
                 break
-            drafter.on_verified(context, result.num_accepted)
-            if track_text:
-                delta = tracker.delta()
-                if delta:
-                    yield delta
-        drafter.end(context)
-        if not track_text:
-            tracker.add(generated)
-        final = tracker.delta(final=True)
-        stats.wall_s = time.perf_counter() - start
-        stream.result = GenerationResult(tracker.text, generated, finish_reason, stats, prompt_ids)
-        if final:
-            yield final
+        if len(new) >= remaining:
+            new, done = new[:remaining], True
+        if self.track_text:
+            keep = self.tracker.add(new)
+            if keep is not None:
+                new, done, self.finish_reason = new[:keep], True, "stop"
+        self.context.extend(new)
+        self.generated.extend(new)
+        stats = self.stats
+        stats.observe_step(num_drafted, result.num_accepted, len(new), k)
+        stats.propose_s += propose_s
+        stats.score_s += score_s
+        stats.verify_s += t3 - t2
+        self.controller.observe(num_drafted, result.num_accepted, len(draft_tokens) + 1, score_s, propose_s)
+        if done:
+            self.done = True
+            return ""
+        self.drafter.on_verified(self.context, result.num_accepted)
+        return self.tracker.delta() if self.track_text else ""
+
+    def finish(self) -> str:
+        """End the request: set `result`; return the last text delta."""
+        self.done = True
+        self.drafter.end(self.context)
+        if not self.track_text:
+            self.tracker.add(self.generated)
+        final = self.tracker.delta(final=True)
+        self.stats.wall_s = time.perf_counter() - self.start_time
+        self.result = GenerationResult(
+            self.tracker.text, self.generated, self.finish_reason, self.stats, self.prompt_ids
+        )
+        return final

@@ -44,6 +44,10 @@ class Drafter:
     def begin(self, prompt_ids: list[int], params: SamplingParams, generator: torch.Generator | None) -> None:
         """Start a new request."""
 
+    def bind_target(self, backend) -> None:
+        """Called once by the engine with its target backend. Drafters that read the
+        target's own states (eagle reads its hidden states) keep it; others ignore it."""
+
     def propose(self, context_ids: list[int], k: int) -> Draft:
         raise NotImplementedError
 
@@ -83,7 +87,7 @@ class DrafterSpec:
 # shared weights).
 DrafterFactory = Callable[[DrafterSpec, object], Drafter]
 REGISTRY: dict[str, DrafterFactory] = {}
-_BUILTIN_MODULES = ("none", "ngram", "draft_model")
+_BUILTIN_MODULES = ("none", "ngram", "draft_model", "layerskip", "eagle", "suffix", "retrieval")
 
 
 def register(name: str) -> Callable[[DrafterFactory], DrafterFactory]:

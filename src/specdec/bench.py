@@ -1,0 +1,396 @@
+"""`specdec bench`: Spec-Bench-style measurement of methods and peers on one loaded target.
+
+Measurement follows Spec-Bench (evaluation/speed.py):
+- every runner first warms up on a prompt outside the set (a prompt from the set would teach
+  drafters that learn across requests the answer they are about to be timed on);
+- each turn's generate call is timed on the wall clock, prefill included;
+- a question's speed is sum(new tokens) / sum(wall time) over its turns;
+- speedup = mean over questions of the runner's tok/s / the same mean for the baseline;
+- τ (mean accepted length) is pooled over all decoding steps.
+
+Runners take turns question by question (each question: every method, then every peer), so
+machine drift hits them all alike. A multi-turn question feeds turn n+1 after the runner's own
+answer to turn n. Under greedy decoding every runner's token ids are compared with the
+baseline's, turn by turn: that is the losslessness check, and a mismatch is always reported.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import SpecdecError
+
+CATEGORIES = (
+    "code_writing",
+    "code_editing",
+    "tool_calls",
+    "agent_sessions",
+    "translation",
+    "summarization",
+    "rag",
+    "math",
+    "writing",
+)
+DEFAULT_DATA = Path(__file__).parent / "data" / "bench.jsonl"
+WARMUP_PROMPT = "Name three things a cache is good for, one line each."
+
+
+# ---- questions --------------------------------------------------------------------------
+
+
+@dataclass
+class Question:
+    question_id: int | str
+    category: str
+    turns: list[str]
+    reference: object = None
+
+
+def load_questions(
+    path: str | Path | None = None, categories: Sequence[str] | None = None, limit: int | None = None
+) -> list[Question]:
+    """Read Spec-Bench question JSONL; keep `categories` (all if None), at most `limit` each."""
+    path = Path(path) if path is not None else DEFAULT_DATA
+    if not path.is_file():
+        raise SpecdecError(f"question file not found: {path}", "data")
+    questions: list[Question] = []
+    seen: set = set()
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SpecdecError(f"{where}: malformed JSON ({e.msg} at column {e.colno})", "data") from None
+        if not isinstance(obj, dict):
+            raise SpecdecError(f"{where}: expected a JSON object", "data")
+        missing = [k for k in ("question_id", "category", "turns") if k not in obj]
+        if missing:
+            raise SpecdecError(f"{where}: missing field(s) {', '.join(missing)}", "data")
+        qid, category, turns = obj["question_id"], obj["category"], obj["turns"]
+        if not isinstance(qid, int | str) or isinstance(qid, bool):
+            raise SpecdecError(f"{where}: question_id must be an integer or a string", "data")
+        if qid in seen:
+            raise SpecdecError(f"{where}: duplicate question_id {qid!r}", "data")
+        if not isinstance(category, str) or not category:
+            raise SpecdecError(f"{where}: category must be a non-empty string", "data")
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+            raise SpecdecError(f"{where}: turns must be a non-empty list of non-empty strings", "data")
+        seen.add(qid)
+        questions.append(Question(qid, category, turns, obj.get("reference")))
+    if not questions:
+        raise SpecdecError(f"{path}: no questions", "data")
+    if categories:
+        present = sorted({q.category for q in questions})
+        unknown = [c for c in categories if c not in present]
+        if unknown:
+            raise SpecdecError(
+                f"unknown category {unknown[0]!r} in {path.name}; choose from: {', '.join(present)}", "categories"
+            )
+        questions = [q for q in questions if q.category in set(categories)]
+    if limit is not None:
+        counts: dict[str, int] = {}
+        kept = []
+        for q in questions:
+            counts[q.category] = counts.get(q.category, 0) + 1
+            if counts[q.category] <= limit:
+                kept.append(q)
+        questions = kept
+    return questions
+
+
+# ---- methods ------------------------------------------------------------------------------
+
+
+def parse_methods(text: str | Sequence[str], target_name: str | None = None) -> list[str]:
+    """Split and validate method strings before any model is loaded; the baseline `none` is
+    put first (added when missing)."""
+    from .controller import make_controller
+    from .drafters import DrafterSpec, available
+    from .models import resolve
+
+    items = [m.strip() for m in text.split(",")] if isinstance(text, str) else [m.strip() for m in text]
+    if not items or any(not m for m in items):
+        raise SpecdecError(f"--methods has an empty entry: {text!r}", "methods")
+    if len(set(items)) != len(items):
+        dup = next(m for m in items if items.count(m) > 1)
+        raise SpecdecError(f"method {dup!r} is listed twice", "methods")
+    names = available()
+    for method in items:
+        spec = DrafterSpec.parse(method)
+        if spec.name not in names:
+            raise SpecdecError(f"unknown method {method!r}; drafters: {', '.join(names)}", "methods")
+        if "k" in spec.options:
+            make_controller(spec.options["k"])
+        if spec.name == "model" and spec.arg and spec.arg != target_name:
+            resolve(spec.arg)  # a wrong path fails now, not after the target has loaded
+    baseline = next((m for m in items if DrafterSpec.parse(m).name == "none"), None)
+    if baseline is None:
+        return ["none", *items]
+    return [baseline, *(m for m in items if m != baseline)]
+
+
+# ---- runs ---------------------------------------------------------------------------------
+
+
+@dataclass
+class TurnRecord:
+    token_ids: list[int]
+    wall_s: float = 0.0
+    steps: int | None = None  # target forwards while decoding; None for peers
+    drafted: int = 0
+    accepted: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    drafted_per_pos: list[int] = field(default_factory=list)
+    accept_lengths: list[int] = field(default_factory=list)
+    k_history: list[int] = field(default_factory=list)
+    exact_match: bool | None = None  # vs the baseline's tokens; None when not compared
+    first_diff: int | None = None
+    text: str = ""
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class Runner:
+    """Generates one turn from prompt token ids. `kind` is "method" or "peer"."""
+
+    name: str
+    kind: str
+
+    def run(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> TurnRecord:
+        raise NotImplementedError
+
+
+class EngineRunner(Runner):
+    kind = "method"
+
+    def __init__(self, name: str, engine):
+        self.name, self.engine = name, engine
+
+    def run(self, prompt_ids, max_new_tokens, temperature, seed) -> TurnRecord:
+        result = self.engine.generate(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+        s = result.stats
+        return TurnRecord(
+            list(result.token_ids), steps=s.num_steps, drafted=s.num_draft_tokens, accepted=s.num_accepted_tokens,
+            accepted_per_pos=list(s.accepted_per_pos), drafted_per_pos=list(s.drafted_per_pos),
+            accept_lengths=list(s.accept_lengths), k_history=list(s.k_history),
+        )
+
+
+def make_engine_runners(target, methods: Sequence[str], backend: str = "hf") -> list[EngineRunner]:
+    """One Engine per method, all sharing the loaded target's weights."""
+    from .drafters import DrafterSpec
+    from .engine import Engine
+
+    runners = []
+    for method in methods:
+        k = 0 if DrafterSpec.parse(method).name == "none" else "auto"
+        runners.append(EngineRunner(method, Engine(target=target, drafter=method, k=k, backend=backend)))
+    return runners
+
+
+@dataclass
+class BenchRun:
+    questions: list[Question]
+    runners: list[Runner]
+    baseline: str
+    records: dict[str, dict[int, list[TurnRecord]]]  # runner -> question index -> turns
+    mismatches: list[dict]
+    greedy: bool
+    notes: list[str] = field(default_factory=list)
+
+
+def run_benchmark(
+    target,
+    questions: Sequence[Question],
+    runners: Sequence[Runner],
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    warmup: int = 1,
+    seed: int = 0,
+    progress: bool = True,
+    log: Callable[[str], None] | None = None,
+) -> BenchRun:
+    """Run every runner on every question, interleaved; runners[0] is the baseline."""
+    from tqdm.auto import tqdm
+
+    from .engine import Engine
+
+    tokenizer = target.tokenizer
+    encoder = Engine(target=target, drafter="none", k=0)  # chat formatting and length checks only
+    greedy = temperature == 0.0
+    baseline = runners[0].name
+    records: dict[str, dict[int, list[TurnRecord]]] = {r.name: {} for r in runners}
+    mismatches: list[dict] = []
+    bar = tqdm(total=len(questions) * len(runners), desc="bench", unit="run", file=sys.stderr, disable=not progress)
+    say = log or (lambda msg: bar.write(msg, file=sys.stderr))
+
+    warm_ids = encoder.encode_prompt(WARMUP_PROMPT)
+    for runner in runners:
+        for _ in range(warmup):
+            runner.run(warm_ids, min(32, max_new_tokens), temperature, seed)
+
+    for qi, question in enumerate(questions):
+        for runner in runners:
+            bar.set_postfix_str(f"{question.question_id} {runner.name}", refresh=False)
+            messages: list[dict] = []
+            turns = []
+            for ti, turn in enumerate(question.turns):
+                messages.append({"role": "user", "content": turn})
+                try:
+                    prompt_ids = encoder.encode_prompt(messages)
+                except SpecdecError as e:
+                    raise SpecdecError(f"question {question.question_id!r} turn {ti + 1}: {e.message}", "data") from e
+                turn_seed = seed * 1_000_003 + qi * 64 + ti
+                t0 = time.perf_counter()
+                record = runner.run(prompt_ids, max_new_tokens, temperature, turn_seed)
+                record.wall_s = time.perf_counter() - t0
+                record.text = tokenizer.decode(record.token_ids, skip_special_tokens=True)
+                messages.append({"role": "assistant", "content": record.text})
+                turns.append(record)
+            records[runner.name][qi] = turns
+            bar.update(1)
+        if greedy:
+            for runner in runners[1:]:
+                mismatches += _compare(question, runner, records[baseline][qi], records[runner.name][qi], tokenizer, say)
+    bar.close()
+    return BenchRun(list(questions), list(runners), baseline, records, mismatches, greedy)
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first position where the sequences differ (incl. one ending early), or None."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _compare(question, runner, base_turns, turns, tokenizer, say) -> list[dict]:
+    found = []
+    for ti, (base, rec) in enumerate(zip(base_turns, turns, strict=True)):
+        pos = first_difference(base.token_ids, rec.token_ids)
+        rec.exact_match, rec.first_diff = pos is None, pos
+        if pos is None:
+            continue
+
+        def tok(ids, pos=pos):
+            return repr(tokenizer.decode([ids[pos]])) if pos < len(ids) else "<end>"
+
+        item = {
+            "runner": runner.name, "kind": runner.kind, "question_id": question.question_id,
+            "category": question.category, "turn": ti + 1, "position": pos,
+            "baseline_token": base.token_ids[pos] if pos < len(base.token_ids) else None,
+            "runner_token": rec.token_ids[pos] if pos < len(rec.token_ids) else None,
+        }
+        found.append(item)
+        say(
+            f"specdec bench: MISMATCH {runner.kind} {runner.name!r} question {question.question_id!r} "
+            f"turn {ti + 1}: first difference at token {pos} (baseline {tok(base.token_ids)}, "
+            f"{runner.name} {tok(rec.token_ids)})"
+        )
+    return found
+
+
+# ---- metrics ------------------------------------------------------------------------------
+
+
+def question_tps(turns: Sequence[TurnRecord]) -> float:
+    """Spec-Bench's per-question speed: sum of new tokens / sum of wall time over its turns."""
+    wall = sum(t.wall_s for t in turns)
+    return sum(t.new_tokens for t in turns) / wall if wall > 0 else 0.0
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def _add_lists(total: list[int], part: Sequence[int]) -> None:
+    total.extend([0] * (len(part) - len(total)))
+    for i, v in enumerate(part):
+        total[i] += v
+
+
+def aggregate(
+    run_turns: dict[int, list[TurnRecord]], base_turns: dict[int, list[TurnRecord]], greedy: bool, is_method: bool
+) -> dict:
+    """Speedup, tok/s, τ, acceptance and exact matches over the given questions."""
+    qis = sorted(run_turns)
+    tps = _mean([question_tps(run_turns[q]) for q in qis])
+    base_tps = _mean([question_tps(base_turns[q]) for q in qis])
+    turns = [t for q in qis for t in run_turns[q]]
+    out: dict = {
+        "speedup": round(tps / base_tps, 4) if base_tps > 0 else None,
+        "tokens_per_second": round(tps, 3),
+    }
+    if is_method:
+        steps = sum(t.steps or 0 for t in turns)
+        drafted = sum(t.drafted for t in turns)
+        out["mean_accepted_length"] = round(sum(t.new_tokens for t in turns) / steps, 4) if steps else None
+        out["acceptance_rate"] = round(sum(t.accepted for t in turns) / drafted, 4) if drafted else None
+    else:  # peers are black boxes: their steps are not observable
+        out["mean_accepted_length"] = out["acceptance_rate"] = None
+    if not greedy:
+        out["exact_match"] = "n/a (sampling)"
+    else:
+        compared = [t for t in turns if t.exact_match is not None]
+        matched = sum(1 for t in compared if t.exact_match)
+        out["exact_match"] = f"{matched}/{len(compared)}" if compared else f"{len(turns)}/{len(turns)}"
+    return out
+
+
+def summarize(run: BenchRun) -> dict:
+    """results.json's "baseline", "methods", "peers" and "mismatches" entries."""
+    base = run.records[run.baseline]
+    cats = list(dict.fromkeys(q.category for q in run.questions))
+    results: dict = {"baseline": run.baseline, "methods": {}, "peers": {}}
+    for runner in run.runners:
+        recs = run.records[runner.name]
+        is_method = runner.kind == "method"
+        entry = aggregate(recs, base, run.greedy, is_method)
+        turns = [t for q in sorted(recs) for t in recs[q]]
+        accepted_per_pos: list[int] = []
+        drafted_per_pos: list[int] = []
+        for t in turns:
+            _add_lists(accepted_per_pos, t.accepted_per_pos)
+            _add_lists(drafted_per_pos, t.drafted_per_pos)
+        entry["accepted_per_pos"] = accepted_per_pos if is_method else None
+        entry["drafted_per_pos"] = drafted_per_pos if is_method else None
+        entry["generated_tokens"] = sum(t.new_tokens for t in turns)
+        entry["wall_time_s"] = round(sum(t.wall_s for t in turns), 3)
+        entry["per_category"] = {}
+        for cat in cats:
+            qis = [i for i, q in enumerate(run.questions) if q.category == cat]
+            sub = aggregate({i: recs[i] for i in qis}, base, run.greedy, is_method)
+            sub.pop("acceptance_rate")
+            entry["per_category"][cat] = sub
+        results["methods" if is_method else "peers"][runner.name] = entry
+    results["mismatches"] = list(run.mismatches)
+    results["notes"] = list(run.notes)
+    return results
+
+
+def question_records(run: BenchRun) -> list[dict]:
+    """One auditable record per question: prompts, and every runner's turns with their timings."""
+    rows = []
+    for qi, q in enumerate(run.questions):
+        runs = {}
+        for runner in run.runners:
+            runs[runner.name] = [
+                {
+                    "new_tokens": t.new_tokens, "wall_time": round(t.wall_s, 5), "steps": t.steps,
+                    "exact_match": t.exact_match, "first_diff": t.first_diff,
+                    "accept_lengths": t.accept_lengths, "k_history": t.k_history,
+                    "text": t.text, "token_ids": t.token_ids,
+                }
+                for t in run.records[runner.name][qi]
+            ]
+        rows.append({"question_id": q.question_id, "category": q.category, "turns": q.turns, "runs": runs})
+    return rows

@@ -1,0 +1,115 @@
+"""`specdec bench`: the command line over bench.py, bench_peers.py and bench_report.py.
+
+Exit status: 0, 2 for bad input, 1 when a method's greedy output differs from the
+baseline's (a losslessness failure; results are still written). Peers never fail the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from .errors import SpecdecError
+
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def add_parser(sub) -> None:
+    from .cli import _positive_int, add_model_args
+
+    p = sub.add_parser("bench", help="benchmark methods and peers, Spec-Bench style")
+    p.add_argument("--data", default=None, help="Spec-Bench question JSONL (default: the shipped set)")
+    p.add_argument("--categories", default=None, help="comma-separated categories to keep")
+    p.add_argument("--limit", type=_positive_int, default=None, help="at most N questions per category")
+    p.add_argument("--methods", required=True, help="comma-separated drafters, e.g. none,ngram,ngram:k=8,model:PATH")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=DEFAULT_MAX_NEW_TOKENS)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (and checks exact matches)")
+    add_model_args(p)
+    p.add_argument("--backend", default="hf", help="target backend for the methods")
+    p.add_argument("--peers", default=None, help="hf,hf-pld,hf-assisted,llamacpp or none (default: all that apply)")
+    p.add_argument("--out", default="out/bench", help="output directory")
+    p.add_argument("--warmup", type=_nonneg_int, default=1, help="warm-up generations per runner")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.set_defaults(func=run_bench)
+
+
+def run_bench(args: argparse.Namespace) -> None:
+    from . import backend as backend_mod
+    from .bench import load_questions, make_engine_runners, parse_methods, run_benchmark
+    from .bench_peers import make_peers, parse_peers
+
+    # Everything that can be checked without the model is checked first.
+    if args.temperature < 0:
+        raise SpecdecError(f"--temperature must be >= 0, got {args.temperature}", "temperature")
+    if args.backend not in backend_mod.BACKENDS:
+        raise SpecdecError(f"unknown backend {args.backend!r}; choose one of: {', '.join(backend_mod.BACKENDS)}")
+    methods = parse_methods(args.methods, args.target)
+    categories = [c.strip() for c in args.categories.split(",")] if args.categories else None
+    if categories is not None and not all(categories):
+        raise SpecdecError(f"--categories has an empty entry: {args.categories!r}", "categories")
+    questions = load_questions(args.data, categories, args.limit)
+    peers, notes = parse_peers(args.peers, methods, args.target)
+    for note in notes:
+        print(f"specdec bench: {note}", file=sys.stderr)
+
+    from .models import load_model
+
+    target = load_model(args.target)
+    runners = make_engine_runners(target, methods, args.backend)
+    engines = {r.name: r.engine for r in runners}
+    runners += make_peers(peers, target, args.target, methods, engines)
+    print(
+        f"specdec bench: {len(questions)} questions, {sum(len(q.turns) for q in questions)} turns, "
+        f"runners: {', '.join(r.name for r in runners)}",
+        file=sys.stderr,
+    )
+    run = run_benchmark(
+        target, questions, runners, args.max_new_tokens, args.temperature, args.warmup, args.seed
+    )
+    run.notes += notes
+    settings = {
+        "command": "specdec " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else None,
+        "data": str(args.data or "shipped:bench.jsonl"),
+        "categories": categories,
+        "limit_per_category": args.limit,
+        "methods": methods,
+        "peers": [r.name for r in runners if r.kind == "peer"],
+        "target": args.target,
+        "backend": args.backend,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "warmup": args.warmup,
+        "seed": args.seed,
+        "questions": len(questions),
+        "turns": sum(len(q.turns) for q in questions),
+    }
+    finish(run, args.out, settings, plots=not args.no_plots)
+
+
+def finish(run, out_dir, settings: dict, plots: bool = True) -> dict:
+    """Write the report, print the table and the JSON summary line; exit 1 on a method mismatch."""
+    from .bench_report import print_table, summary_line, write_report
+
+    results = write_report(run, out_dir, settings, plots=plots)
+    print_table(results)
+    method_mismatches = [m for m in results["mismatches"] if m["kind"] == "method"]
+    if method_mismatches:
+        print(f"specdec bench: LOSSLESSNESS FAILURE: {len(method_mismatches)} method turn(s) differ from "
+              f"the baseline; see {out_dir}/results.json", file=sys.stderr)
+    print(summary_line(results, out_dir))
+    sys.stdout.flush()
+    if method_mismatches:
+        sys.exit(1)
+    return results

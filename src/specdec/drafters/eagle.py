@@ -1,0 +1,261 @@
+"""`eagle:DIR`: an EAGLE-style draft head (Li et al. 2024) trained by `specdec distill --kind eagle`.
+
+The head is one decoder layer that works on the target's features (its last, post-norm hidden
+state). At position i it reads the feature f_i and the embedding of the next token x_{i+1},
+and predicts f_{i+1}; the target's frozen LM head turns a predicted feature into a token:
+
+    f_{n-2}, emb(x_{n-1}) -> f'_{n-1} -> d1;   f'_{n-1}, emb(d1) -> f'_n -> d2; ...
+
+x_{n-1} is the engine's pending token, whose own feature the target computes only in the next
+verification pass. Positions holding real features stay in the head's KV cache; positions
+holding its own guesses are rolled back before the next proposal.
+
+The head can score only a frequency-ranked subset of the vocabulary (FR-Spec, Zhao et al.
+2025), which keeps drafting cheap for large vocabularies; verification stays exact because
+drafted tokens are checked by the target as usual.
+
+The head reads the target's features from the engine's backend, which the engine hands over
+through `Drafter.bind_target`; the backend keeps them when `keep_hidden` is set.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import SpecdecError
+from ..sampling import SamplingParams, logits_to_probs, sample
+from . import Draft, Drafter, DrafterSpec, register
+from .draft_model import _common_prefix
+from .layerskip import DecoderParts, causal_mask
+
+FORMAT = "specdec-eagle"
+CONFIG_FILE = "eagle_config.json"
+WEIGHTS_FILE = "eagle.safetensors"
+_DIMS = (
+    "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "rms_norm_eps", "rope_theta", "max_position_embeddings",
+)
+
+
+def head_config_from_target(model: nn.Module) -> dict:
+    """The head's dimensions follow the target's, so its features and layer fit."""
+    c = model.config.get_text_config()
+    rope = getattr(c, "rope_parameters", None) or {}
+    if "full_attention" in rope:  # Gemma 3 keeps rope settings per layer type
+        rope = rope["full_attention"]
+    return {
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": getattr(c, "num_key_value_heads", c.num_attention_heads),
+        "head_dim": getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+        "rms_norm_eps": float(getattr(c, "rms_norm_eps", 1e-6)),
+        "rope_theta": float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))),
+        "max_position_embeddings": int(getattr(c, "max_position_embeddings", 2048)),
+    }
+
+
+class EagleHead(nn.Module):
+    """fc(concat(embedding, feature)) -> one Llama decoder layer -> predicted next feature."""
+
+    def __init__(self, dims: dict):
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+        self.dims = {k: dims[k] for k in _DIMS}
+        config = LlamaConfig(
+            vocab_size=1,  # the head has no vocabulary of its own
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=None,
+            hidden_size=dims["hidden_size"],
+            intermediate_size=dims["intermediate_size"],
+            num_hidden_layers=1,
+            num_attention_heads=dims["num_attention_heads"],
+            num_key_value_heads=dims["num_key_value_heads"],
+            head_dim=dims["head_dim"],
+            rms_norm_eps=dims["rms_norm_eps"],
+            rope_parameters={"rope_type": "default", "rope_theta": dims["rope_theta"]},
+            max_position_embeddings=dims["max_position_embeddings"],
+        )
+        config._attn_implementation = "sdpa"
+        hidden = dims["hidden_size"]
+        self.fc = nn.Linear(2 * hidden, hidden, bias=True)
+        self.layer = LlamaDecoderLayer(config, layer_idx=0)
+        self.rotary = LlamaRotaryEmbedding(config)
+
+    def forward(
+        self,
+        features: torch.Tensor,  # [B, T, H] target features f_i (or the head's own guesses)
+        embeds: torch.Tensor,  # [B, T, H] embeddings of x_{i+1}
+        mask: torch.Tensor | None,  # additive [B or 1, 1, T, keys] or None
+        past: int = 0,
+        cache=None,
+    ) -> torch.Tensor:  # [B, T, H] predicted f_{i+1}
+        x = self.fc(torch.cat([embeds, features], dim=-1))
+        positions = torch.arange(past, past + x.shape[1], device=x.device).unsqueeze(0)  # [1, T]
+        out = self.layer(
+            x,
+            attention_mask=mask,
+            position_ids=positions,
+            cache=cache,
+            use_cache=cache is not None,
+            position_embeddings=self.rotary(x, positions),
+        )
+        return out[0] if isinstance(out, tuple) else out
+
+
+def save_head(
+    directory: str | Path, head: EagleHead, target_name: str, vocab_ids: torch.Tensor | None, extra: dict
+) -> None:
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    if vocab_ids is not None:
+        tensors["vocab_ids"] = vocab_ids.to(torch.int64).contiguous()
+    save_file(tensors, str(directory / WEIGHTS_FILE))
+    config = {"format": FORMAT, "target": target_name, **head.dims, **extra}
+    (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def load_head(directory: str | Path) -> tuple[EagleHead, torch.Tensor | None, dict]:
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    if not config_path.exists() or not weights_path.exists():
+        raise SpecdecError(
+            f"{directory} has no {CONFIG_FILE} + {WEIGHTS_FILE}; train one with `specdec distill --kind eagle`",
+            "drafter",
+        )
+    config = json.loads(config_path.read_text())
+    if config.get("format") != FORMAT:
+        raise SpecdecError(f"{config_path} is not an EAGLE head config", "drafter")
+    tensors = load_file(str(weights_path))
+    vocab_ids = tensors.pop("vocab_ids", None)
+    head = EagleHead(config)
+    head.load_state_dict(tensors)
+    return head.eval(), vocab_ids, config
+
+
+class EagleDrafter(Drafter):
+    name = "eagle"
+
+    def __init__(self, target_model: nn.Module, head: EagleHead, vocab_ids: torch.Tensor | None, eos_token_ids):
+        from transformers import DynamicCache
+
+        self.parts = DecoderParts.of(target_model)
+        hidden = self.parts.lm_head.weight.shape[1]
+        if head.dims["hidden_size"] != hidden:
+            raise SpecdecError(
+                f"the EAGLE head was trained for hidden size {head.dims['hidden_size']}, the target has {hidden}",
+                "drafter",
+            )
+        device = self.parts.lm_head.weight.device
+        self.head = head.to(device=device, dtype=self.parts.lm_head.weight.dtype)
+        self.vocab_size = int(self.parts.lm_head.weight.shape[0])
+        self.vocab_ids = None if vocab_ids is None else vocab_ids.to(device)
+        # FR-Spec: only the frequent rows of the LM head (a copy, small by design).
+        self._head_rows = None if vocab_ids is None else self.parts.lm_head.weight[self.vocab_ids].detach()
+        self.eos_token_ids = set(eos_token_ids)
+        self._cache_cls = DynamicCache
+        self.backend = None
+        self._params, self._generator = SamplingParams(), None
+        self._reset()
+
+    def bind_target(self, backend) -> None:
+        if not hasattr(backend, "keep_hidden"):
+            raise SpecdecError("the eagle drafter needs a backend that keeps hidden states (--backend hf)", "drafter")
+        backend.keep_hidden = True
+        self.backend = backend
+
+    def _reset(self) -> None:
+        self._cache = self._cache_cls()
+        self._exact = 0  # head positions computed from real target features
+        self._tokens: list[int] = []  # the context those positions were computed for
+
+    def begin(self, prompt_ids, params, generator) -> None:
+        self._params, self._generator = params, generator
+        self._reset()
+
+    def _logits(self, feature: torch.Tensor) -> torch.Tensor:
+        """feature [H] -> logits [V] (or [len(vocab_ids)] on the FR-Spec subset)."""
+        if self._head_rows is None:
+            return self.parts.logits(feature).float()
+        logits = feature @ self._head_rows.T
+        if self.parts.softcap:
+            logits = torch.tanh(logits / self.parts.softcap) * self.parts.softcap
+        return logits.float()
+
+    def _pick(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        if self._params.greedy:
+            index = int(logits.argmax())
+            return (index if self.vocab_ids is None else int(self.vocab_ids[index])), None
+        if self.vocab_ids is not None:  # back to the full vocabulary, zero outside the subset
+            full = torch.full((self.vocab_size,), float("-inf"), device=logits.device)
+            full[self.vocab_ids] = logits
+            logits = full
+        probs = logits_to_probs(logits.cpu(), self._params)  # [V]
+        return int(sample(probs, self._generator)), probs
+
+    @torch.inference_mode()
+    def propose(self, context_ids: list[int], k: int) -> Draft:
+        if self.backend is None:
+            raise SpecdecError("the eagle drafter was not bound to a target backend", "drafter")
+        n = len(context_ids)
+        features = self.backend.hidden  # [n-1, H]: every cached token, all but the pending one
+        if k <= 0 or features is None or features.shape[0] != n - 1 or n < 2:
+            return Draft([])
+        exact = min(self._exact, max(0, _common_prefix(self._tokens, context_ids, n) - 1))
+        self._cache.crop(exact - self._cache.get_seq_length())
+        # New exact positions i = exact..n-2 read f_i and x_{i+1}.
+        new_ids = torch.tensor([context_ids[exact + 1 : n]], device=features.device)
+        out = self._step(features[exact : n - 1].unsqueeze(0), new_ids, exact)  # [1, T, H]
+        self._exact, self._tokens = n - 1, list(context_ids)
+
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        feature = out[0, -1]  # [H] predicted f_{n-1}, which predicts d1
+        for i in range(k):
+            token, probs = self._pick(self._logits(feature))
+            tokens.append(token)
+            if probs is not None:
+                rows.append(probs)
+            if token in self.eos_token_ids or i == k - 1 or n + i >= self.backend.max_length:
+                break
+            ids = torch.tensor([[token]], device=features.device)
+            feature = self._step(feature.view(1, 1, -1), ids, n - 1 + i)[0, -1]
+        return Draft(tokens, torch.stack(rows) if rows else None)
+
+    def _step(self, features: torch.Tensor, token_ids: torch.Tensor, past: int) -> torch.Tensor:
+        embeds = self.parts.embed(token_ids)  # [1, T, H]
+        t = token_ids.shape[1]
+        mask = causal_mask(t, past + t, embeds.dtype, embeds.device)
+        return self.head(features.to(embeds.dtype), embeds, mask, past, self._cache)
+
+
+@register("eagle")
+def _make(spec: DrafterSpec, target) -> Drafter:
+    if not spec.arg:
+        raise SpecdecError("the eagle drafter needs a directory: eagle:DIR (made by `specdec distill --kind eagle`)",
+                           "drafter")
+    head, vocab_ids, config = load_head(spec.arg)
+    if config.get("vocab_size") not in (None, target.model.get_output_embeddings().weight.shape[0]):
+        raise SpecdecError(f"the EAGLE head in {spec.arg} was trained for another vocabulary", "drafter")
+    if "vocab" in spec.options:  # eagle:DIR:vocab=N keeps only the N most frequent of the saved ranking
+        try:
+            keep = int(spec.options["vocab"])
+        except ValueError:
+            raise SpecdecError(f"vocab must be an integer in {spec.text!r}", "drafter") from None
+        if vocab_ids is not None and keep > 0:
+            vocab_ids = vocab_ids[:keep]
+        elif keep == 0:
+            vocab_ids = None
+    return EagleDrafter(target.model, head, vocab_ids, target.eos_token_ids)

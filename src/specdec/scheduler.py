@@ -1,0 +1,404 @@
+"""Continuous batching for the server: a bounded request queue and one model worker thread.
+
+Every scheduler step:
+1. admits waiting requests (prefill) while fewer than `max_batch` are active;
+2. drops cancelled and timed-out requests, returning their cache slot;
+3. lets every active request draft (`engine.Sequence.plan`), with k capped by the load policy;
+4. scores all drafts in one `backend.forward_batch` (a true batched forward when the backend
+   has a pool, one forward per sequence otherwise);
+5. verifies, rolls back and emits per request (`engine.Sequence.advance`).
+Requests join between steps and finish independently. Each request has its own drafter,
+controller, generator and k, so the step logic is exactly Engine's.
+
+The worker talks to the outside only through `GenRequest.emit(kind, payload)`, called from
+the worker thread with kind "started" (prefilled), "delta" (text, streamed requests only),
+"done" (a GenerationResult) or "error" (an exception).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .backend import forward_batch, make_backend
+from .controller import make_controller
+from .drafters import Drafter, DrafterSpec, make_drafter
+from .engine import GenerationResult, Sequence
+from .errors import SpecdecError
+from .sampling import SamplingParams
+
+log = logging.getLogger("specdec.scheduler")
+_ids = itertools.count()
+
+
+class QueueFull(Exception):
+    """The waiting queue is full; try again after `retry_after` seconds."""
+
+    def __init__(self, retry_after: int):
+        super().__init__(f"the request queue is full; retry after {retry_after}s")
+        self.retry_after = retry_after
+
+
+class RequestTimeout(Exception):
+    pass
+
+
+class ServerShutdown(Exception):
+    pass
+
+
+@dataclass
+class GenRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_new_tokens: int
+    emit: Callable[[str, object], None]  # called from the worker thread
+    stop: list[str] | None = None
+    seed: int | None = None
+    drafter: str | None = None  # drafter spec text; None means the server's default
+    k: str | int | None = None  # None means the drafter spec's or the server's k
+    stream: bool = False  # emit text deltas
+    timeout_s: float | None = None
+    id: int = field(default_factory=lambda: next(_ids))
+    submitted_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    cancelled: bool = False  # set from any thread; the worker drops the request at its next step
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def expired(self, now: float) -> bool:
+        return self.timeout_s is not None and now - self.submitted_at > self.timeout_s
+
+
+@dataclass
+class LoadPolicy:
+    """How much to speculate when many requests share one target forward.
+
+    A saturated batch is compute-bound, so extra draft tokens stop being nearly free. The
+    tokens scored per step, all requests together, are capped at `max_batch_tokens`: each of
+    n active requests drafts at most max_batch_tokens // n - 1 tokens (0 turns speculation off),
+    and above `spec_off_above` active requests speculation is off altogether.
+    """
+
+    max_batch_tokens: int = 128  # 0: no cap
+    spec_off_above: int = 0  # 0: never
+
+    def k_cap(self, num_active: int) -> int | None:
+        if self.spec_off_above and num_active > self.spec_off_above:
+            return 0
+        if not self.max_batch_tokens or num_active == 0:
+            return None
+        return max(0, self.max_batch_tokens // num_active - 1)
+
+
+class BackendSlots:
+    """Per-request KV caches over the shared target weights.
+
+    With a pooled backend (`backend.pool` has new_sequence / forward_batch / release) a slot
+    is a sequence of the pool; otherwise it is a fresh backend from `make_backend`, reset and
+    kept for reuse when its request ends (the reset frees the cache memory).
+    """
+
+    def __init__(self, kind: str, target, options: dict | None = None):
+        self.kind, self.target, self.options = kind, target, dict(options or {})
+        first = make_backend(kind, target, **self.options)
+        self.pool = getattr(first, "pool", None)
+        self.max_length = int(first.max_length)
+        self._free = [first]
+        self.in_use = 0
+
+    def acquire(self):
+        if self._free:
+            backend = self._free.pop()
+        elif self.pool is not None:
+            backend = self.pool.new_sequence()
+        else:
+            backend = make_backend(self.kind, self.target, **self.options)
+        self.in_use += 1
+        return backend
+
+    def release(self, backend) -> None:
+        self.in_use -= 1
+        if self.pool is not None:
+            self.pool.release(backend)
+        else:
+            backend.reset()
+            self._free.append(backend)
+
+
+class DrafterPool:
+    """Drafter instances by spec text. One instance serves one request at a time (`begin`
+    resets it); idle instances are reused so a model drafter is not reloaded per request."""
+
+    def __init__(self, target):
+        self.target = target
+        self._idle: dict[str, list[Drafter]] = {}
+
+    def acquire(self, spec: str) -> Drafter:
+        idle = self._idle.get(spec)
+        return idle.pop() if idle else make_drafter(spec, self.target)
+
+    def release(self, spec: str, drafter: Drafter) -> None:
+        self._idle.setdefault(spec, []).append(drafter)
+
+
+@dataclass
+class _Active:
+    req: GenRequest
+    seq: Sequence
+    backend: object
+    drafter: Drafter
+    spec: str
+
+
+class Scheduler:
+    """Owns the target's KV caches and runs every request through one worker thread."""
+
+    def __init__(
+        self,
+        target,
+        backend: str = "hf",
+        drafter: str = "ngram",
+        k: str | int = "auto",
+        max_batch: int = 16,
+        max_queue: int = 64,
+        policy: LoadPolicy | None = None,
+        metrics=None,
+        backend_options: dict | None = None,
+    ):
+        if max_batch < 1 or max_queue < 0:
+            raise SpecdecError(f"need max_batch >= 1 and max_queue >= 0, got {max_batch}, {max_queue}", "max_batch")
+        self.target, self.tokenizer = target, target.tokenizer
+        self.eos_token_ids = target.eos_token_ids
+        self.default_drafter, spec_k = self.resolve_drafter(drafter)
+        self.default_k = spec_k if spec_k is not None else k
+        make_controller(self.default_k)  # validate now
+        self.slots = BackendSlots(backend, target, backend_options)
+        self.max_length = self.slots.max_length
+        self.drafters = DrafterPool(target)
+        self.drafters.release(self.default_drafter, self.drafters.acquire(self.default_drafter))  # fail early
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.policy = policy or LoadPolicy()
+        self.metrics = metrics
+        self.batched = self.slots.pool is not None
+        self._pending: deque[GenRequest] = deque()
+        self._cond = threading.Condition()
+        self._active: list[_Active] = []
+        self._num_active = 0  # admitted and not yet released; read by submit() under _cond
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._latency_ema = 1.0
+        self.num_steps = 0
+        self.max_batch_seen = 0
+
+    @staticmethod
+    def resolve_drafter(spec_text: str) -> tuple[str, str | None]:
+        """Split an engine-level `k=` option off a drafter spec: "ngram:k=4" -> ("ngram", "4")."""
+        spec = DrafterSpec.parse(spec_text)
+        spec_k = spec.options.pop("k", None)
+        rest = [spec.name, *([spec.arg] if spec.arg else []), *(f"{key}={v}" for key, v in spec.options.items())]
+        return ":".join(rest), spec_k
+
+    # ---- called from any thread ----------------------------------------------------------
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._pending)
+
+    @property
+    def num_active(self) -> int:
+        return self._num_active
+
+    def retry_after(self) -> int:
+        """Seconds until a slot is likely free, from recent request latencies."""
+        waves = (len(self._pending) + 1) / self.max_batch
+        return max(1, min(60, math.ceil(self._latency_ema * waves)))
+
+    def submit(self, req: GenRequest) -> None:
+        with self._cond:
+            if self._stopping:
+                raise ServerShutdown("the server is shutting down")
+            if len(self._pending) + self._num_active >= self.max_batch + self.max_queue:
+                raise QueueFull(self.retry_after())
+            self._pending.append(req)
+            self._cond.notify()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run_forever, name="specdec-model", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- the worker ----------------------------------------------------------------------
+
+    def _run_forever(self) -> None:
+        while not self._stopping:
+            try:
+                self.step(wait=0.05)
+            except Exception as e:  # a bug in the step: fail what is running, keep serving
+                log.exception("scheduler step failed")
+                for a in list(self._active):
+                    self._fail(a, e)
+        for a in list(self._active):
+            self._fail(a, ServerShutdown("the server is shutting down"))
+        with self._cond:
+            pending, self._pending = list(self._pending), deque()
+        for req in pending:
+            _emit(req, "error", ServerShutdown("the server is shutting down"))
+
+    def step(self, wait: float = 0.0) -> bool:
+        """One scheduling iteration; returns whether any request was stepped."""
+        self._admit(wait)
+        now = time.perf_counter()
+        for a in list(self._active):
+            if a.req.cancelled:
+                self._release(a)
+            elif a.req.expired(now):
+                self._fail(a, RequestTimeout(f"the request timed out after {a.req.timeout_s:g}s"))
+        if not self._active:
+            return False
+        cap = self.policy.k_cap(len(self._active))
+        planned: list[tuple[_Active, list[int]]] = []
+        for a in list(self._active):
+            try:
+                tokens = a.seq.plan(cap)
+            except Exception as e:
+                self._fail(a, e)
+                continue
+            if tokens is None:
+                self._complete(a)
+            else:
+                planned.append((a, tokens))
+        if not planned:
+            return True
+        try:
+            logits, times = self._score([a.backend for a, _ in planned], [t for _, t in planned])
+        except Exception as e:
+            log.exception("target forward failed")
+            for a, _ in planned:
+                self._fail(a, e)
+            return True
+        self.num_steps += 1
+        self.max_batch_seen = max(self.max_batch_seen, len(planned))
+        if self.metrics is not None:
+            self.metrics.observe_batch(len(planned), sum(len(t) for _, t in planned))
+        for (a, _), row, score_s in zip(planned, logits, times, strict=True):
+            try:
+                delta = a.seq.advance(row, score_s)
+            except Exception as e:
+                self._fail(a, e)
+                continue
+            if a.req.first_token_at is None and a.seq.generated:
+                a.req.first_token_at = time.perf_counter()
+            if delta and a.req.stream:
+                _emit(a.req, "delta", delta)
+            if a.seq.done:
+                self._complete(a)
+        return True
+
+    def _score(self, backends: list, token_lists: list[list[int]]):
+        """logits [len(tokens_i), V] per sequence, and the score time each one saw."""
+        if self.batched:
+            t0 = time.perf_counter()
+            out = forward_batch(backends, token_lists)
+            return out, [time.perf_counter() - t0] * len(backends)
+        out, times = [], []
+        for backend, tokens in zip(backends, token_lists, strict=True):
+            t0 = time.perf_counter()
+            out.extend(forward_batch([backend], [tokens]))
+            times.append(time.perf_counter() - t0)
+        return out, times
+
+    def _admit(self, wait: float) -> None:
+        with self._cond:
+            if not self._active and not self._pending and wait > 0:
+                self._cond.wait(wait)
+            now = time.perf_counter()
+            for req in [r for r in self._pending if r.cancelled or r.expired(now)]:
+                self._pending.remove(req)
+                if not req.cancelled:
+                    _emit(req, "error", RequestTimeout(f"the request timed out after {req.timeout_s:g}s in the queue"))
+            taken = []
+            while self._pending and len(self._active) + len(taken) < self.max_batch:
+                taken.append(self._pending.popleft())
+            self._num_active += len(taken)
+        for req in taken:
+            self._start(req)
+
+    def _start(self, req: GenRequest) -> None:
+        drafter = backend = None
+        spec = self.default_drafter
+        try:
+            spec, spec_k = (self.default_drafter, None) if req.drafter is None else self.resolve_drafter(req.drafter)
+            k = req.k if req.k is not None else spec_k if spec_k is not None else self.default_k
+            drafter = self.drafters.acquire(spec)
+            backend = self.slots.acquire()
+            drafter.bind_target(backend)  # drafters that read the target's states follow this request's cache
+            seq = Sequence(
+                backend, drafter, req.prompt_ids, req.params, req.max_new_tokens, k,
+                self.tokenizer, self.eos_token_ids, req.stop, req.seed, track_text=req.stream or bool(req.stop),
+            )
+            seq.start()
+        except Exception as e:
+            if backend is not None:
+                self.slots.release(backend)
+            if drafter is not None:
+                self.drafters.release(spec, drafter)
+            self._forget()
+            _emit(req, "error", e)
+            return
+        self._active.append(_Active(req, seq, backend, drafter, spec))
+        _emit(req, "started", None)
+
+    def _complete(self, a: _Active) -> None:
+        final = a.seq.finish()
+        if final and a.req.stream:
+            _emit(a.req, "delta", final)
+        result: GenerationResult = a.seq.result
+        latency = time.perf_counter() - a.req.submitted_at
+        self._latency_ema = 0.8 * self._latency_ema + 0.2 * latency
+        if self.metrics is not None:
+            self.metrics.observe_request(a.req, result, latency)
+        self._release(a)
+        _emit(a.req, "done", result)
+
+    def _fail(self, a: _Active, error: Exception) -> None:
+        if not isinstance(error, SpecdecError | RequestTimeout | ServerShutdown):
+            log.error("request %d failed: %r", a.req.id, error)
+        self._release(a, reuse_drafter=False)
+        _emit(a.req, "error", error)
+
+    def _release(self, a: _Active, reuse_drafter: bool = True) -> None:
+        """Return the request's cache slot (and its drafter) to the pools."""
+        if a not in self._active:
+            return
+        self._active.remove(a)
+        if self.metrics is not None:
+            self.metrics.observe_spec(a.seq.stats)
+        self.slots.release(a.backend)
+        if reuse_drafter:
+            self.drafters.release(a.spec, a.drafter)
+        self._forget()
+
+    def _forget(self) -> None:
+        with self._cond:
+            self._num_active -= 1
+
+
+def _emit(req: GenRequest, kind: str, payload) -> None:
+    try:
+        req.emit(kind, payload)
+    except Exception:  # a closed event loop or a gone client must not stop the worker
+        log.debug("dropping %s event for request %d", kind, req.id)

@@ -1,0 +1,538 @@
+"""The OpenAI-compatible HTTP gateway: FastAPI routes over the continuous-batching scheduler.
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health
+(503 while the model loads), GET /metrics (Prometheus).
+
+The model runs in the scheduler's worker thread; each request gets an asyncio queue that the
+worker fills through `loop.call_soon_threadsafe`. Hardening: 127.0.0.1 by default, an
+optional bearer key compared in constant time (guards /v1 only, like vLLM), OpenAI-shaped
+errors for every malformed input (never FastAPI's 422, never a 500), a body size limit, a
+bounded queue (429 + Retry-After), a per-request timeout, and client disconnects that cancel
+generation and free the request's cache slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .errors import SpecdecError
+from .metrics import ServerMetrics
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseBuilder,
+    error_body,
+    message_text,
+    spec_decode,
+    sse,
+    stop_list,
+    unsupported,
+    usage,
+)
+
+log = logging.getLogger("specdec.server")
+
+
+@dataclass
+class ServeConfig:
+    target: str = "smollm2-135m"
+    drafter: str = "ngram"
+    k: str | int = "auto"
+    backend: str = "hf"
+    backend_options: dict = field(default_factory=dict)  # passed to make_backend (native: precision, ...)
+    served_model_name: str | None = None
+    api_key: str | None = None  # the key itself (read from the environment by the CLI)
+    max_batch: int = 16
+    max_queue: int = 64
+    max_batch_tokens: int = 128
+    spec_off_above: int = 0
+    request_timeout: float = 600.0
+    max_body_bytes: int = 8 * 1024 * 1024
+    allow_drafters: list[str] = field(default_factory=list)  # extra specs clients may ask for
+    log_dir: str | None = None
+    log_max_bytes: int = 256 * 1024 * 1024
+    on_load_error: object = None  # callable(message) run when loading fails
+    on_ready: object = None  # callable() run once the model serves
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.target
+
+
+def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+# ---- pure ASGI middleware (no BaseHTTPMiddleware: it breaks disconnect detection) ------------
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class BodyLimit:
+    """413 for bodies over `max_bytes`, by Content-Length or by counting a chunked body."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            return await _send_json(send, 413, error_body(413, f"the request body exceeds {self.max_bytes} bytes"))
+        received, exceeded, started = 0, False, False
+
+        async def limited_receive():
+            nonlocal received, exceeded
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    exceeded = True
+                    raise _TooLarge
+            return message
+
+        async def guarded_send(message):
+            nonlocal started
+            if exceeded:  # drop whatever the app makes of the interrupted body
+                return
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        with contextlib.suppress(_TooLarge):
+            await self.app(scope, limited_receive, guarded_send)
+        if exceeded and not started:
+            await _send_json(send, 413, error_body(413, f"the request body exceeds {self.max_bytes} bytes"))
+
+
+class ApiKeyAuth:
+    """Bearer key on /v1; sha256 digests compared with hmac.compare_digest (constant time)."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self._digest = hashlib.sha256(api_key.encode()).digest()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1") or scope["method"] == "OPTIONS":
+            return await self.app(scope, receive, send)
+        auth = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = auth.partition(b" ")
+        given = hashlib.sha256(token.strip()).digest()
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(given, self._digest):
+            body = error_body(401, "Incorrect or missing API key (send Authorization: Bearer <key>).")
+            return await _send_json(send, 401, body, {"www-authenticate": "Bearer"})
+        return await self.app(scope, receive, send)
+
+
+async def _send_json(send, status: int, body: dict, headers: dict | None = None) -> None:
+    data = json.dumps(body).encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    raw += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": data})
+
+
+# ---- request plumbing -------------------------------------------------------------------------
+
+
+class _Events:
+    """The worker's events for one request, raced against the client going away."""
+
+    def __init__(self, request: Request):
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self._request = request
+        self._disconnect: asyncio.Task | None = asyncio.ensure_future(self._wait_disconnect())
+
+    async def _wait_disconnect(self) -> None:
+        while (await self._request.receive())["type"] != "http.disconnect":
+            pass
+
+    def emit(self, kind: str, payload) -> None:  # called from the worker thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, payload))
+
+    async def next(self):
+        """The next event, or None if the client disconnected first."""
+        if not self.queue.empty() or self._disconnect is None:
+            return await self.queue.get()
+        get = asyncio.ensure_future(self.queue.get())
+        done, _ = await asyncio.wait({get, self._disconnect}, return_when=asyncio.FIRST_COMPLETED)
+        if get in done:
+            return get.result()
+        get.cancel()
+        return None
+
+    def stop_watching(self) -> None:
+        """Hand disconnect detection over to StreamingResponse, which cancels the stream."""
+        if self._disconnect is not None:
+            self._disconnect.cancel()
+            self._disconnect = None
+
+
+def _error_for(exc: Exception) -> JSONResponse:
+    from .scheduler import QueueFull, RequestTimeout, ServerShutdown
+
+    if isinstance(exc, SpecdecError):
+        return error_response(400, exc.message, exc.param)
+    if isinstance(exc, QueueFull):
+        return error_response(429, str(exc), headers={"Retry-After": str(exc.retry_after)})
+    if isinstance(exc, RequestTimeout):
+        return error_response(504, str(exc))
+    if isinstance(exc, ServerShutdown):
+        return error_response(503, str(exc))
+    return error_response(500, f"internal error ({type(exc).__name__})")
+
+
+class Gateway:
+    """Server state: loading, the scheduler, and the request handlers."""
+
+    def __init__(self, config: ServeConfig):
+        self.config = config
+        self.metrics = ServerMetrics()
+        self.traffic = None
+        if config.log_dir:  # served prompts and completions, for `specdec distill --from-logs`
+            from .traffic_log import TrafficLog
+
+            self.traffic = TrafficLog(config.log_dir, config.log_max_bytes)
+        self.scheduler = None
+        self.tokenizer = None
+        self.max_length: int | None = None
+        self.load_error: str | None = None
+        self.created = int(time.time())
+        self._encode_lock = threading.Lock()
+        self._allowed: set[str] = set()
+
+    # ---- loading -------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Runs in a background thread so the server answers /health (503) meanwhile."""
+        try:
+            delay = float(os.environ.get("SPECDEC_SERVE_LOAD_DELAY", "0") or 0)  # for tests
+            if delay > 0:
+                time.sleep(delay)
+            from .models import load_model
+            from .scheduler import LoadPolicy, Scheduler
+
+            cfg = self.config
+            target = load_model(cfg.target)
+            scheduler = Scheduler(
+                target, cfg.backend, cfg.drafter, cfg.k, cfg.max_batch, cfg.max_queue,
+                LoadPolicy(cfg.max_batch_tokens, cfg.spec_off_above), self.metrics, cfg.backend_options,
+            )
+            self._allowed = {Scheduler.resolve_drafter(s)[0] for s in [cfg.drafter, "none", *cfg.allow_drafters]}
+            self.metrics.bind_scheduler(scheduler)
+            self.tokenizer, self.max_length = target.tokenizer, scheduler.max_length
+            self.vocab_size = int(target.model.get_input_embeddings().num_embeddings)
+            scheduler.start()
+            self.scheduler = scheduler  # last: from here on the server is ready
+            if callable(cfg.on_ready):
+                cfg.on_ready()
+        except Exception as e:
+            self.load_error = e.message if isinstance(e, SpecdecError) else f"{type(e).__name__}: {e}"
+            log.error("loading failed: %s", self.load_error)
+            if callable(self.config.on_load_error):
+                self.config.on_load_error(self.load_error)
+
+    @property
+    def ready(self) -> bool:
+        s = self.scheduler
+        return s is not None and s._thread is not None and s._thread.is_alive()
+
+    def not_ready(self) -> JSONResponse:
+        message = f"model failed to load: {self.load_error}" if self.load_error else "Loading model"
+        return error_response(503, message, headers={"Retry-After": "1"})
+
+    # ---- validation ----------------------------------------------------------------------
+
+    def check_drafter(self, text: str) -> str | None:
+        """Clients may pick `none`, a bare registered drafter name, or a spec the server
+        configured; specs with paths or options only come from the server's own flags."""
+        from .drafters import DrafterSpec, available
+        from .scheduler import Scheduler
+
+        try:
+            spec_text, spec_k = Scheduler.resolve_drafter(text)
+            name = DrafterSpec.parse(spec_text).name
+            if spec_k is not None:
+                self._check_k(spec_k)
+        except SpecdecError as e:
+            return e.message
+        if spec_text in self._allowed or (spec_text == name and name in available()):
+            return None
+        if name not in available():
+            return f"unknown drafter {name!r}; choose one of: {', '.join(available())}"
+        return f"drafter {spec_text!r} is not enabled on this server (see specdec serve --allow-drafter)"
+
+    @staticmethod
+    def _check_k(k) -> None:
+        from .controller import make_controller
+        from .protocol import MAX_K
+
+        make_controller(k)
+        if k != "auto" and int(k) > MAX_K:
+            raise SpecdecError(f"k must be 'auto' or an integer in [0, {MAX_K}], got {k}", "k")
+
+    def encode(self, body, chat: bool) -> list[int]:
+        tok = self.tokenizer
+        with self._encode_lock:
+            if chat:
+                messages = []
+                for i, m in enumerate(body.messages):
+                    try:
+                        messages.append({"role": m.role, "content": message_text(m.content)})
+                    except ValueError as e:
+                        raise SpecdecError(str(e), f"messages[{i}].content") from None
+                try:
+                    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                except Exception as e:  # templates raise on role orders they do not support
+                    raise SpecdecError(f"the chat template rejected the messages: {str(e)[:200]}", "messages") from None
+                return tok.encode(text, add_special_tokens=False)
+            prompt = body.prompt
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+                prompt = prompt[0]  # a batch of one
+            if isinstance(prompt, str):
+                return tok.encode(prompt, add_special_tokens=True) if prompt else []
+            if prompt and all(isinstance(t, int) for t in prompt):
+                if not all(0 <= t < self.vocab_size for t in prompt):
+                    raise SpecdecError(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+                return list(prompt)
+            if not prompt:
+                return []
+            raise SpecdecError("only one prompt per request is supported", "prompt")
+
+    def build_request(self, body, chat: bool, emit):
+        """Validate everything that needs the tokenizer; return a GenRequest or raise SpecdecError."""
+        from .sampling import SamplingParams
+        from .scheduler import GenRequest
+
+        prompt_param = "messages" if chat else "prompt"
+        prompt_ids = self.encode(body, chat)
+        if not prompt_ids:
+            raise SpecdecError("the prompt is empty", prompt_param)
+        n_prompt, context = len(prompt_ids), self.max_length
+        if n_prompt >= context:
+            raise SpecdecError(
+                f"This model's maximum context length is {context} tokens. However, your "
+                f"{prompt_param} resulted in {n_prompt} tokens, leaving no room for a completion.",
+                prompt_param,
+            )
+        max_param = "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
+        max_tokens = body.max_completion_tokens if max_param == "max_completion_tokens" else body.max_tokens
+        if max_tokens is None:
+            max_tokens = context - n_prompt if chat else min(16, context - n_prompt)
+        elif n_prompt + max_tokens > context:
+            raise SpecdecError(
+                f"This model's maximum context length is {context} tokens. However, you requested "
+                f"{n_prompt + max_tokens} tokens ({n_prompt} in the {prompt_param}, {max_tokens} in the "
+                f"completion). Please reduce the length of the {prompt_param} or completion.",
+                max_param,
+            )
+        try:
+            stop = stop_list(body.stop)
+        except ValueError as e:
+            raise SpecdecError(str(e), "stop") from None
+        top_k = body.top_k if body.top_k and body.top_k > 0 else 0
+        params = SamplingParams(
+            1.0 if body.temperature is None else float(body.temperature), top_k,
+            1.0 if body.top_p is None else float(body.top_p),
+        )
+        params.validate()
+        if body.k is not None:
+            self._check_k(body.k)
+        if body.drafter is not None and (problem := self.check_drafter(body.drafter)):
+            raise SpecdecError(problem, "drafter")
+        return GenRequest(
+            prompt_ids, params, max_tokens, emit, stop=stop, seed=body.seed, drafter=body.drafter,
+            k=body.k, stream=bool(body.stream), timeout_s=self.config.request_timeout,
+        )
+
+    # ---- handlers ------------------------------------------------------------------------
+
+    async def complete(self, body, request: Request, chat: bool) -> Response:
+        problem = unsupported(body)
+        if problem:
+            return error_response(400, problem[1], problem[0])
+        if body.model is not None and body.model != self.config.model_name:
+            return error_response(400, f"The model `{body.model[:200]}` does not exist.", "model")
+        if not self.ready:
+            return self.not_ready()
+        events = _Events(request)
+        try:
+            req = self.build_request(body, chat, events.emit)
+            self.scheduler.submit(req)
+        except Exception as e:
+            events.stop_watching()
+            if not isinstance(e, SpecdecError):
+                self.metrics.rejected.labels(reason=type(e).__name__).inc()
+            return _error_for(e)
+        builder = ResponseBuilder(chat, self.config.model_name)
+        streaming = False
+        try:
+            first = await events.next()
+            if first is None:  # the client left while queued
+                req.cancel()
+                return Response(status_code=499)
+            if first[0] == "error":
+                return _error_for(first[1])
+            if body.stream:
+                events.stop_watching()
+                streaming = True
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                return StreamingResponse(
+                    self._stream(req, events, builder, body, chat, include_usage),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                )
+            while (event := await events.next()) is not None:
+                kind, payload = event
+                if kind == "error":
+                    return _error_for(payload)
+                if kind == "done":
+                    self._record(body, chat, payload)
+                    use = usage(len(payload.prompt_ids), len(payload.token_ids))
+                    spec = spec_decode(payload.stats, req.drafter or self.scheduler.default_drafter)
+                    return JSONResponse(builder.full(payload.text, payload.finish_reason, use, spec))
+            req.cancel()  # the client disconnected: stop generating, free the cache slot
+            return Response(status_code=499)
+        finally:
+            events.stop_watching()
+            if not streaming:
+                req.cancel()  # the client left or the handler failed; a no-op once finished
+
+    async def _stream(self, req, events: _Events, builder: ResponseBuilder, body, chat: bool, include_usage: bool):
+        try:
+            if chat:  # the first delta carries the role
+                yield sse(builder.chunk("", role=True))
+            while True:
+                kind, payload = await events.queue.get()
+                if kind == "delta":
+                    yield sse(builder.chunk(payload))
+                elif kind == "done":
+                    self._record(body, chat, payload)
+                    final = builder.chunk(None, payload.finish_reason) if chat else builder.chunk("", payload.finish_reason)
+                    final["spec_decode"] = spec_decode(payload.stats, req.drafter or self.scheduler.default_drafter)
+                    yield sse(final)
+                    if include_usage:
+                        yield sse(builder.usage_chunk(usage(len(payload.prompt_ids), len(payload.token_ids))))
+                    break
+                elif kind == "error":  # headers are sent: an error event the OpenAI SDKs raise on
+                    yield sse(json.loads(_error_for(payload).body))
+                    break
+            yield sse("[DONE]")
+        finally:
+            req.cancel()  # a disconnect cancels this generator; the worker frees the slot
+
+    def _record(self, body, chat: bool, result) -> None:
+        if self.traffic is None:
+            return
+        if chat:
+            prompt = [{"role": m.role, "content": message_text(m.content)} for m in body.messages]
+        else:
+            prompt = body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(result.prompt_ids)
+        drafter = body.drafter or self.scheduler.default_drafter
+        meta = {
+            "target": self.config.target, "chat": chat, "finish_reason": result.finish_reason,
+            "temperature": 1.0 if body.temperature is None else body.temperature, "drafter": drafter,
+            "prompt_tokens": len(result.prompt_ids), "completion_tokens": len(result.token_ids),
+            "spec_decode": spec_decode(result.stats, drafter),
+        }
+        try:
+            self.traffic.record(prompt, result.text, meta)
+        except OSError as e:  # a full disk must not fail the request
+            log.warning("traffic log write failed: %s", e)
+
+
+def _validation_error(exc: RequestValidationError) -> JSONResponse:
+    """pydantic errors -> one OpenAI-shaped 400 naming the first bad field, input not echoed."""
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    loc = [p for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return error_response(400, f"the request body is not valid JSON: {str(detail)[:200]}")
+    # Drop pydantic's union-branch names ("str", "list[int]") from the location.
+    parts = [p for p in loc if not (isinstance(p, str) and (p[:1].islower() and ("[" in p or p in _TYPES)))]
+    param = ""
+    for p in parts:
+        param += f"[{p}]" if isinstance(p, int) else (f".{p}" if param else str(p))
+    if not param:
+        return error_response(400, f"the request body must be a JSON object: {first.get('msg', '')}")
+    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    return error_response(400, f"{param}: {first.get('msg', 'invalid value')}{more}", param)
+
+
+_TYPES = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "literal"}
+
+
+def create_app(config: ServeConfig, load_in_background: bool = True) -> FastAPI:
+    gateway = Gateway(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if load_in_background:
+            threading.Thread(target=gateway.load, name="specdec-load", daemon=True).start()
+        else:
+            gateway.load()
+        yield
+        if gateway.scheduler is not None:
+            await asyncio.to_thread(gateway.scheduler.stop)
+
+    app = FastAPI(title="specdec", version="0.1.0", lifespan=lifespan)
+    app.state.gateway = gateway
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation(request: Request, exc: RequestValidationError):
+        return _validation_error(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http(request: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail)[:200], headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _on_error(request: Request, exc: Exception):
+        log.exception("unhandled error")
+        return error_response(500, f"internal error ({type(exc).__name__})")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await gateway.complete(body, request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await gateway.complete(body, request, chat=False)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": config.model_name, "object": "model", "created": gateway.created, "owned_by": "specdec",
+                "max_model_len": gateway.max_length}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"} if gateway.ready else gateway.not_ready()
+
+    @app.get("/metrics")
+    async def metrics():
+        data, content_type = gateway.metrics.render()
+        return Response(data, media_type=content_type)
+
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    if config.api_key:
+        app.add_middleware(ApiKeyAuth, api_key=config.api_key)
+    return app

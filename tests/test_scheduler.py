@@ -1,0 +1,232 @@
+"""Continuous batching: batched outputs equal Engine's, requests join and leave between
+steps, cancelled requests free their cache slot, the queue is bounded, k shrinks under load."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import specdec.scheduler as scheduler_mod
+from conftest import tiny_llama
+from specdec.backend import HFBackend
+from specdec.engine import Engine
+from specdec.errors import SpecdecError
+from specdec.sampling import SamplingParams
+from specdec.scheduler import GenRequest, LoadPolicy, QueueFull, RequestTimeout, Scheduler
+
+PROMPTS = [
+    "def add(a, b):\n    return a + b\ndef add(a, b):\n    return",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The",
+    '{"name": "search", "arguments": {"query": "weather in Paris"}} {"name": "search", "arguments":',
+    "| name | value |\n|------|-------|\n| a | 1 |\n| b | 2 |\n| c |",
+    "Speculative decoding drafts tokens and verifies them. Speculative decoding drafts",
+    "The lazy dog",
+]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(0)
+
+
+class Recorder:
+    """Collects a request's events; `step_of` notes the scheduler step each event arrived at."""
+
+    def __init__(self, scheduler: Scheduler | None = None):
+        self.events: list[tuple[str, object]] = []
+        self.scheduler = scheduler
+        self.step_of: dict[str, int] = {}
+        self.done = threading.Event()
+
+    def __call__(self, kind: str, payload) -> None:
+        self.events.append((kind, payload))
+        if self.scheduler is not None:
+            self.step_of.setdefault(kind, self.scheduler.num_steps)
+        if kind in ("done", "error"):
+            self.done.set()
+
+    @property
+    def result(self):
+        return next(p for k, p in self.events if k == "done")
+
+    @property
+    def error(self):
+        return next((p for k, p in self.events if k == "error"), None)
+
+
+def make_request(target, prompt: str, emit, max_new: int = 24, **kw) -> GenRequest:
+    ids = target.tokenizer.encode(prompt)
+    params = kw.pop("params", SamplingParams())
+    return GenRequest(ids, params, max_new, emit, **kw)
+
+
+def run_until_idle(sched: Scheduler, limit: int = 2000) -> None:
+    for _ in range(limit):
+        if not sched.step() and not sched.queue_depth:
+            return
+    raise AssertionError("the scheduler did not drain")
+
+
+def test_batched_greedy_equals_engine_with_continuous_batching(target):
+    """Six requests with different drafters and k through a batch of 4: every output equals
+    the target's plain greedy output, speculation actually happened, and the two requests
+    that waited joined while the first ones were still decoding."""
+    plain = Engine(target, drafter="none", k=0)
+    expected = [plain.generate(target.tokenizer.encode(p), max_new_tokens=24).token_ids for p in PROMPTS]
+    sched = Scheduler(target, "hf", "ngram:min=1", "auto", max_batch=4, max_queue=8)
+    settings = [{}, {"k": 3}, {"drafter": "none"}, {"drafter": "ngram:k=5"}, {"k": 1}, {"drafter": "ngram"}]
+    recorders = [Recorder(sched) for _ in PROMPTS]
+    for prompt, rec, extra in zip(PROMPTS, recorders, settings, strict=True):
+        sched.submit(make_request(target, prompt, rec, **extra))
+    assert sched.queue_depth == 6
+    run_until_idle(sched)
+    for rec, want in zip(recorders, expected, strict=True):
+        assert rec.error is None
+        assert rec.result.token_ids == want
+    stats = [rec.result.stats for rec in recorders]
+    assert sum(s.num_draft_tokens for s in stats) > 0 and sum(s.num_accepted_tokens for s in stats) > 0
+    assert stats[2].num_draft_tokens == 0  # drafter "none" never drafts
+    assert sched.max_batch_seen == 4
+    late = [rec.step_of["started"] for rec in recorders[4:]]
+    last_done = max(rec.step_of["done"] for rec in recorders[:4])
+    assert all(0 < s < last_done for s in late)  # joined between steps, before the batch drained
+    assert sched.slots.in_use == 0 and sched.num_active == 0
+
+
+def test_seeded_sampling_in_a_batch_equals_engine(target):
+    """Each request has its own generator: a seeded sample does not depend on its batch mates."""
+    params = SamplingParams(temperature=0.9, top_k=50)
+    ids = target.tokenizer.encode(PROMPTS[0])
+    want = Engine(target, drafter="ngram:min=1", k=3).generate(ids, max_new_tokens=30, temperature=0.9, top_k=50, seed=11)
+    sched = Scheduler(target, "hf", "ngram:min=1", 3, max_batch=4)
+    recs = [Recorder() for _ in range(3)]
+    sched.submit(make_request(target, PROMPTS[0], recs[0], 30, params=params, seed=11))
+    sched.submit(make_request(target, PROMPTS[1], recs[1], 30, params=params, seed=5))
+    sched.submit(make_request(target, PROMPTS[2], recs[2], 30))
+    run_until_idle(sched)
+    assert recs[0].result.token_ids == want.token_ids
+    assert recs[0].result.stats.num_draft_tokens == want.stats.num_draft_tokens
+
+
+class FakePool:
+    """The batched-pool interface of a native backend, over HF backends; records each call."""
+
+    def __init__(self, target):
+        self.target = target
+        self.batch_sizes: list[int] = []
+        self.released = 0
+
+    def new_sequence(self):
+        seq = HFBackend(self.target.model)
+        seq.pool = self
+        return seq
+
+    def forward_batch(self, sequences, token_lists):
+        self.batch_sizes.append(len(sequences))
+        return [s.forward(t) for s, t in zip(sequences, token_lists, strict=True)]
+
+    def release(self, seq) -> None:
+        self.released += 1
+
+
+def test_pooled_backend_gets_one_forward_per_step_and_slots_back(target, monkeypatch):
+    pool = FakePool(target)
+    monkeypatch.setattr(scheduler_mod, "make_backend", lambda kind, t, **o: pool.new_sequence())
+    sched = Scheduler(target, "fake", "ngram:min=1", "auto", max_batch=3)
+    assert sched.batched
+    plain = Engine(target, drafter="none", k=0)
+    recs = [Recorder() for _ in range(3)]
+    for prompt, rec in zip(PROMPTS[:3], recs, strict=True):
+        sched.submit(make_request(target, prompt, rec, 20))
+    run_until_idle(sched)
+    for prompt, rec in zip(PROMPTS[:3], recs, strict=True):
+        assert rec.result.token_ids == plain.generate(target.tokenizer.encode(prompt), max_new_tokens=20).token_ids
+    assert max(pool.batch_sizes) == 3  # all three verified in one forward
+    assert len(pool.batch_sizes) == sched.num_steps
+    assert pool.released == 3
+
+
+def test_cancel_frees_the_slot_and_others_continue(target):
+    sched = Scheduler(target, "hf", "ngram", "auto", max_batch=4)
+    gone, stay = Recorder(), Recorder()
+    req = make_request(target, PROMPTS[1], gone, 200)
+    sched.submit(req)
+    sched.submit(make_request(target, PROMPTS[0], stay, 20))
+    for _ in range(3):
+        sched.step()
+    assert sched.slots.in_use == 2
+    req.cancel()
+    sched.step()
+    assert sched.slots.in_use == 1 and sched.num_active == 1
+    run_until_idle(sched)
+    assert not any(k == "done" for k, _ in gone.events)
+    assert stay.result.finish_reason == "length" and len(stay.result.token_ids) == 20
+    assert sched.slots.in_use == 0 and sched.num_active == 0
+    # A request cancelled while it waits is never started.
+    queued = Recorder()
+    req = make_request(target, PROMPTS[2], queued, 20)
+    sched.submit(req)
+    req.cancel()
+    run_until_idle(sched)
+    assert queued.events == []
+
+
+def test_bounded_queue_timeouts_and_bad_requests(target):
+    sched = Scheduler(target, "hf", "ngram", "auto", max_batch=1, max_queue=1)
+    sched.submit(make_request(target, PROMPTS[0], Recorder(), 10))
+    sched.submit(make_request(target, PROMPTS[1], Recorder(), 10))
+    with pytest.raises(QueueFull) as info:
+        sched.submit(make_request(target, PROMPTS[2], Recorder(), 10))
+    assert info.value.retry_after >= 1
+    run_until_idle(sched)
+
+    sched = Scheduler(target, "hf", "ngram", "auto", max_batch=2, max_queue=4)
+    late = Recorder()
+    sched.submit(make_request(target, PROMPTS[0], late, 10, timeout_s=0.0))
+    bad, good = Recorder(), Recorder()
+    sched.submit(make_request(target, PROMPTS[0], bad, 10, drafter="no-such-drafter"))
+    sched.submit(make_request(target, PROMPTS[0], good, 10))
+    run_until_idle(sched)
+    assert isinstance(late.error, RequestTimeout)
+    assert isinstance(bad.error, SpecdecError) and bad.error.param == "drafter"
+    assert good.error is None and len(good.result.token_ids) == 10
+    assert sched.slots.in_use == 0 and sched.num_active == 0
+
+
+def test_load_policy_shrinks_k_and_turns_speculation_off():
+    policy = LoadPolicy(max_batch_tokens=32, spec_off_above=0)
+    assert [policy.k_cap(n) for n in (1, 4, 8, 16, 32)] == [31, 7, 3, 1, 0]
+    assert LoadPolicy(max_batch_tokens=0, spec_off_above=2).k_cap(3) == 0
+    assert LoadPolicy(max_batch_tokens=0).k_cap(100) is None
+
+
+def test_speculation_off_under_load_but_on_when_alone(target):
+    ids = target.tokenizer.encode(PROMPTS[1])
+    busy = Scheduler(target, "hf", "ngram:min=1", 4, max_batch=4, policy=LoadPolicy(max_batch_tokens=4))
+    recs = [Recorder() for _ in range(4)]
+    for rec in recs:
+        busy.submit(GenRequest(list(ids), SamplingParams(), 20, rec))
+    run_until_idle(busy)
+    assert all(rec.result.stats.num_draft_tokens == 0 for rec in recs)  # cap 4 // 4 - 1 = 0
+    alone = Recorder()
+    busy.submit(GenRequest(list(ids), SamplingParams(), 20, alone))
+    run_until_idle(busy)
+    assert alone.result.stats.num_draft_tokens > 0
+    assert alone.result.token_ids == recs[0].result.token_ids
+
+
+def test_worker_thread_serves_and_stops(target):
+    sched = Scheduler(target, "hf", "ngram", "auto", max_batch=2)
+    sched.start()
+    try:
+        recs = [Recorder() for _ in range(3)]
+        for prompt, rec in zip(PROMPTS, recs, strict=False):
+            sched.submit(make_request(target, prompt, rec, 12, stream=True))
+        for rec in recs:
+            assert rec.done.wait(60)
+            deltas = "".join(p for k, p in rec.events if k == "delta")
+            assert deltas == rec.result.text and rec.events[0][0] == "started"
+    finally:
+        sched.stop()
+    assert not sched._thread.is_alive()
