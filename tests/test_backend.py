@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_llama
 
+from conftest import tiny_llama
 from specdec.backend import HFBackend, make_backend
 from specdec.errors import SpecdecError
 

@@ -7,12 +7,12 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from conftest import save_loaded, tiny_llama
 
+from conftest import save_loaded, tiny_llama
 from specdec import bench
 from specdec.bench import BenchRun, Question, TurnRecord, load_questions, parse_methods, run_benchmark
 from specdec.bench_cli import finish
-from specdec.bench_peers import make_peers, parse_peers
+from specdec.bench_peers import llamacpp_available, make_peers, parse_peers
 from specdec.bench_report import markdown, write_report
 from specdec.cli import main
 from specdec.errors import SpecdecError
@@ -156,10 +156,13 @@ def test_lossy_engine_is_reported_as_a_mismatch(target, draft, monkeypatch, tmp_
 
 
 def test_sampling_skips_exact_match(target):
-    run = _run(target, ["none", "ngram"], temperature=0.8)
+    runners = bench.make_engine_runners(target, ["none", "ngram"]) + make_peers(["hf"], target, target.name, [], {})
+    run = run_benchmark(target, QUESTIONS, runners, max_new_tokens=12, temperature=0.8, progress=False)
     assert run.mismatches == [] and not run.greedy
     results = bench.summarize(run)
     assert results["methods"]["ngram"]["exact_match"] == "n/a (sampling)"
+    assert results["peers"]["hf"]["exact_match"] == "n/a (sampling)"
+    assert all(t.new_tokens > 0 for turns in run.records["hf"].values() for t in turns)
 
 
 class _Recorder(bench.Runner):
@@ -272,10 +275,14 @@ def test_cli_end_to_end_on_the_embedded_model(tmp_path, capsys):
     out = tmp_path / "bench"
     main([
         "bench", "--categories", "tool_calls,agent_sessions", "--limit", "1", "--max-new-tokens", "12",
-        "--methods", "none,ngram", "--peers", "hf", "--out", str(out), "--no-plots",
+        "--methods", "none,ngram", "--peers", "hf,llamacpp", "--out", str(out), "--no-plots",
     ])
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary["mismatches"] == 0
-    turns = json.loads((out / "results.json").read_text())["settings"]["turns"]
+    results = json.loads((out / "results.json").read_text())
+    turns = results["settings"]["turns"]
     assert summary["methods"]["ngram"]["exact_match"] == f"{turns}/{turns}"
     assert summary["peers"]["hf"]["exact_match"] == f"{turns}/{turns}"
+    if llamacpp_available():  # the optional extra runs the GGUF itself; its tokens may differ
+        assert results["peers"]["llamacpp"]["tokens_per_second"] > 0
+    else:
+        assert "llamacpp" not in results["peers"] and "not installed" in results["notes"][0]

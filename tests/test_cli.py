@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import save_loaded, tiny_llama
 
+from conftest import save_loaded, tiny_llama
 from specdec.cli import main
 
 

@@ -6,10 +6,10 @@ import json
 
 import pytest
 import torch
-from conftest import CORPUS, save_loaded, tiny_llama
 
+from conftest import CORPUS, save_loaded, tiny_llama
 from specdec.cli import main
-from specdec.distill import draft_layer_ids, init_draft, topk_kl
+from specdec.distill import draft_layer_ids, init_draft, new_eagle_head, topk_kl
 from specdec.distill_data import load_sources, split_heldout
 from specdec.engine import Engine
 from specdec.errors import SpecdecError
@@ -92,6 +92,15 @@ def test_init_draft_with_every_layer_is_the_target():
     assert len(init_draft(target, 2).model.layers) == 2
     with pytest.raises(SpecdecError, match="--layers"):
         init_draft(target, 5)
+
+
+def test_new_eagle_head_starts_by_repeating_the_feature():
+    target = tiny_llama(seed=1, layers=2, hidden=64).model
+    head = new_eagle_head(target)
+    feats, embeds = torch.randn(1, 5, 64), torch.randn(1, 5, 64)
+    out = head(feats, embeds, None)
+    # Zeroed output projections: the prediction is fc's pass-through plus a little embedding.
+    assert torch.allclose(out, feats + embeds @ head.fc.weight[:, :64].T, atol=1e-5)
 
 
 def test_topk_kl():

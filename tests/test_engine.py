@@ -6,8 +6,8 @@ import copy
 
 import pytest
 import torch
-from conftest import save_loaded, tiny_llama, tiny_tokenizer
 
+from conftest import save_loaded, tiny_llama, tiny_tokenizer
 from specdec import Engine, SpecdecError
 from specdec.backend import HFBackend
 from specdec.drafters.draft_model import ModelDrafter

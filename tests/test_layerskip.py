@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-from conftest import save_loaded, tiny_llama
 
+from conftest import save_loaded, tiny_llama
 from specdec.backend import HFBackend
 from specdec.drafters import make_drafter
 from specdec.drafters.eagle import EagleDrafter, EagleHead, head_config_from_target
@@ -117,16 +117,16 @@ def test_search_cli_writes_a_loadable_choice(target, tmp_path):
 def test_untrained_eagle_head_is_lossless(target):
     torch.manual_seed(0)
     head = EagleHead(head_config_from_target(target.model)).eval()
-    plain = _plain(target)
+    plain = _plain(target, 24)
     for vocab_ids in (None, torch.arange(50)):
         drafter = EagleDrafter(target.model, head, vocab_ids, target.eos_token_ids)
         engine = Engine(target, drafter, k=4)
         assert engine.backend.keep_hidden  # the engine handed its backend to the drafter
-        out = engine.generate(PROMPT, max_new_tokens=40, chat=False)
+        out = engine.generate(PROMPT, max_new_tokens=24, chat=False)
         assert out.token_ids == plain.token_ids
         assert out.stats.num_draft_tokens > 0
-        sampled = engine.generate(PROMPT, max_new_tokens=16, chat=False, temperature=0.8, seed=1)
-        assert len(sampled.token_ids) == 16
+        sampled = engine.generate(PROMPT, max_new_tokens=12, chat=False, temperature=0.8, seed=1)
+        assert len(sampled.token_ids) == 12
 
 
 def test_eagle_needs_a_trained_directory(target, tmp_path):

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from conftest import tiny_llama
 from specdec import Engine, SpecdecError
 from specdec.backend import HFBackend, forward_batch, make_backend
-from specdec.drafters.draft_model import ModelDrafter
 from specdec.native import NativeConfig, NativeModel
 from specdec.quant import Int4Linear, make_linear
 from specdec.tree import tree_path
@@ -47,13 +46,39 @@ def fresh_logits(model: NativeModel, prefix: list[int], tokens: list[int]) -> to
 @pytest.mark.parametrize(("prefix", "chunks"), [(1, []), (9, [1, 1, 1]), (6, [4, 1, 7]), (12, [2, 9])])
 def test_logits_match_transformers(target, prefix, chunks):
     tokens = random_tokens(prefix + sum(chunks), seed=prefix)
-    hf, native = HFBackend(target.model), make_backend("native", target)
+    hf, native = HFBackend(target.model), make_backend("native", target, precision="fp32")
     torch.testing.assert_close(native.prefill(tokens[:prefix]), hf.prefill(tokens[:prefix]), **TOL)
     at = prefix
     for size in chunks:
         torch.testing.assert_close(native.forward(tokens[at : at + size]), hf.forward(tokens[at : at + size]), **TOL)
         at += size
     assert native.length == hf.length == at
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "mistral"])
+def test_other_llama_family_models_match_transformers(kind):
+    """Qwen2 adds q/k/v biases; Mistral a sliding window, which caps the context (exactly)."""
+    import transformers
+
+    common = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}  # fmt: skip
+    if kind == "qwen2":
+        config, cls = transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
+    else:
+        config, cls = transformers.MistralConfig(**common, sliding_window=128), transformers.MistralForCausalLM
+    torch.manual_seed(0)
+    hf_model = cls(config).eval()
+    if kind == "qwen2":
+        with torch.no_grad():
+            for layer in hf_model.model.layers:  # random biases, so a dropped one would show
+                layer.self_attn.q_proj.bias.normal_()
+                layer.self_attn.k_proj.bias.normal_()
+    native = NativeModel.from_hf(hf_model).new_pool().new_sequence()
+    assert native.max_length == (128 if kind == "mistral" else 256)
+    tokens = random_tokens(12, seed=8)
+    hf = HFBackend(hf_model)
+    torch.testing.assert_close(native.prefill(tokens[:9]), hf.prefill(tokens[:9]), **TOL)
+    torch.testing.assert_close(native.forward(tokens[9:]), hf.forward(tokens[9:]), **TOL)
 
 
 @pytest.mark.parametrize(("prefix", "junk", "keep"), [(7, 5, 3), (12, 1, 0), (1, 8, 8), (5, 4, 4)])
@@ -73,7 +98,7 @@ def test_forward_after_rollback_equals_fresh_forward(model, prefix, junk, keep):
     not torch.cuda.is_available(), reason="needs a GPU"))])  # fmt: skip
 def test_explicit_device_matches_transformers(target, device):
     tokens = random_tokens(10, seed=3)
-    native = make_backend("native", target, device=device)
+    native = make_backend("native", target, device=device, precision="fp32")
     expected = HFBackend(target.model).prefill(tokens)
     torch.testing.assert_close(native.prefill(tokens), expected, **TOL)  # logits come back on the cpu
 
@@ -98,6 +123,26 @@ def test_batched_forward_matches_one_by_one(model):
     seqs[1].rollback(5)  # slots roll back independently
     torch.testing.assert_close(seqs[1].forward([9]), fresh_logits(model, prefixes[1][:5], [9]), **TOL)
     torch.testing.assert_close(seqs[0].forward([9]), fresh_logits(model, prefixes[0] + steps[0], [9]), **TOL)
+
+
+def test_bf16_kv_cache_tracks_fp32(model):
+    tokens = random_tokens(14, seed=6)
+    seq = model.new_pool(kv_dtype=torch.bfloat16).new_sequence()
+    seq.prefill(tokens[:10])
+    expected = fresh_logits(model, tokens[:10], tokens[10:])
+    torch.testing.assert_close(seq.forward(tokens[10:]), expected, rtol=0.05, atol=0.05)
+
+
+def test_last_only_logits(model):
+    pool = model.new_pool(slots=3)
+    seqs = [pool.new_sequence() for _ in range(3)]
+    prompts = [random_tokens(5, seed=1), [], random_tokens(9, seed=2)]
+    out = pool.forward_batch(seqs, prompts, last_only=True)
+    assert [o.shape[0] for o in out] == [1, 0, 1]
+    torch.testing.assert_close(out[2][0], fresh_logits(model, [], prompts[2])[-1], **TOL)
+    last = seqs[0].prefill(prompts[2], all_logits=False)
+    torch.testing.assert_close(last, out[2], **TOL)
+    assert seqs[0].length == 9
 
 
 def test_slots_are_released_and_reused(model):
@@ -186,8 +231,10 @@ def hf_greedy(target, prompt: str) -> list[int]:
 @pytest.mark.parametrize("drafter", ["none", "ngram:min=1", "perfect"])
 def test_engine_greedy_native_equals_transformers(target, drafter):
     prompts = ["def add(a, b):", "The quick brown fox", '{"name": "search"']
-    spec = ModelDrafter(make_backend("native", target), target.eos_token_ids) if drafter == "perfect" else drafter
-    native = Engine(target=target, drafter=spec, k=4, backend="native")
+    fp32 = {"precision": "fp32"}
+    if drafter == "perfect":  # the target drafts for itself on a native backend of its own device
+        drafter = f"model:{target.name}:backend=native:device=cpu:precision=fp32"
+    native = Engine(target=target, drafter=drafter, k=4, backend="native", backend_options=fp32)
     drafted = accepted = 0
     for prompt in prompts:
         result = native.generate(prompt, max_new_tokens=32, chat=False)
@@ -200,6 +247,33 @@ def test_engine_greedy_native_equals_transformers(target, drafter):
         assert accepted > 0, "nothing was accepted: the test would pass vacuously"
     if drafter == "perfect":
         assert accepted == drafted
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4", "bf16"])
+def test_quantized_scoring_is_batch_invariant(target, precision):
+    """The int8/int4/bf16 kernels compute each row on its own and short chains attend query by
+    query, so scoring k tokens, alone or batched with other sequences, gives the very bits of
+    k one-token steps (fp32 GEMM does not: it differs from GEMV by ~1e-6), and speculation
+    over a quantized target reproduces its plain greedy output exactly."""
+    options = {"precision": precision}
+    tokens = random_tokens(28, seed=21)
+    chain, steps = make_backend("native", target, **options), make_backend("native", target, **options)
+    chain.prefill(tokens[:20])
+    steps.prefill(tokens[:20])
+    one_by_one = torch.cat([steps.forward([t]) for t in tokens[20:]])
+    assert torch.equal(chain.forward(tokens[20:]), one_by_one)
+    pool = chain.pool.model.new_pool(slots=2)
+    a, b = pool.new_sequence(), pool.new_sequence()
+    pool.forward_batch([a, b], [tokens[:20], tokens[3:9]])
+    assert torch.equal(pool.forward_batch([a, b], [tokens[20:], tokens[9:10]])[0], one_by_one)
+    plain = Engine(target=target, drafter="none", backend="native", backend_options=options)
+    spec = Engine(target=target, drafter="ngram:min=1", k=4, backend="native", backend_options=options)
+    accepted = 0
+    for prompt in ["def add(a, b):", "The quick brown fox"]:
+        result = spec.generate(prompt, max_new_tokens=32, chat=False)
+        assert result.token_ids == plain.generate(prompt, max_new_tokens=32, chat=False).token_ids
+        accepted += result.stats.num_accepted_tokens
+    assert accepted > 0
 
 
 # ---- quantization ----------------------------------------------------------------------------
@@ -235,7 +309,7 @@ def test_int4_from_gguf_blocks_matches_dequantize(kind):
 @pytest.mark.parametrize(("precision", "bound"), [("bf16", 0.02), ("int8", 0.05), ("int4", 0.3)])
 def test_quantized_backends_track_fp32(target, precision, bound):
     tokens = random_tokens(24, seed=9)
-    full = make_backend("native", target).prefill(tokens)
+    full = make_backend("native", target, precision="fp32").prefill(tokens)
     quantized = make_backend("native", target, precision=precision).prefill(tokens)
     assert (quantized - full).norm() / full.norm() < bound
 
@@ -343,7 +417,7 @@ def test_context_overflow_is_refused(model):
 
 @pytest.mark.slow
 def test_real_model_native_greedy_equals_transformers(smollm2):
-    native = Engine(target=smollm2, drafter="ngram", k=4, backend="native")
+    native = Engine(target=smollm2, drafter="ngram", k=4, backend="native", backend_options={"precision": "fp32"})
     hf = Engine(target=smollm2, drafter="none", backend="hf")
     accepted = 0
     for prompt in ["List three uses of a hash map.", "Write a Python function that reverses a string."]:

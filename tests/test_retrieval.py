@@ -10,7 +10,6 @@ import pytest
 
 from conftest import save_loaded, tiny_llama
 from specdec import Engine, SpecdecError
-from specdec.backend import HFBackend
 from specdec.cli import main
 from specdec.datastore import Datastore, build, read_corpus, tokenizer_fingerprint
 from specdec.drafters import make_drafter
@@ -146,23 +145,22 @@ def test_read_corpus_walks_directories(tmp_path):
 MAX_NEW = 40
 
 
-@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
-def test_greedy_equals_plain(tmp_path, tree, monkeypatch):
+@pytest.mark.parametrize(
+    ("tree", "backend"), [(False, "hf"), (True, "hf"), (True, "native")], ids=["chain", "tree-hf", "tree-native"]
+)
+def test_greedy_equals_plain(tmp_path, tree, backend):
+    from test_suffix import spy_tree_calls
+
     target = tiny_llama(seed=0)
-    tree_calls = []
-    original = HFBackend.forward_tree
-
-    def spy(self, token_ids, parents):
-        tree_calls.append(len(token_ids))
-        return original(self, token_ids, parents)
-
-    monkeypatch.setattr(HFBackend, "forward_tree", spy)
     prompt = "| name | value |\n|------|-------|\n| a | 1 |\n"
-    plain = Engine(target=target, drafter="none", k=0).generate(prompt, max_new_tokens=MAX_NEW, chat=False)
+    plain_engine = Engine(target=target, drafter="none", k=0, backend=backend)  # same backend, same numerics
+    plain = plain_engine.generate(prompt, max_new_tokens=MAX_NEW, chat=False)
     ids = plain.prompt_ids[-6:] + plain.token_ids
     corpus = [ids, ids[:16] + [(t + 1) % 300 for t in ids[16:]]]  # the answer, and a wrong variant
     drafter = RetrievalDrafter(_store(tmp_path, corpus, "fp"), tree=tree, max_nodes=16)
-    result = Engine(target=target, drafter=drafter, k=8).generate(prompt, max_new_tokens=MAX_NEW, chat=False)
+    engine = Engine(target=target, drafter=drafter, k=8, backend=backend)
+    tree_calls = spy_tree_calls(engine.backend)
+    result = engine.generate(prompt, max_new_tokens=MAX_NEW, chat=False)
     assert result.token_ids == plain.token_ids
     assert result.stats.num_accepted_tokens >= MAX_NEW // 2
     assert bool(tree_calls) == tree

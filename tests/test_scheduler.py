@@ -230,3 +230,54 @@ def test_worker_thread_serves_and_stops(target):
     finally:
         sched.stop()
     assert not sched._thread.is_alive()
+
+
+def test_native_pool_is_batched_and_lossless(target):
+    """With the native backend's cache pool, one packed forward scores every request."""
+    native = pytest.importorskip("specdec.native")
+    if not hasattr(native, "make_native_backend"):
+        pytest.skip("no native backend")
+    plain = Engine(target, drafter="none", k=0)
+    sched = Scheduler(
+        target, "native", "ngram:min=1", "auto", max_batch=3, backend_options={"slots": 3, "precision": "fp32"}
+    )
+    assert sched.batched
+    recs = [Recorder() for _ in PROMPTS[:4]]
+    for prompt, rec, extra in zip(PROMPTS[:4], recs, [{}, {"k": 3}, {"drafter": "none"}, {}], strict=True):
+        sched.submit(make_request(target, prompt, rec, 20, **extra))
+    run_until_idle(sched)
+    for prompt, rec in zip(PROMPTS[:4], recs, strict=True):
+        assert rec.result.token_ids == plain.generate(target.tokenizer.encode(prompt), max_new_tokens=20).token_ids
+    assert sched.max_batch_seen == 3 and sched.slots.pool.free_slots == 3
+
+
+def test_tree_drafts_are_scored_with_tree_attention(target, monkeypatch):
+    """A drafter that proposes a token tree (a wrong branch and the right one) gets a
+    forward_tree in the batch; the output stays the target's greedy output."""
+    from specdec.drafters import REGISTRY, Draft, Drafter
+
+    plain = Engine(target, drafter="none", k=0)
+    prompts = [target.tokenizer.encode(p) for p in PROMPTS[:2]]
+    full = [ids + plain.generate(ids, max_new_tokens=20).token_ids for ids in prompts]
+
+    class OracleTree(Drafter):
+        def propose(self, context, k):
+            seq = next((s for s in full if s[: len(context)] == context), None)
+            nxt = seq[len(context) : len(context) + 2] if seq else []
+            if len(nxt) < 2 or k < 2:
+                return Draft([])
+            return Draft([(nxt[0] + 1) % 400, nxt[0], nxt[1]], parents=[-1, -1, 1])
+
+    monkeypatch.setitem(REGISTRY, "test-oracle-tree", lambda spec, t: OracleTree())
+    trees = []
+    original = HFBackend.forward_tree
+    monkeypatch.setattr(HFBackend, "forward_tree", lambda self, *a: trees.append(1) or original(self, *a))
+    sched = Scheduler(target, "hf", "test-oracle-tree", 4, max_batch=2)
+    recs = [Recorder() for _ in prompts]
+    for ids, rec in zip(prompts, recs, strict=True):
+        sched.submit(GenRequest(list(ids), SamplingParams(), 20, rec))
+    run_until_idle(sched)
+    for seq, rec in zip(full, recs, strict=True):
+        assert rec.result.prompt_ids + rec.result.token_ids == seq
+        assert rec.result.stats.num_accepted_tokens > 0
+    assert trees

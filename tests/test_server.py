@@ -234,6 +234,7 @@ BAD = [
     ("chat", {"messages": []}, "messages"),
     ("chat", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ("chat", {"messages": MSG, "model": "gpt-4"}, "model"),
+    ("chat", {"messages": MSG, "model": "x" * 5000}, "model"),  # the error does not echo it
     ("chat", {"messages": MSG, "max_tokens": 0}, "max_tokens"),
     ("chat", {"messages": MSG, "max_tokens": 1000}, "max_tokens"),
     ("chat", {"messages": MSG, "max_completion_tokens": -3}, "max_completion_tokens"),

@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 
 from conftest import tiny_llama
 from specdec import Engine, SpecdecError
-from specdec.backend import HFBackend
 from specdec.drafters import make_drafter
 from specdec.drafters.suffix import ROOT, SuffixDrafter, SuffixStore, SuffixTrie
 from specdec.sampling import SamplingParams
@@ -118,13 +117,17 @@ def test_draft_follows_the_context_as_it_grows():
 def test_tree_branches_on_ambiguity_best_first():
     # [1 2] was followed by 3 three times and by 4 once: both branches, the likelier first.
     context = [1, 2, 3, 7, 5, 1, 2, 3, 7, 6, 1, 2, 4, 8, 9, 1, 2, 3, 7, 0, 1, 2]
-    drafter = SuffixDrafter(None, depth=8, tree=True, max_nodes=8, min_prob=0.1)
+    drafter = SuffixDrafter(None, depth=8, tree=True, max_nodes=8, min_prob=0.1, branch_prob=0.1)
     drafter.begin(context, SamplingParams(), None)
     draft = drafter.propose(context, 3)
     assert draft.parents is not None and len(draft.tokens) == 8
     assert [t for t, p in zip(draft.tokens, draft.parents, strict=True) if p == -1] == [3, 4]
     assert [draft.tokens[i] for i in first_path(draft.parents)] == [3, 7, 5]  # the best chain first
     assert max(tree_depths(draft.parents)) < 3  # depth stays within k
+    # A branch must reach branch_prob: the 1-in-4 continuation stays out, the main line stays.
+    strict = SuffixDrafter(None, depth=8, tree=True, max_nodes=8, min_prob=0.1, branch_prob=0.3)
+    strict.begin(context, SamplingParams(), None)
+    assert strict.propose(context, 3).tokens == [3, 7, 5]
 
 
 def test_global_store_learns_across_requests_and_evicts():
@@ -218,28 +221,37 @@ def target():
     return tiny_llama(seed=0)
 
 
-def _plain(target, prompt):
-    return Engine(target=target, drafter="none", k=0).generate(prompt, max_new_tokens=MAX_NEW, chat=False)
+def _plain(target, prompt, backend="hf"):
+    engine = Engine(target=target, drafter="none", k=0, backend=backend)
+    return engine.generate(prompt, max_new_tokens=MAX_NEW, chat=False)
 
 
-@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
-def test_greedy_equals_plain_and_learns_across_requests(target, tree, monkeypatch):
-    tree_calls = []
-    original = HFBackend.forward_tree
+def spy_tree_calls(backend) -> list[int]:
+    """Record the size of every tree the backend scores."""
+    calls: list[int] = []
+    original = backend.forward_tree
 
-    def spy(self, token_ids, parents):
-        tree_calls.append(len(token_ids))
-        return original(self, token_ids, parents)
+    def forward_tree(token_ids, parents):
+        calls.append(len(token_ids))
+        return original(token_ids, parents)
 
-    monkeypatch.setattr(HFBackend, "forward_tree", spy)
+    backend.forward_tree = forward_tree
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("tree", "backend"), [(False, "hf"), (True, "hf"), (True, "native")], ids=["chain", "tree-hf", "tree-native"]
+)
+def test_greedy_equals_plain_and_learns_across_requests(target, tree, backend):
     prompt = '{"name": "search", "arguments": {"query": "weather in Paris"}} ' * 2
-    plain = _plain(target, prompt)
+    plain = _plain(target, prompt, backend)  # the native backend may compute in lower precision
     store = SuffixStore(depth=24, max_nodes=100_000)
     if tree:  # a competing, wrong variant of the answer makes the drafter branch
         ids = plain.prompt_ids[-8:] + plain.token_ids
         store.add(ids[:14] + [(t + 1) % 300 for t in ids[14:20]] + ids[20:])
     drafter = SuffixDrafter(store, depth=24, tree=tree, eos_token_ids=target.eos_token_ids)
-    engine = Engine(target=target, drafter=drafter, k=8)
+    engine = Engine(target=target, drafter=drafter, k=8, backend=backend)
+    tree_calls = spy_tree_calls(engine.backend)
     first = engine.generate(prompt, max_new_tokens=MAX_NEW, chat=False)
     second = engine.generate(prompt, max_new_tokens=MAX_NEW, chat=False)  # the store knows it now
     assert first.token_ids == plain.token_ids
@@ -256,3 +268,41 @@ def test_greedy_equals_plain_from_the_request_alone(target):
     result = engine.generate(prompt, max_new_tokens=MAX_NEW, chat=False)
     assert result.token_ids == plain.token_ids
     assert result.stats.num_draft_tokens > 0
+
+
+@pytest.mark.slow
+def test_tree_drafting_on_the_embedded_model(smollm2):
+    """A second identical request drafts from the first one's output, as a tree when the store
+    holds two different answers; the output stays the plain greedy one."""
+    prompt = 'Reply with a JSON tool call to get the weather in Oslo on 2025-03-08.'
+    plain = Engine(target=smollm2, drafter="none", k=0).generate(prompt, max_new_tokens=24)
+    store = SuffixStore(depth=24, max_nodes=100_000)
+    ids = plain.prompt_ids[-8:] + plain.token_ids
+    store.add(ids[:12] + [(t + 7) % 49152 for t in ids[12:]])  # a wrong answer to branch against
+    drafter = SuffixDrafter(store, depth=24, tree=True, eos_token_ids=smollm2.eos_token_ids)
+    engine = Engine(target=smollm2, drafter=drafter, k=8)
+    first = engine.generate(prompt, max_new_tokens=24)
+    second = engine.generate(prompt, max_new_tokens=24)
+    assert first.token_ids == plain.token_ids and second.token_ids == plain.token_ids
+    assert second.stats.num_accepted_tokens >= 12
+
+
+def test_sampling_with_tree_drafts(target):
+    """Sampling goes through tree verification too, reproducibly for a seed and a drafter state."""
+    prompt = "The quick brown fox jumps over the lazy dog. " * 3
+    plain = _plain(target, prompt)
+    ids = plain.prompt_ids[-8:] + plain.token_ids
+
+    def run():
+        store = SuffixStore(depth=24, max_nodes=100_000)
+        store.add(ids)
+        store.add(ids[:12] + [(t + 1) % 300 for t in ids[12:]])  # a second answer to branch to
+        drafter = SuffixDrafter(store, depth=24, tree=True, branch_prob=0.1, eos_token_ids=target.eos_token_ids)
+        engine = Engine(target=target, drafter=drafter, k=6)
+        tree_calls = spy_tree_calls(engine.backend)
+        result = engine.generate(prompt, max_new_tokens=MAX_NEW, temperature=0.3, seed=3, chat=False)
+        return result, tree_calls
+
+    (first, tree_calls), (second, _) = run(), run()
+    assert first.token_ids == second.token_ids
+    assert tree_calls and first.stats.num_accepted_tokens > 0

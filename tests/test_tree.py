@@ -209,3 +209,19 @@ def test_hf_forward_tree_matches_chains_and_keep_compacts():
     chain.prefill(context)
     expected = chain.forward([10, 11, 13, 20, 21])[-2:]
     torch.testing.assert_close(after, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_hf_forward_tree_on_the_embedded_model(smollm2):
+    backend, chain = HFBackend(smollm2.model), HFBackend(smollm2.model)
+    assert backend.supports_tree
+    context = smollm2.tokenizer.encode('{"name": "get_weather", "arguments": {"city": "')
+    tokens = smollm2.tokenizer.encode("Oslo Paris Rome", add_special_tokens=False)[:3]
+    parents = [-1, -1, 1]
+    backend.prefill(context)
+    logits = backend.forward_tree(tokens, parents)  # [3, V]
+    for i in range(len(tokens)):
+        chain.prefill(context)
+        expected = chain.forward([tokens[j] for j in tree_path(parents, i)])[-1]
+        torch.testing.assert_close(logits[i], expected, atol=2e-3, rtol=1e-3)
+        assert int(logits[i].argmax()) == int(expected.argmax())

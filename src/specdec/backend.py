@@ -51,7 +51,7 @@ class HFBackend:
         self.max_length = int(getattr(config, "max_position_embeddings", 2048))
         self.device = next(model.parameters()).device
         self._length = 0
-        self._tree_base = 0  # cache length before the last forward_tree
+        self._tree_base: int | None = None  # cache length before a forward_tree awaiting keep()
         self.reset()
         self.last_hidden: torch.Tensor | None = None  # [T, H] of the last forward, for drafters
         # Opt-in (set by the eagle drafter): keep the final post-norm hidden state of every
@@ -80,6 +80,7 @@ class HFBackend:
         return self._length
 
     def reset(self) -> None:
+        self._tree_base = None
         self._cache = self._cache_cls(config=self.model.config)
         # Sliding-window layers keep their full past until `crop`, so rollback stays possible.
         if hasattr(self._cache, "activate_past_recording"):
@@ -96,6 +97,8 @@ class HFBackend:
             return torch.empty(0, self.vocab_size)
         if self._length + len(token_ids) > self.max_length:
             raise ValueError(f"context overflow: {self._length} + {len(token_ids)} > {self.max_length}")
+        if self._tree_base is not None:
+            raise ValueError("call keep() or rollback() after forward_tree before appending")
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
         positions = torch.arange(self._length, self._length + len(token_ids), device=self.device)
         out = self.model(
@@ -116,6 +119,7 @@ class HFBackend:
             raise ValueError(f"cannot roll back to {length}; the cache holds {self._length}")
         self._cache.crop(length - self._length)  # a negative count removes that many tokens
         self._length = length
+        self._tree_base = None
 
     @property
     def supports_tree(self) -> bool:
@@ -135,8 +139,12 @@ class HFBackend:
 
         check_tree(parents)
         n = len(token_ids)
+        if n != len(parents) or n == 0:
+            raise ValueError("forward_tree needs one parent per token and at least one token")
         if self._length + n > self.max_length:
             raise ValueError(f"context overflow: {self._length} + {n} > {self.max_length}")
+        if self._tree_base is not None:
+            raise ValueError("call keep() or rollback() after forward_tree before appending")
         dtype = self.model.get_input_embeddings().weight.dtype
         allowed = torch.ones(n, self._length + n, dtype=torch.bool, device=self.device)  # [T, cache+T]
         allowed[:, self._length :] = ancestor_mask(parents).to(self.device)
@@ -149,7 +157,10 @@ class HFBackend:
             position_ids=(self._length + depths).unsqueeze(0),
             cache=self._cache,
             use_cache=True,
+            output_hidden_states=self.keep_hidden,
         )
+        if self.keep_hidden:
+            self._store_hidden(out.hidden_states[-1][0])  # rows for slots length..length+n-1
         self._tree_base, self._length = self._length, self._length + n
         return out.logits[0].float().cpu()
 
@@ -157,13 +168,20 @@ class HFBackend:
     def keep(self, indices: list[int]) -> None:
         """After `forward_tree`, keep only the tree nodes `indices` (a root-to-leaf path)."""
         base = self._tree_base
+        if base is None:
+            raise ValueError("keep() follows forward_tree()")
+        if any(not 0 <= i < self._length - base for i in indices) or indices != sorted(set(indices)):
+            raise ValueError(f"indices {indices} are not a root-to-leaf path of the tree")
         rows = torch.tensor(indices, dtype=torch.long, device=self.device) + base
+        end = base + len(indices)
         for layer in self._cache.layers:
             for name in ("keys", "values"):
                 kv = getattr(layer, name)  # [B, H, length, D]
-                kv[:, :, base : base + len(indices)] = kv[:, :, rows]  # the gather copies first
-                setattr(layer, name, kv[:, :, : base + len(indices)])
-        self._length = base + len(indices)
+                kv[:, :, base:end] = kv[:, :, rows]  # the gather copies first
+                setattr(layer, name, kv[:, :, :end])
+        if self.keep_hidden and self._hidden is not None:
+            self._hidden[base:end] = self._hidden[rows]  # [len(indices), H]
+        self._length, self._tree_base = end, None
 
 
 def forward_batch(sequences: list[ModelBackend], token_lists: list[list[int]]) -> list[torch.Tensor]:

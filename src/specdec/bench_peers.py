@@ -84,10 +84,10 @@ class HFPeer(Runner):
         from transformers import GenerationConfig
 
         sampling = temperature > 0
-        config = GenerationConfig(
-            max_new_tokens=max_new_tokens, do_sample=sampling, temperature=temperature if sampling else None,
-            top_k=None, top_p=None, eos_token_id=self.eos, pad_token_id=self.eos[0],
-        )
+        config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=sampling, eos_token_id=self.eos,
+                                  pad_token_id=self.eos[0])
+        if sampling:  # plain temperature sampling, as the methods run it (transformers defaults top_k to 50)
+            config.temperature, config.top_k, config.top_p = temperature, 0, 1.0
         kwargs = {}
         if self.assistant is not None:
             kwargs["assistant_model"] = self.assistant
@@ -105,6 +105,7 @@ class HFPeer(Runner):
 class LlamaCppPeer(Runner):
     kind = "peer"
     name = "llamacpp"
+    exact = False  # quantized GGUF weights, not the float weights the baseline runs
 
     def __init__(self, gguf_path, eos_token_ids: set[int], n_ctx: int, threads: int = 2):
         from llama_cpp import Llama  # optional extra

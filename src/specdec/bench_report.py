@@ -97,6 +97,7 @@ def markdown(results: dict) -> str:
             lines.append(
                 f"- `{m['runner']}` ({m['kind']}) question {m['question_id']} turn {m['turn']}: "
                 f"first difference at token {m['position']}"
+                + ("" if m.get("same_weights", True) else " (other weights: expected)")
             )
     for note in results.get("notes", []):
         lines += ["", f"Note: {note}"]
@@ -180,21 +181,22 @@ def plot_accept_lengths(run: BenchRun, path: Path) -> Path:
 
 
 def plot_k_history(run: BenchRun, path: Path) -> Path:
-    """The k chosen at each decoding step, across the whole run in order."""
+    """The k chosen at each decoding step across the whole run, in run order; one panel per method."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    series = {}
     for r in run.runners:
-        if r.kind != "method" or r.name == run.baseline:
-            continue
-        ks = [k for qi in sorted(run.records[r.name]) for t in run.records[r.name][qi] for k in t.k_history]
-        if ks:
-            ax.plot(range(len(ks)), ks, linewidth=0.7, label=r.name, drawstyle="steps-post")
-    ax.set_xlabel("decoding step (all questions, in run order)")
-    ax.set_ylabel("k (draft length chosen)")
-    ax.set_title("Draft length k chosen over time")
-    if ax.lines:
-        ax.legend(fontsize=8)
+        if r.kind == "method" and r.name != run.baseline:
+            recs = run.records[r.name]
+            series[r.name] = [k for qi in sorted(recs) for t in recs[qi] for k in t.k_history]
+    fig, axes = plt.subplots(max(1, len(series)), 1, figsize=(10, 1.2 + 1.6 * max(1, len(series))),
+                             sharex=True, squeeze=False)
+    for ax, (name, ks) in zip(axes[:, 0], series.items(), strict=False):
+        ax.plot(range(len(ks)), ks, linewidth=0.6, drawstyle="steps-post")
+        ax.set_ylabel("k")
+        ax.set_title(name, fontsize=9, loc="left")
+    axes[-1, 0].set_xlabel("decoding step (all questions, in run order)")
+    fig.suptitle("Draft length k chosen over time")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -54,6 +54,11 @@ def run_generate(args: argparse.Namespace) -> None:
     from .sampling import SamplingParams
 
     SamplingParams(args.temperature, args.top_k, args.top_p).validate()  # fail before loading
+    log = None
+    if args.log_dir:
+        from .traffic_log import TrafficLog
+
+        log = TrafficLog(args.log_dir)
     engine = Engine(target=args.target, drafter=args.drafter, k=args.k)
     kwargs = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -74,13 +79,11 @@ def run_generate(args: argparse.Namespace) -> None:
         result = engine.generate(args.prompt, **kwargs)
         if not args.json:
             print(result.text)
-    if args.log_dir:
-        from .traffic_log import TrafficLog
-
+    if log is not None:
         prompt = [{"role": "user", "content": args.prompt}] if not args.raw else args.prompt
         meta = {"target": engine.target.name, "chat": not args.raw, "finish_reason": result.finish_reason,
                 "temperature": args.temperature, "drafter": engine.drafter_name}
-        TrafficLog(args.log_dir).record(prompt, result.text, meta)
+        log.record(prompt, result.text, meta)
     summary = result.stats.summary()
     if plain is not None:
         summary["plain_tokens_per_second"] = plain.stats.summary()["tokens_per_second"]

@@ -388,14 +388,19 @@ def settings_dict(settings: TrainSettings) -> dict:
     return asdict(settings)
 
 
-def new_eagle_head(target_model, init_from_last_layer: bool = True) -> EagleHead:
-    """A head with the target's dimensions; its layer starts as a copy of the target's last one."""
+def new_eagle_head(target_model) -> EagleHead:
+    """A head that starts as "the next feature is the current one": fc passes the feature
+    half through and the layer's output projections start at zero, so its first predictions
+    have the scale of real features (copying a target layer gave outputs 4x too large)."""
     head = EagleHead(head_config_from_target(target_model))
-    last = DecoderParts.of(target_model).layers[-1]
-    if init_from_last_layer:
-        mine = head.layer.state_dict()
-        theirs = {k: v for k, v in last.state_dict().items() if k in mine and v.shape == mine[k].shape}
-        head.layer.load_state_dict(theirs, strict=False)
+    hidden = head.dims["hidden_size"]
+    with torch.no_grad():
+        head.fc.weight.mul_(0.1)  # a little of the token embedding from the start
+        head.fc.weight[:, hidden:] = torch.eye(hidden)
+        head.fc.bias.zero_()
+        for name, param in head.layer.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                param.zero_()
     return head.to(next(target_model.parameters()).dtype)
 
 

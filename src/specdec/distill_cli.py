@@ -52,6 +52,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=_positive, default=192, help="length of the target's answers")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the target's answers")
     p.add_argument("--topk", type=_positive, default=64, help="target logits kept per position")
+    p.add_argument("--backend", default="hf", help="engine backend that generates the target's answers (hf|native)")
     p.add_argument("--max-sources", type=_positive, default=None, help="use at most this many prompts")
     p.add_argument("--heldout", type=int, default=8, help="prompts kept out of training to measure tau")
     p.add_argument("--eval-tokens", type=_positive, default=128, help="tokens generated per held-out prompt")
@@ -99,7 +100,7 @@ def measure_tau(target, drafter, prompts, max_new_tokens: int, k: int) -> dict:
     steps = emitted = drafted = accepted = 0
     outputs, wall = [], 0.0
     for prompt in prompts:
-        r = engine.generate(prompt, max_new_tokens=max_new_tokens)
+        r = engine.generate(prompt, max_new_tokens=max_new_tokens, chat=not isinstance(prompt, str))
         s = r.stats
         steps, emitted = steps + s.num_steps, emitted + s.num_emitted_tokens
         drafted, accepted = drafted + s.num_draft_tokens, accepted + s.num_accepted_tokens
@@ -133,7 +134,7 @@ def run_distill(args: argparse.Namespace) -> None:
         kl_weight=args.kl_weight, unroll=args.unroll,
     )
     data_settings = DataSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, topk=args.topk,
-                                 seed=args.seed)
+                                 seed=args.seed, backend=args.backend)
     max_sources, max_heldout, eval_tokens = args.max_sources, args.heldout, args.eval_tokens
     if args.quick:
         q = QUICK

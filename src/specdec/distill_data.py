@@ -44,9 +44,9 @@ class Source:
         return json.dumps([self.turns, self.messages, self.text, self.logged_output], sort_keys=True)
 
     def first_prompt(self) -> str | list[dict]:
-        """The prompt used to measure τ."""
+        """The prompt used to measure τ: chat messages, or raw text (no chat template)."""
         if self.turns:
-            return self.turns[0]
+            return [{"role": "user", "content": self.turns[0]}]
         return self.messages if self.messages else self.text or ""
 
 
@@ -150,6 +150,7 @@ class DataSettings:
     max_seq_len: int = 1024  # longer conversations are cut (prompt kept first)
     shard_size: int = 16
     seed: int = 0
+    backend: str = "hf"  # the engine backend that generates the answers
 
 
 @dataclass
@@ -260,7 +261,7 @@ def build_data(
             vocab_size=int(model.get_output_embeddings().weight.shape[0]),
         )
         meta.save(directory)
-    engine = Engine(target, drafter="ngram", k="auto") if meta.done < len(sources) else None
+    engine = Engine(target, drafter="ngram", k="auto", backend=settings.backend) if meta.done < len(sources) else None
     pending: list[tuple[TokenSeq, dict]] = []
     first_pending = meta.done
     for index in range(meta.done, len(sources)):

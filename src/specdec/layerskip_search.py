@@ -18,7 +18,6 @@ only on the target's top-32 tokens per position, and the winner is re-scored exa
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,14 +57,15 @@ def simulate_tau(match: list[bool], k: int) -> tuple[int, int]:
     return emitted, steps
 
 
-def _median_time(fn: Callable[[], object], repeats: int = 5) -> float:
+def _min_time(fn: Callable[[], object], repeats: int = 5) -> float:
+    """The fastest of a few runs: on a shared machine, load only ever adds time."""
     fn()  # warm-up
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 def measure_costs(target, max_k: int, context: list[int]) -> dict:
@@ -82,14 +82,14 @@ def measure_costs(target, max_k: int, context: list[int]) -> dict:
             backend.rollback(base)
         return run
 
-    t_target = _median_time(target_step(1))
-    t_verify = {k: _median_time(target_step(k + 1), 2) for k in range(1, max_k + 1)}
+    t_target = _min_time(target_step(1))
+    t_verify = {k: _min_time(target_step(k + 1), 2) for k in range(1, max_k + 1)}
     num_layers = DecoderParts.of(target.model).num_layers
     draft_times = {}
     for n in (1, num_layers):
         stack = LayerStack(target.model, list(range(n)))
         stack.prefill(context)
-        draft_times[n] = _median_time(lambda s=stack: (s.forward(context[:1]), s.rollback(len(context))), 3)
+        draft_times[n] = _min_time(lambda s=stack: (s.forward(context[:1]), s.rollback(len(context))), 3)
     per_layer = max(0.0, (draft_times[num_layers] - draft_times[1]) / max(1, num_layers - 1))
     return {
         "target_step_s": t_target, "verify_s": t_verify,
@@ -119,7 +119,7 @@ def calibrate(target, prompts, settings: SearchSettings) -> Calibration:
     parts = DecoderParts.of(model)
     cal = Calibration([], [], [], [])
     for prompt in prompts[: settings.prompts]:
-        r = engine.generate(prompt, max_new_tokens=settings.max_new_tokens)
+        r = engine.generate(prompt, max_new_tokens=settings.max_new_tokens, chat=not isinstance(prompt, str))
         ids = r.prompt_ids + r.token_ids
         if len(r.token_ids) < 2:
             continue

@@ -15,6 +15,7 @@ prefix, so rows of different lengths need no padding.
 
 from __future__ import annotations
 
+import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,13 +24,14 @@ import torch
 import torch.nn.functional as F
 
 from .errors import SpecdecError
-from .quant import PRECISIONS, Linear, make_linear, read_gguf
+from .quant import PRECISIONS, FusedLinear, Linear, make_linear, read_gguf
 from .tree import ancestor_mask, check_tree, tree_depths
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 DEFAULT_MAX_LENGTH = 4096
 NATIVE_OPTIONS = ("precision", "device", "max_length", "slots", "compile")
 COMPILE_BUCKETS = (1, 2, 4, 8, 16, 32)  # token counts the compiled forward is traced for
+DECODE_ATTENTION_MAX = 32  # chains up to this long attend query by query (see _attention)
 
 
 @dataclass(frozen=True)
@@ -73,27 +75,43 @@ class NativeConfig:
 
 
 @dataclass
-class _Layer:
-    attn_norm: torch.Tensor  # [hidden]
-    q: Linear
-    k: Linear
-    v: Linear
-    o: Linear
-    mlp_norm: torch.Tensor  # [hidden]
-    gate: Linear
-    up: Linear
-    down: Linear
-
-
-@dataclass
 class _Row:
     """One sequence's share of a packed forward."""
 
     slot: int
-    start: int  # its queries are packed rows start:end
+    start: int  # its tokens are packed rows start:end
     end: int
-    kv_len: int  # it attends to cache[slot, :, :kv_len]
+    store: int  # their keys and values go to cache[slot, :, store : store + end - start]
+    kv_len: int  # they attend to cache[slot, :, :kv_len]
     mask: torch.Tensor | None  # [end - start, kv_len] bool, True = attend; None = attend to all
+
+
+class _Layer(torch.nn.Module):
+    """One decoder layer. A module whose tensors are buffers, so torch.compile traces it once
+    and the graph serves all layers (regional compilation)."""
+
+    def __init__(self, config: NativeConfig, attn_norm: torch.Tensor, qkv: FusedLinear, o: Linear,
+                 mlp_norm: torch.Tensor, gate_up: FusedLinear, down: Linear):
+        super().__init__()
+        self.register_buffer("attn_norm", attn_norm, persistent=False)  # [hidden]
+        self.register_buffer("mlp_norm", mlp_norm, persistent=False)  # [hidden]
+        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down  # qkv -> q, k, v; gate_up -> gate, up
+        self.heads, self.kv_heads, self.dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.eps, self.gqa = config.rms_eps, config.num_heads != config.num_kv_heads
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
+        # x [N, hidden]; cos, sin [N, 1, dim]; caches [slots, kv_heads, max_length, dim]
+        n, hidden = x.shape
+        h = F.rms_norm(x, (hidden,), self.attn_norm, self.eps)
+        q, k, v = self.qkv(h)
+        q = _rope(q.view(n, self.heads, self.dim), cos, sin)  # [N, heads, dim]
+        k = _rope(k.view(n, self.kv_heads, self.dim), cos, sin)  # [N, kv_heads, dim]
+        attn = _attention(q, k, v.view(n, self.kv_heads, self.dim), k_cache, v_cache, rows, self.gqa)
+        x = x + self.o(attn.reshape(n, self.heads * self.dim))
+        h = F.rms_norm(x, (hidden,), self.mlp_norm, self.eps)
+        gate, up = self.gate_up(h)
+        return x + self.down(F.silu(gate) * up)
 
 
 class NativeModel:
@@ -105,7 +123,6 @@ class NativeModel:
             raise SpecdecError(f"unknown precision {precision!r}; choose one of: {', '.join(PRECISIONS)}",
                                "precision")
         self.config, self.precision = config, precision
-        self._gqa = config.num_heads != config.num_kv_heads  # a plain bool, also under torch.compile
         self.device = torch.device(device or state["model.embed_tokens.weight"].device)
         if precision in ("int8", "int4") and self.device.type != "cpu":
             raise SpecdecError(f"precision {precision} runs on cpu only; use fp32 or bf16 on {self.device}",
@@ -114,43 +131,54 @@ class NativeModel:
         def tensor(name: str) -> torch.Tensor:
             return state[name].detach().to(self.device, torch.float32)
 
-        def linear(name: str) -> Linear:
+        def weight(name: str):  # a tensor, or a layer the loader already quantized
             w = state[name + ".weight"]
-            if not isinstance(w, torch.Tensor):  # already quantized by the loader
-                return w
-            bias = state.get(name + ".bias")
-            return make_linear(w.detach().to(self.device), None if bias is None else bias.to(self.device), precision)
+            return w.detach().to(self.device) if isinstance(w, torch.Tensor) else w
+
+        def bias(name: str) -> torch.Tensor | None:
+            b = state.get(name + ".bias")
+            return None if b is None else b.detach().to(self.device)
+
+        def linear(name: str) -> Linear:
+            w = weight(name)
+            return make_linear(w, bias(name), precision) if isinstance(w, torch.Tensor) else w
+
+        def fused(*names: str) -> FusedLinear:
+            return FusedLinear([weight(n) for n in names], [bias(n) for n in names], precision)
 
         self.embed = tensor("model.embed_tokens.weight")  # [V, hidden], fp32 for lookups
         self.layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
+            attn, mlp = p + "self_attn.", p + "mlp."
             self.layers.append(_Layer(
-                tensor(p + "input_layernorm.weight"),
-                linear(p + "self_attn.q_proj"), linear(p + "self_attn.k_proj"),
-                linear(p + "self_attn.v_proj"), linear(p + "self_attn.o_proj"),
+                config, tensor(p + "input_layernorm.weight"),
+                fused(attn + "q_proj", attn + "k_proj", attn + "v_proj"), linear(attn + "o_proj"),
                 tensor(p + "post_attention_layernorm.weight"),
-                linear(p + "mlp.gate_proj"), linear(p + "mlp.up_proj"), linear(p + "mlp.down_proj"),
+                fused(mlp + "gate_proj", mlp + "up_proj"), linear(mlp + "down_proj"),
             ))  # fmt: skip
         self.norm = tensor("model.norm.weight")
         if "lm_head.weight" not in state:  # tied embeddings
             state = {**state, "lm_head.weight": self.embed}
-        # int4 keeps the LM head at int8, as GGUF 4-bit files keep their output matrix at 6-8 bits
-        self.lm_head = linear("lm_head") if precision != "int4" else make_linear(state["lm_head.weight"].to(self.device), None, "int8")
+        # int4 keeps the LM head at int8, as 4-bit GGUFs keep their output matrix at 6-8 bits
+        self.lm_head = make_linear(weight("lm_head"), bias("lm_head"), "int8" if precision == "int4" else precision)
         if inv_freq is None:
             inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim))
         self.inv_freq = inv_freq.float().to(self.device)  # [head_dim / 2]
         self.attention_scaling = attention_scaling
-        self.compiled = None  # see compile()
+        self.compiled = False  # see compile()
         self.compile_seconds = 0.0
 
     def compile(self, pool: CachePool | None = None) -> float:
-        """torch.compile the single-sequence forward (batched and tree forwards stay eager),
-        then trace every bucket once on a scratch slot; returns the seconds it took."""
-        import time
-
-        if self.compiled is None:
-            self.compiled = torch.compile(self.forward_packed, dynamic=True)
+        """torch.compile the decoder layer for single-sequence chain forwards (batched and tree
+        forwards stay eager), then trace every bucket on a scratch slot of `pool`; returns the
+        seconds it took."""
+        if not self.compiled:
+            # each bucket (and the first cache lengths) traces its own graph; keep them all
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            for layer in self.layers:
+                layer.compile(dynamic=True)  # one graph, shared by all layers
+            self.compiled = True
         pool = pool or self.new_pool(max_length=2 * COMPILE_BUCKETS[-1] + 1)
         start, seq = time.perf_counter(), pool.new_sequence()
         try:
@@ -202,57 +230,69 @@ class NativeModel:
         return CachePool(self, slots, max_length, kv_dtype)
 
     def rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [length, head_dim], computed as transformers does for exact agreement."""
+        """cos and signed sin [length, head_dim], computed as transformers does (bit for bit).
+
+        transformers rotates with x * cos + cat(-x2, x1) * sin; the same products come from
+        roll(x) * cat(-sin1, sin2), since negation is exact, in one op fewer.
+        """
         freqs = torch.arange(length, device=self.device).float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+        cos, sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+        half = sin.shape[-1] // 2
+        return cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
     # ---- forward -----------------------------------------------------------------------
 
     @torch.no_grad()  # not inference_mode: compiled graphs write the cache in place
-    def forward_packed(self, pool: CachePool, token_ids: torch.Tensor, positions: torch.Tensor,
-                       slot_idx: torch.Tensor, store_idx: torch.Tensor,
-                       rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run N packed tokens; token j sits at rotary position positions[j] and its keys and
-        values are stored at cache[slot_idx[j], :, store_idx[j]].
-        Returns the final post-norm hidden states [N, hidden] and the logits [N, V]."""
-        cfg = self.config
-        n, hidden, heads, kv_heads, dim = token_ids.shape[0], cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    def forward_packed(self, pool: CachePool, token_ids: torch.Tensor, positions: torch.Tensor, rows: list[_Row],
+                       logits_at: torch.Tensor | None = None, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run N packed tokens (token j at rotary position positions[j]), storing keys and values
+        where `rows` say. Returns the final post-norm hidden states [N, hidden] and the logits
+        [N, V], or only those of the rows `logits_at` (a long prompt needs just its last)."""
         x = F.embedding(token_ids, self.embed)  # [N, hidden]
         cos, sin = pool.cos[positions].unsqueeze(1), pool.sin[positions].unsqueeze(1)  # [N, 1, dim]
         for i, layer in enumerate(self.layers):
-            h = F.rms_norm(x, (hidden,), layer.attn_norm, cfg.rms_eps)
-            q = _rope(layer.q(h).view(n, heads, dim), cos, sin)  # [N, heads, dim]
-            k = _rope(layer.k(h).view(n, kv_heads, dim), cos, sin)  # [N, kv_heads, dim]
-            v = layer.v(h).view(n, kv_heads, dim)
-            k_cache, v_cache = pool.k[i], pool.v[i]  # [slots, kv_heads, max_length, dim]
-            k_cache[slot_idx, :, store_idx] = k.to(k_cache.dtype)
-            v_cache[slot_idx, :, store_idx] = v.to(v_cache.dtype)
-            x = x + layer.o(_attention(q, k_cache, v_cache, rows, self._gqa).reshape(n, heads * dim))
-            h = F.rms_norm(x, (hidden,), layer.mlp_norm, cfg.rms_eps)
-            x = x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
-        x = F.rms_norm(x, (hidden,), self.norm, cfg.rms_eps)
-        return x, self.lm_head(x).float()
+            # calling the module runs its compiled graph, if any; .forward always runs eagerly
+            x = (layer if compiled else layer.forward)(x, cos, sin, pool.k[i], pool.v[i], rows)
+        x = F.rms_norm(x, (self.config.hidden_size,), self.norm, self.config.rms_eps)
+        return x, self.lm_head(x if logits_at is None else x[logits_at]).float()
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [N, heads, dim]; the rotate-half convention of transformers' Llama
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    # x [N, heads, dim]; see rope_tables
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
-def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: list[_Row],
-               gqa: bool) -> torch.Tensor:
-    """q [N, heads, dim] -> [N, heads, dim]; each row attends to its own cache prefix."""
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               rows: list[_Row], gqa: bool) -> torch.Tensor:
+    """Store each row's new keys and values, then let its queries attend to its cache prefix.
+    q [N, heads, dim], k, v [N, kv_heads, dim], caches [slots, kv_heads, max_length, dim].
+
+    A row without a mask is a short chain: each of its queries attends exactly as a one-token
+    decode step would (keys sliced to its position, no mask), because SDPA's results depend
+    on the query count and the mask. Scoring k drafts then gives each the bits a plain step
+    would, so speculation reproduces plain greedy decoding exactly.
+    """
     outs = []
     for row in rows:
-        q_row = q[row.start : row.end].transpose(0, 1).unsqueeze(0).to(k_cache.dtype)  # [1, heads, T, dim]
-        k_row = k_cache[row.slot, :, : row.kv_len].unsqueeze(0)  # [1, kv_heads, S, dim]
-        v_row = v_cache[row.slot, :, : row.kv_len].unsqueeze(0)
-        out = F.scaled_dot_product_attention(q_row, k_row, v_row, attn_mask=row.mask, enable_gqa=gqa)
-        outs.append(out[0].transpose(0, 1).to(q.dtype))  # [T, heads, dim]
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
+        t = row.end - row.start
+        k_cache[row.slot, :, row.store : row.store + t] = k[row.start : row.end].transpose(0, 1)
+        v_cache[row.slot, :, row.store : row.store + t] = v[row.start : row.end].transpose(0, 1)
+        q_row = q[row.start : row.end].transpose(0, 1).unsqueeze(0)  # [1, heads, T, dim]
+        if q_row.dtype != k_cache.dtype:
+            q_row = q_row.to(k_cache.dtype)
+        k_row = k_cache[row.slot : row.slot + 1, :, : row.kv_len]  # [1, kv_heads, S, dim]
+        v_row = v_cache[row.slot : row.slot + 1, :, : row.kv_len]
+        if row.mask is not None:
+            outs.append(F.scaled_dot_product_attention(q_row, k_row, v_row, attn_mask=row.mask, enable_gqa=gqa))
+            continue
+        for j in range(t):  # query j sits at cache position kv_len - t + j
+            end = row.kv_len - t + j + 1
+            outs.append(F.scaled_dot_product_attention(
+                q_row[:, :, j : j + 1], k_row[:, :, :end], v_row[:, :, :end], enable_gqa=gqa))  # fmt: skip
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, heads, N, dim]
+    out = out[0].transpose(0, 1)  # [N, heads, dim]
+    return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
 class CachePool:
@@ -288,36 +328,44 @@ class CachePool:
         self._free.append(seq.slot)
         seq.slot = None
 
-    def forward_batch(self, sequences: list[NativeSequence], token_lists: list[list[int]]) -> list[torch.Tensor]:
-        """One packed forward that appends token_lists[i] to sequences[i]; logits [len_i, V] each."""
+    def forward_batch(self, sequences: list[NativeSequence], token_lists: list[list[int]],
+                      last_only: bool = False) -> list[torch.Tensor]:
+        """One packed forward that appends token_lists[i] to sequences[i]; logits [len_i, V]
+        each, or with `last_only` just the last row [1, V] ([0, V] for an empty list)."""
         if len(sequences) != len(token_lists):
             raise ValueError("one token list per sequence")
         if len({id(s) for s in sequences}) != len(sequences):
             raise ValueError("a sequence appears twice in one batch")
-        compiled = self.model.compiled is not None and len(sequences) == 1
-        tokens, positions, slots, rows = [], [], [], []
+        compiled = self.model.compiled and len(sequences) == 1
+        tokens, positions, rows, lasts = [], [], [], []
         for seq, ids in zip(sequences, token_lists, strict=True):
             start, t = seq._check_append(len(ids)), len(ids)
             if t == 0:
                 continue
+            lasts.append(len(tokens) + t - 1)
             if compiled:  # pad to a bucket so a few compiled shapes serve every k; pads come last
                 t = next((b for b in COMPILE_BUCKETS if b >= t and start + b <= self.max_length), t)
                 ids = list(ids) + [ids[-1]] * (t - len(ids))
             tokens.extend(ids)
             positions.extend(range(start, start + t))
-            slots.extend([seq.slot] * t)
-            mask = None if t == 1 else torch.ones(t, start + t, dtype=torch.bool, device=self.model.device).tril(start)
-            rows.append(_Row(seq.slot, len(tokens) - t, len(tokens), start + t, mask))
-        hidden, logits = self._run(tokens, positions, slots, positions, rows, compiled)
-        out, offset = [], 0
+            mask = None  # a short chain attends query by query, bit-identical to decode steps
+            if t > DECODE_ATTENTION_MAX:  # a long prompt: one causal pass
+                mask = torch.ones(t, start + t, dtype=torch.bool, device=self.model.device).tril(start)
+            rows.append(_Row(seq.slot, len(tokens) - t, len(tokens), start, start + t, mask))
+        hidden, logits = self._run(tokens, positions, rows, compiled, lasts if last_only else None)
+        out, offset, row = [], 0, 0
         for seq, ids in zip(sequences, token_lists, strict=True):
             end = offset + len(ids)
-            out.append(logits[offset:end])
+            if last_only:
+                out.append(logits[row : row + 1] if ids else logits[:0])
+                row += bool(ids)
+            else:
+                out.append(logits[offset:end])
             seq._store_hidden(seq._length, hidden[offset:end])
             seq._length, offset = seq._length + len(ids), end
         return out
 
-    def _run(self, tokens, positions, slots, stores, rows, compiled=False) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run(self, tokens, positions, rows, compiled=False, logits_at=None) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [N, hidden] on the model's device, logits [N, V] on the cpu."""
         cfg, dev = self.model.config, self.model.device
         if not tokens:
@@ -326,8 +374,8 @@ class CachePool:
         def as_tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long).to(dev, non_blocking=True)
 
-        forward = self.model.compiled if compiled else self.model.forward_packed
-        hidden, logits = forward(self, as_tensor(tokens), as_tensor(positions), as_tensor(slots), as_tensor(stores), rows)
+        at = None if logits_at is None else as_tensor(logits_at)
+        hidden, logits = self.model.forward_packed(self, as_tensor(tokens), as_tensor(positions), rows, at, compiled)
         return hidden, logits.cpu()
 
     def hidden_buffer(self) -> torch.Tensor:
@@ -373,9 +421,11 @@ class NativeSequence:
     def reset(self) -> None:
         self._length, self._tree = 0, None
 
-    def prefill(self, token_ids: list[int]) -> torch.Tensor:
+    def prefill(self, token_ids: list[int], all_logits: bool = True) -> torch.Tensor:
+        """Reset and feed `token_ids`; logits [T, V], or with all_logits=False only [1, V] of the
+        last token, which skips the LM head for the rest of a long prompt."""
         self.reset()
-        return self.forward(token_ids)
+        return self.pool.forward_batch([self], [list(token_ids)], last_only=not all_logits)[0]
 
     def forward(self, token_ids: list[int]) -> torch.Tensor:
         return self.pool.forward_batch([self], [list(token_ids)])[0]
@@ -410,8 +460,8 @@ class NativeSequence:
             return torch.empty(0, self.vocab_size)
         mask = torch.cat([torch.ones(t, base, dtype=torch.bool), ancestor_mask(parents)], dim=1)  # [T, base+T]
         positions = [base + d for d in tree_depths(parents)]
-        row = _Row(self.slot, 0, t, base + t, mask.to(self.device))
-        hidden, logits = self.pool._run(list(token_ids), positions, [self.slot] * t, list(range(base, base + t)), [row])
+        row = _Row(self.slot, 0, t, base, base + t, mask.to(self.device))
+        hidden, logits = self.pool._run(list(token_ids), positions, [row])
         self._store_hidden(base, hidden)
         self._length, self._tree = base + t, (base, list(parents))
         return logits
@@ -448,16 +498,25 @@ def native_model_for(hf_model: torch.nn.Module, precision: str = "fp32", device=
     key = (precision, str(device), bool(compile))
     if key not in models:
         models[key] = NativeModel.from_hf(hf_model, precision, device)
-        if compile:
-            models[key].compile()
     return models[key]
 
 
-def make_native_backend(target, precision: str = "fp32", device=None, max_length: int | None = None,
+def default_precision(device=None) -> str:
+    """int4 on the cpu: the fastest here, and on the embedded Q4_1 model the closest to its
+    GGUF weights (they are 4-bit in groups of 32 already); bf16 elsewhere."""
+    return "int4" if torch.device(device or "cpu").type == "cpu" else "bf16"
+
+
+def make_native_backend(target, precision: str | None = None, device=None, max_length: int | None = None,
                         slots: int = 1, compile: bool = False) -> NativeSequence:
     """A sequence over a fresh pool (its own KV cache) for a LoadedModel's weights."""
-    model = native_model_for(target.model, precision, device, _flag(compile))
-    return model.new_pool(int(slots), int(max_length) if max_length else None).new_sequence()
+    if device is None:
+        device = next(target.model.parameters()).device
+    model = native_model_for(target.model, precision or default_precision(device), device, _flag(compile))
+    pool = model.new_pool(int(slots), int(max_length) if max_length else None)
+    if _flag(compile) and not model.compiled:
+        model.compile(pool)  # traced on this pool's cache shapes; the seconds are in compile_seconds
+    return pool.new_sequence()
 
 
 def _flag(value) -> bool:  # options may arrive as strings from drafter specs or the CLI

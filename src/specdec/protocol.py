@@ -47,6 +47,28 @@ def error_body(status: int, message: str, param: str | None = None, type_: str |
     }
 
 
+def validation_error(errors: list[dict]) -> tuple[str, str | None]:
+    """pydantic errors -> (message, param) for one 400 naming the first bad field; the input
+    is never echoed (a body with many bad fields must not produce a huge error)."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return f"the request body is not valid JSON: {str(detail)[:200]}", None
+    # Drop "body" and pydantic's union-branch names ("str", "list[int]") from the location.
+    parts = [p for p in first.get("loc", ()) if p != "body" and not (isinstance(p, str) and _is_branch(p))]
+    param = ""
+    for p in parts:
+        param += f"[{p}]" if isinstance(p, int) else (f".{p}" if param else str(p))
+    if not param:
+        return f"the request body must be a JSON object: {first.get('msg', '')}", None
+    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    return f"{param}: {first.get('msg', 'invalid value')}{more}", param
+
+
+def _is_branch(part: str) -> bool:
+    return part[:1].islower() and ("[" in part or part in {"str", "int", "float", "bool", "list", "dict", "none"})
+
+
 class _Open(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 

@@ -23,36 +23,42 @@ PRECISIONS = ("fp32", "bf16", "int8", "int4")
 INT4_GROUP = 32
 
 
-class DenseLinear:
+class DenseLinear(torch.nn.Module):
+    # Layers are modules holding their tensors as buffers, so that torch.compile treats them
+    # as graph inputs and one compiled decoder layer serves every layer of the model.
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, dtype: torch.dtype | None = None):
-        self.weight = weight if dtype is None else weight.to(dtype)  # [N, K]
-        self.bias = None if bias is None else bias.to(self.weight.dtype)  # [N]
+        super().__init__()
+        weight = weight if dtype is None else weight.to(dtype)
+        self.register_buffer("weight", weight, persistent=False)  # [N, K]
+        self.register_buffer("bias", None if bias is None else bias.to(weight.dtype), persistent=False)  # [N]
         self.out_features = weight.shape[0]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         if x.dtype == self.weight.dtype:
             return F.linear(x, self.weight, self.bias)
         return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
 
 
-class Int8Linear:
+class Int8Linear(torch.nn.Module):
     """w ≈ q * scale[n], q int8 in [-127, 127], one scale per output row."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
         _require_cpu(weight, "int8")
         w = weight.detach().float()  # [N, K]
         scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # [N]
-        self.qweight = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-        self.scale = scale.to(torch.bfloat16)  # [N]
-        self.bias = None if bias is None else bias.detach().float()
+        qweight = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        self.register_buffer("qweight", qweight, persistent=False)  # [N, K]
+        self.register_buffer("scale", scale.to(torch.bfloat16), persistent=False)  # [N]
+        self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
         self.out_features = weight.shape[0]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scale).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 
-class Int4Linear:
+class Int4Linear(torch.nn.Module):
     """w = (q - 8) * scale[g, n] + zero[g, n] with q in 0..15 and g = k // 32.
 
     The kernel wants N to be a multiple of 16; other N are padded with zero rows and the
@@ -61,14 +67,17 @@ class Int4Linear:
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None = None):
         # q: [N, K] int32 in 0..15; scale, zero: [K // 32, N]
+        super().__init__()
         n, k = q.shape
         pad = -n % 16
         if pad:
             q = F.pad(q, (0, 0, 0, pad), value=8)
             scale, zero = F.pad(scale, (0, pad)), F.pad(zero, (0, pad))
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
-        self.scales_and_zeros = torch.stack([scale, zero], dim=-1).to(torch.bfloat16).contiguous()  # [G, N, 2]
-        self.bias = None if bias is None else bias.detach().float()
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+        self.register_buffer("packed", packed, persistent=False)
+        scales_and_zeros = torch.stack([scale, zero], dim=-1).to(torch.bfloat16).contiguous()  # [G, N, 2]
+        self.register_buffer("scales_and_zeros", scales_and_zeros, persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
         self.out_features = n
         self._padded = pad > 0
 
@@ -103,7 +112,7 @@ class Int4Linear:
         scale_t, zero_t = torch.from_numpy(d).T.contiguous(), torch.from_numpy(zero).T.contiguous()
         return cls(torch.from_numpy(q.astype(np.int32)), scale_t, zero_t, bias)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(torch.bfloat16), self.packed, INT4_GROUP, self.scales_and_zeros
         )
@@ -129,6 +138,31 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, precision: str)
             return Int8Linear(weight, bias)
         return Int4Linear.from_float(weight, bias)
     raise ValueError(f"unknown precision {precision!r}; choose one of: {', '.join(PRECISIONS)}")
+
+
+class FusedLinear(torch.nn.Module):
+    """Linears that read the same input (q/k/v, gate/up): one matmul over the stacked weights,
+    split after, so a layer makes fewer kernel calls. fp32 keeps separate matmuls on the
+    original tensors (stacking would copy them), as do layers a loader already quantized."""
+
+    def __init__(self, weights: list, biases: list, precision: str):
+        super().__init__()
+        self.sizes = [w.out_features if not isinstance(w, torch.Tensor) else w.shape[0] for w in weights]
+        if precision == "fp32" or not all(isinstance(w, torch.Tensor) for w in weights):
+            self.parts = torch.nn.ModuleList([w if not isinstance(w, torch.Tensor) else make_linear(w, b, precision)
+                                              for w, b in zip(weights, biases, strict=True)])  # fmt: skip
+            self.fused = None
+        else:
+            bias = None
+            if any(b is not None for b in biases):
+                bias = torch.cat([torch.zeros(n) if b is None else b.float().cpu() for b, n in zip(biases, self.sizes, strict=True)])
+                bias = bias.to(weights[0].device)
+            self.fused = make_linear(torch.cat([w.detach() for w in weights]), bias, precision)
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:  # [M, K] -> [M, N_i] for each part
+        if self.fused is None:
+            return [part(x) for part in self.parts]
+        return list(self.fused(x).split(self.sizes, dim=-1))
 
 
 # A held-out paragraph for precision checks (written for this project, so no model trained on it).
@@ -232,7 +266,7 @@ def read_gguf(path, int4_blocks: bool = False) -> tuple[dict, dict]:
         if arch == "llama" and kind in ("attn_q", "attn_k"):
             data = _unpermute_rows(np.asarray(data), heads if kind == "attn_q" else kv_heads)
         qtype = GGMLQuantizationType(t.tensor_type)
-        if int4_blocks and qtype.name in ("Q4_0", "Q4_1") and parts[-1] == "weight" and kind != "token_embd":
+        if int4_blocks and qtype.name in ("Q4_0", "Q4_1") and parts[0] == "blk" and parts[-1] == "weight":
             state[key] = Int4Linear.from_gguf_blocks(np.asarray(data), qtype.name)
         else:
             floats = np.ascontiguousarray(dequantize(np.asarray(data), qtype), dtype=np.float32)

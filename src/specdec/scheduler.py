@@ -216,6 +216,10 @@ class Scheduler:
     def num_active(self) -> int:
         return self._num_active
 
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def retry_after(self) -> int:
         """Seconds until a slot is likely free, from recent request latencies."""
         waves = (len(self._pending) + 1) / self.max_batch
@@ -273,7 +277,7 @@ class Scheduler:
         planned: list[tuple[_Active, list[int]]] = []
         for a in list(self._active):
             try:
-                tokens = a.seq.plan(cap)
+                tokens = a.seq.plan(cap, tree=True)
             except Exception as e:
                 self._fail(a, e)
                 continue
@@ -284,7 +288,7 @@ class Scheduler:
         if not planned:
             return True
         try:
-            logits, times = self._score([a.backend for a, _ in planned], [t for _, t in planned])
+            logits, times = self._score(planned)
         except Exception as e:
             log.exception("target forward failed")
             for a, _ in planned:
@@ -308,17 +312,30 @@ class Scheduler:
                 self._complete(a)
         return True
 
-    def _score(self, backends: list, token_lists: list[list[int]]):
-        """logits [len(tokens_i), V] per sequence, and the score time each one saw."""
-        if self.batched:
+    def _score(self, planned: list[tuple[_Active, list[int]]]) -> tuple[list, list[float]]:
+        """logits [len(tokens_i), V] per sequence, and the score time each one saw.
+
+        Chains go through one `forward_batch` (a pool) or one forward each; a token tree
+        (a drafter's tree, when the backend has tree attention) gets its own forward_tree.
+        """
+        n = len(planned)
+        out: list = [None] * n
+        times = [0.0] * n
+        chains = [i for i, (a, _) in enumerate(planned) if a.seq.tree_parents is None]
+        if self.batched and chains:
             t0 = time.perf_counter()
-            out = forward_batch(backends, token_lists)
-            return out, [time.perf_counter() - t0] * len(backends)
-        out, times = [], []
-        for backend, tokens in zip(backends, token_lists, strict=True):
+            rows = forward_batch([planned[i][0].backend for i in chains], [planned[i][1] for i in chains])
+            for i, row in zip(chains, rows, strict=True):
+                out[i], times[i] = row, time.perf_counter() - t0
+        for i, (a, tokens) in enumerate(planned):
+            if out[i] is not None:
+                continue
             t0 = time.perf_counter()
-            out.extend(forward_batch([backend], [tokens]))
-            times.append(time.perf_counter() - t0)
+            if a.seq.tree_parents is not None:
+                out[i] = a.backend.forward_tree(tokens, a.seq.tree_parents)  # [len(tokens), V]
+            else:
+                out[i] = forward_batch([a.backend], [tokens])[0]
+            times[i] = time.perf_counter() - t0
         return out, times
 
     def _admit(self, wait: float) -> None:

@@ -94,9 +94,14 @@ def _backend_options(args: argparse.Namespace) -> dict:
 
 
 def run_serve(args: argparse.Namespace) -> None:
+    from .backend import BACKENDS
     from .controller import make_controller
+    from .drafters import DrafterSpec
 
     make_controller(args.k)
+    DrafterSpec.parse(args.drafter)
+    if args.backend not in BACKENDS:  # fail before listening; the rest is checked while loading
+        raise SpecdecError(f"unknown backend {args.backend!r}; choose one of: {', '.join(BACKENDS)}", "backend")
     backend_options = _backend_options(args)
     api_key = None
     if args.api_key_env:

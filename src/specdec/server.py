@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
 import json
 import logging
 import os
@@ -30,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import SpecdecError
+from .guards import ApiKeyAuth, BodyLimit
 from .metrics import ServerMetrics
 from .protocol import (
     ChatCompletionRequest,
@@ -42,6 +41,7 @@ from .protocol import (
     stop_list,
     unsupported,
     usage,
+    validation_error,
 )
 
 log = logging.getLogger("specdec.server")
@@ -75,77 +75,6 @@ class ServeConfig:
 
 def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
-
-
-# ---- pure ASGI middleware (no BaseHTTPMiddleware: it breaks disconnect detection) ------------
-
-
-class _TooLarge(Exception):
-    pass
-
-
-class BodyLimit:
-    """413 for bodies over `max_bytes`, by Content-Length or by counting a chunked body."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            return await _send_json(send, 413, error_body(413, f"the request body exceeds {self.max_bytes} bytes"))
-        received, exceeded, started = 0, False, False
-
-        async def limited_receive():
-            nonlocal received, exceeded
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    exceeded = True
-                    raise _TooLarge
-            return message
-
-        async def guarded_send(message):
-            nonlocal started
-            if exceeded:  # drop whatever the app makes of the interrupted body
-                return
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        with contextlib.suppress(_TooLarge):
-            await self.app(scope, limited_receive, guarded_send)
-        if exceeded and not started:
-            await _send_json(send, 413, error_body(413, f"the request body exceeds {self.max_bytes} bytes"))
-
-
-class ApiKeyAuth:
-    """Bearer key on /v1; sha256 digests compared with hmac.compare_digest (constant time)."""
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self._digest = hashlib.sha256(api_key.encode()).digest()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope["path"].startswith("/v1") or scope["method"] == "OPTIONS":
-            return await self.app(scope, receive, send)
-        auth = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = auth.partition(b" ")
-        given = hashlib.sha256(token.strip()).digest()
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(given, self._digest):
-            body = error_body(401, "Incorrect or missing API key (send Authorization: Bearer <key>).")
-            return await _send_json(send, 401, body, {"www-authenticate": "Bearer"})
-        return await self.app(scope, receive, send)
-
-
-async def _send_json(send, status: int, body: dict, headers: dict | None = None) -> None:
-    data = json.dumps(body).encode()
-    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
-    raw += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": data})
 
 
 # ---- request plumbing -------------------------------------------------------------------------
@@ -245,14 +174,15 @@ class Gateway:
                 cfg.on_ready()
         except Exception as e:
             self.load_error = e.message if isinstance(e, SpecdecError) else f"{type(e).__name__}: {e}"
-            log.error("loading failed: %s", self.load_error)
             if callable(self.config.on_load_error):
-                self.config.on_load_error(self.load_error)
+                self.config.on_load_error(self.load_error)  # the CLI prints it and exits
+            else:
+                log.error("loading failed: %s", self.load_error)
 
     @property
     def ready(self) -> bool:
         s = self.scheduler
-        return s is not None and s._thread is not None and s._thread.is_alive()
+        return s is not None and s.alive
 
     def not_ready(self) -> JSONResponse:
         message = f"model failed to load: {self.load_error}" if self.load_error else "Loading model"
@@ -373,8 +303,8 @@ class Gateway:
         if not self.ready:
             return self.not_ready()
         events = _Events(request)
-        try:
-            req = self.build_request(body, chat, events.emit)
+        try:  # tokenizing a long prompt must not stall the event loop
+            req = await asyncio.to_thread(self.build_request, body, chat, events.emit)
             self.scheduler.submit(req)
         except Exception as e:
             events.stop_watching()
@@ -425,7 +355,7 @@ class Gateway:
                     yield sse(builder.chunk(payload))
                 elif kind == "done":
                     self._record(body, chat, payload)
-                    final = builder.chunk(None, payload.finish_reason) if chat else builder.chunk("", payload.finish_reason)
+                    final = builder.chunk(None, payload.finish_reason)
                     final["spec_decode"] = spec_decode(payload.stats, req.drafter or self.scheduler.default_drafter)
                     yield sse(final)
                     if include_usage:
@@ -458,47 +388,23 @@ class Gateway:
             log.warning("traffic log write failed: %s", e)
 
 
-def _validation_error(exc: RequestValidationError) -> JSONResponse:
-    """pydantic errors -> one OpenAI-shaped 400 naming the first bad field, input not echoed."""
-    errors = exc.errors()
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
-    loc = [p for p in first.get("loc", ()) if p != "body"]
-    if first.get("type") == "json_invalid":
-        detail = (first.get("ctx") or {}).get("error", "")
-        return error_response(400, f"the request body is not valid JSON: {str(detail)[:200]}")
-    # Drop pydantic's union-branch names ("str", "list[int]") from the location.
-    parts = [p for p in loc if not (isinstance(p, str) and (p[:1].islower() and ("[" in p or p in _TYPES)))]
-    param = ""
-    for p in parts:
-        param += f"[{p}]" if isinstance(p, int) else (f".{p}" if param else str(p))
-    if not param:
-        return error_response(400, f"the request body must be a JSON object: {first.get('msg', '')}")
-    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
-    return error_response(400, f"{param}: {first.get('msg', 'invalid value')}{more}", param)
-
-
-_TYPES = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "literal"}
-
-
-def create_app(config: ServeConfig, load_in_background: bool = True) -> FastAPI:
+def create_app(config: ServeConfig) -> FastAPI:
     gateway = Gateway(config)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        if load_in_background:
-            threading.Thread(target=gateway.load, name="specdec-load", daemon=True).start()
-        else:
-            gateway.load()
+        threading.Thread(target=gateway.load, name="specdec-load", daemon=True).start()
         yield
         if gateway.scheduler is not None:
             await asyncio.to_thread(gateway.scheduler.stop)
 
-    app = FastAPI(title="specdec", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="specdec", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.gateway = gateway
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation(request: Request, exc: RequestValidationError):
-        return _validation_error(exc)
+        message, param = validation_error(exc.errors())
+        return error_response(400, message, param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(request: Request, exc: StarletteHTTPException):

@@ -180,12 +180,7 @@ def verify_tree_sampling(
             return TreeVerifyResult(accepted, int(sample(residual, generator)), len(parents))
 
 
-# ---- the tree step: one target forward over the tree, verify, keep the accepted path -----
-
-
-def score_tree(backend, pending: int, draft_tokens: list[int], parents: list[int]) -> torch.Tensor:
-    """Feed [pending, *draft_tokens] as a tree; return logits [n+1, V] (row 0 after pending)."""
-    return backend.forward_tree([pending, *draft_tokens], [-1, *[p + 1 for p in parents]])
+# ---- the tree step: the engine feeds [pending, *tokens] with parents [-1, *(p + 1)] -------
 
 
 def keep_path(backend, accepted: list[int]) -> None:
@@ -203,38 +198,42 @@ def best_first_tree(
     max_nodes: int,
     max_depth: int,
     min_prob: float,
+    branch_prob: float | None = None,
 ) -> tuple[list[int], list[int], float]:
     """Grow a draft tree by always adding the likeliest open candidate (Sequoia/SuffixDecoding).
 
-    roots: (probability, token, state) candidates below the pending token; expand(state)
-    returns the same for a node's children with probabilities conditional on that node.
-    Returns (tokens, parents, score) where score = sum of path probabilities, the expected
-    number of accepted tokens if the probabilities are calibrated. Children are added in
-    order of probability, so each node's first child is its likeliest (see `first_path`).
+    roots: (probability, token, state) candidates below the pending token, likeliest first;
+    expand(state) returns the same for a node's children, with probabilities conditional on
+    that node. A candidate enters while its path probability is >= min_prob, or >= branch_prob
+    when it is not its parent's likeliest child: a branch costs a scored token like any node,
+    so it may be held to a higher bar than the main line. Returns (tokens, parents, score),
+    score = sum of path probabilities, the expected number of accepted tokens if the
+    probabilities are calibrated. Children are added in order of probability, so each node's
+    first child is its likeliest (see `first_path`).
     """
+    bar = max(min_prob, branch_prob if branch_prob is not None else min_prob)
     heap: list[tuple[float, int, int, int, int, object]] = []  # (-p, seq, parent, depth, token, state)
     seq = 0
-    for prob, token, state in roots:
-        if prob >= min_prob:
-            heap.append((-prob, seq, -1, 0, token, state))
-            seq += 1
-    heapq.heapify(heap)
+
+    def offer(candidates: list[tuple[float, int, object]], prob: float, parent: int, depth: int) -> None:
+        nonlocal seq
+        for rank, (p, token, state) in enumerate(candidates):
+            path_p = prob * p
+            if path_p >= (min_prob if rank == 0 else bar):
+                heapq.heappush(heap, (-path_p, seq, parent, depth, token, state))
+                seq += 1
+
+    offer(roots, 1.0, -1, 0)
     tokens: list[int] = []
     parents: list[int] = []
     score = 0.0
     while heap and len(tokens) < max_nodes:
         neg_p, _, parent, depth, token, state = heapq.heappop(heap)
-        index = len(tokens)
         tokens.append(token)
         parents.append(parent)
         score -= neg_p
-        if depth + 1 >= max_depth:
-            continue
-        for prob, child_token, child_state in expand(state):
-            path_p = -neg_p * prob
-            if path_p >= min_prob:
-                heapq.heappush(heap, (-path_p, seq, index, depth + 1, child_token, child_state))
-                seq += 1
+        if depth + 1 < max_depth:
+            offer(expand(state), -neg_p, len(tokens) - 1, depth + 1)
     return tokens, parents, score
 
 

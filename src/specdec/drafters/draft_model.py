@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import HFBackend
+from ..backend import HFBackend, make_backend
 from ..errors import SpecdecError
 from ..models import LoadedModel, check_same_tokenizer, load_model
 from ..sampling import SamplingParams, logits_to_probs, sample
@@ -76,4 +76,7 @@ def _make(spec: DrafterSpec, target: LoadedModel) -> Drafter:
         except SpecdecError as e:
             raise SpecdecError(f"draft model: {e.message}", "drafter") from e
         check_same_tokenizer(target, draft)
-    return ModelDrafter(HFBackend(draft.model), target.eos_token_ids)
+    # model:NAME:backend=native:device=cpu:precision=int4 runs the draft natively, on any device
+    options = {key: spec.options[key] for key in ("device", "precision") if key in spec.options}
+    backend = make_backend(spec.options.get("backend", "hf"), draft, **options)
+    return ModelDrafter(backend, target.eos_token_ids)

@@ -6,13 +6,14 @@ occurrence counts:
 - a global one over the outputs of earlier requests, shared by every `suffix` drafter of the
   process (behind a lock) and bounded in nodes: the oldest requests are evicted first.
 
-A proposal starts at the longest suffix of the context that has been followed by something
-before, and follows the most frequent continuation while the path's empirical probability
-(the product of count(child) / count(continuations of parent)) stays above `min_prob`. The
-draft is at most `factor` x the match length, so short, weak matches draft little. The
-per-request and global candidates are scored by the sum of their path probabilities (the
-expected number of accepted tokens) and the better one wins. With `tree=1`, the likeliest
-branches are grown best first into a token tree of at most `nodes` nodes.
+A proposal starts, in each trie, at the longest suffix of the context that has been followed
+by something before, and follows the most frequent continuation while the path's empirical
+probability (the product of count(child) / count(continuations of parent)) stays above
+`min_prob`; where the tries disagree, the continuation either deems likelier wins. The draft
+is at most `factor` x the match length, so short, weak matches draft little. With `tree=1`
+the likeliest alternatives also enter, best first, as branches of a token tree of at most
+`nodes` nodes; a branch needs a path probability of at least `branch_prob`, since on a
+CPU every scored token costs time.
 
 Example: after the context [7 8 9 1 2 7 8], the suffix [7 8] was followed by 9 once, so the
 drafter proposes [9 1 2 ...].
@@ -20,9 +21,10 @@ drafter proposes [9 1 2 ...].
 Updating a trie costs O(depth) dictionary operations per token; matching is incremental
 through suffix links, so a step never rescans the context.
 
-Usage: `suffix`, `suffix:tree=1`, `suffix:depth=24:min_prob=0.1:factor=2:global_nodes=400000`.
+Usage: `suffix`, `suffix:tree=1:nodes=24:width=4:branch_prob=0.3`,
+`suffix:depth=24:min_prob=0.1:factor=2:global_nodes=400000`, `suffix:global=0`.
 One drafter instance serves one request at a time (it holds that request's trie); create one
-per concurrent request, they share the global trie.
+per concurrent request: all drafters made from the same spec string share the global trie.
 """
 
 from __future__ import annotations
@@ -154,51 +156,50 @@ class SuffixTrie:
             node = self.link[node]
         return node
 
-    def best_child(self, node: int) -> tuple[float, int, int]:
-        """(probability, token, child) of the most frequent continuation of a continued node."""
-        children, count = self.kids[node], self.count
-        assert children
-        if len(children) == 1:
-            token, child = next(iter(children.items()))
-        else:
-            token, child = max(children.items(), key=lambda kv: count[kv[1]])
-        return count[child] / self.cont[node], token, child
-
     def top_children(self, node: int, width: int) -> list[tuple[float, int, int]]:
         node = self.anchor(node)
         if node == ROOT:
             return []
         children, count, total = self.kids[node], self.count, self.cont[node]
         assert children
-        if len(children) == 1:
-            token, child = next(iter(children.items()))
+        if len(children) == 1 or width == 1:
+            token, child = max(children.items(), key=lambda kv: count[kv[1]])
             return [(count[child] / total, token, child)]
         ranked = sorted(children.items(), key=lambda kv: -count[kv[1]])[:width]
         return [(count[child] / total, token, child) for token, child in ranked]
 
-    def draft_chain(self, node: int, budget: int, min_prob: float, eos: set[int]) -> tuple[list[int], float]:
-        """Follow the most frequent continuation from a continued node; (tokens, score)."""
-        tokens: list[int] = []
-        prob, score = 1.0, 0.0
-        while len(tokens) < budget and node != ROOT:
-            p, token, node = self.best_child(node)
-            prob *= p
-            if prob < min_prob:
-                break
-            tokens.append(token)
-            score += prob
-            if token in eos:  # never draft past the end of a turn
-                break
-            node = self.anchor(node)  # past the depth limit, continue from a shorter context
-        return tokens, score
 
-    def draft_tree(
-        self, node: int, max_depth: int, max_nodes: int, width: int, min_prob: float, eos: set[int]
-    ) -> tuple[list[int], list[int], float]:
-        def expand(child: int) -> list[tuple[float, int, int]]:
-            return [] if self.token[child] in eos else self.top_children(child, width)
+def merged_tree(
+    sources: list[tuple[SuffixTrie, int]],
+    max_depth: int,
+    max_nodes: int,
+    width: int,
+    min_prob: float,
+    branch_prob: float,
+    eos: set[int],
+) -> tuple[list[int], list[int], float]:
+    """A best-first draft tree over the continuations of several (trie, node) matches.
 
-        return best_first_tree(self.top_children(node, width), expand, max_nodes, max_depth, min_prob)
+    A tree node stands for the same token sequence in every trie that has it; its children
+    are the union of those tries' top children, each with the largest probability any of
+    them gives it.
+    """
+
+    def expand(state: tuple[int, tuple[tuple[SuffixTrie, int], ...]]) -> list[tuple[float, int, object]]:
+        token, pairs = state
+        if token in eos:  # never draft past the end of a turn
+            return []
+        merged: dict[int, list] = {}
+        for trie, node in pairs:
+            for prob, child_token, child in trie.top_children(node, width):
+                entry = merged.setdefault(child_token, [0.0, []])
+                entry[0] = max(entry[0], prob)
+                entry[1].append((trie, child))
+        ranked = sorted(merged.items(), key=lambda kv: -kv[1][0])[:width]
+        return [(prob, child_token, (child_token, tuple(pairs))) for child_token, (prob, pairs) in ranked]
+
+    roots = expand((-1, tuple(sources)))
+    return best_first_tree(roots, expand, max_nodes, max_depth, min_prob, branch_prob)
 
 
 class SuffixStore:
@@ -226,16 +227,18 @@ class SuffixStore:
             self.version += 1
 
 
-_STORES: dict[tuple[str, int], SuffixStore] = {}
+_STORES: dict[tuple[str, str], SuffixStore] = {}
 _STORES_LOCK = threading.Lock()
 
 
-def shared_store(key: str, depth: int, max_nodes: int) -> SuffixStore:
-    """One store per (tokenizer-compatible target, depth) for the whole process."""
+def shared_store(target: str, spec: str, depth: int, max_nodes: int) -> SuffixStore:
+    """One store per (target, drafter spec string) for the whole process: every drafter made
+    from the same spec shares it, while differently configured ones (say, two methods in one
+    benchmark) never see each other's outputs."""
     with _STORES_LOCK:
-        store = _STORES.get((key, depth))
+        store = _STORES.get((target, spec))
         if store is None:
-            store = _STORES[(key, depth)] = SuffixStore(depth, max_nodes)
+            store = _STORES[(target, spec)] = SuffixStore(depth, max_nodes)
         return store
 
 
@@ -253,12 +256,13 @@ class SuffixDrafter(Drafter):
         width: int = 4,
         eos_token_ids: set[int] | None = None,
         prompt_tail: int = 8,
+        branch_prob: float = 0.3,
     ):
         if store is not None and store.trie.depth != depth:
             raise ValueError("the global store was built with another depth")
         self.store = store
         self.depth, self.min_prob, self.factor = depth, min_prob, factor
-        self.tree, self.max_nodes, self.width = tree, max_nodes, width
+        self.tree, self.max_nodes, self.width, self.branch_prob = tree, max_nodes, width, branch_prob
         self.eos = eos_token_ids or set()
         self.prompt_tail = prompt_tail  # prompt tokens stored before an output, to match its start
         self._reset([])
@@ -301,27 +305,26 @@ class SuffixDrafter(Drafter):
         if k <= 0 or not context_ids:
             return Draft([])
         self._sync(context_ids)
-        best = self._draft(self.local, self.local.anchor(self._active[-1]), k)
-        if self.store is not None:
+        sources = [(self.local, self.local.anchor(self._active[-1]))]
+        if self.store is None:
+            tokens, parents = self._draft(sources, k)
+        else:
             with self.store.lock:
-                trie = self.store.trie
-                node = trie.anchor(self._gnode)
-                candidate = self._draft(trie, node, k)
-            if candidate[2] > best[2]:
-                best = candidate
-        tokens, parents, _ = best
-        if parents is not None and all(p == i - 1 for i, p in enumerate(parents)):
-            parents = None  # a tree without branches is a chain
+                sources.append((self.store.trie, self.store.trie.anchor(self._gnode)))
+                tokens, parents = self._draft(sources, k)
+        if all(p == i - 1 for i, p in enumerate(parents)):
+            return Draft(tokens)  # a tree without branches is a chain
         return Draft(tokens, None, parents)
 
-    def _draft(self, trie: SuffixTrie, node: int, k: int) -> tuple[list[int], list[int] | None, float]:
-        if node == ROOT:
-            return [], None, 0.0
-        budget = min(k, max(1, math.ceil(self.factor * trie.dep[node])))
-        if self.tree:
-            return trie.draft_tree(node, budget, self.max_nodes, self.width, self.min_prob, self.eos)
-        tokens, score = trie.draft_chain(node, budget, self.min_prob, self.eos)
-        return tokens, None, score
+    def _draft(self, sources: list[tuple[SuffixTrie, int]], k: int) -> tuple[list[int], list[int]]:
+        sources = [(trie, node) for trie, node in sources if node != ROOT]
+        if not sources:
+            return [], []
+        # Draft at most factor x the match length: short matches predict little.
+        depth = min(k, max(1, math.ceil(self.factor * max(trie.dep[node] for trie, node in sources))))
+        if not self.tree:  # a chain: the tree's main line, without branches
+            return merged_tree(sources, depth, depth, 1, self.min_prob, math.inf, self.eos)[:2]
+        return merged_tree(sources, depth, self.max_nodes, self.width, self.min_prob, self.branch_prob, self.eos)[:2]
 
     def end(self, context_ids: list[int]) -> None:
         if self.store is not None:
@@ -340,6 +343,7 @@ def _make(spec: DrafterSpec, target) -> Drafter:
             tree=opts.pop("tree", "0") not in ("0", "false", "no"),
             max_nodes=int(opts.pop("nodes", 24)),
             width=int(opts.pop("width", 4)),
+            branch_prob=float(opts.pop("branch_prob", 0.3)),
         )
         use_global = opts.pop("global", "1") not in ("0", "false", "no")
         global_nodes = int(opts.pop("global_nodes", 400_000))
@@ -351,6 +355,6 @@ def _make(spec: DrafterSpec, target) -> Drafter:
             raise ValueError("nodes, width and global_nodes must be >= 1")
     except ValueError as e:
         raise SpecdecError(f"bad suffix options in {spec.text!r}: {e}", "drafter") from e
-    store = shared_store(getattr(target, "name", ""), depth, global_nodes) if use_global else None
+    store = shared_store(getattr(target, "name", ""), spec.text, depth, global_nodes) if use_global else None
     eos = set(getattr(target, "eos_token_ids", set()))
     return SuffixDrafter(store, depth, eos_token_ids=eos, **kwargs)
