@@ -21,8 +21,9 @@ class ModelBackend(Protocol):
         """Number of tokens held in the KV cache."""
         ...
 
-    def prefill(self, token_ids: list[int]) -> torch.Tensor:
-        """Reset the cache, feed `token_ids`; return logits [len(token_ids), V]."""
+    def prefill(self, token_ids: list[int], all_logits: bool = True) -> torch.Tensor:
+        """Reset the cache, feed `token_ids`; return logits [len(token_ids), V], or only the
+        last row [1, V] with all_logits=False (skips the LM head over a long prompt)."""
         ...
 
     def forward(self, token_ids: list[int]) -> torch.Tensor:
@@ -87,12 +88,12 @@ class HFBackend:
             self._cache.activate_past_recording()
         self._length = 0
 
-    def prefill(self, token_ids: list[int]) -> torch.Tensor:
+    def prefill(self, token_ids: list[int], all_logits: bool = True) -> torch.Tensor:
         self.reset()
-        return self.forward(token_ids)
+        return self.forward(token_ids, last_only=not all_logits)
 
     @torch.inference_mode()
-    def forward(self, token_ids: list[int]) -> torch.Tensor:
+    def forward(self, token_ids: list[int], last_only: bool = False) -> torch.Tensor:
         if not token_ids:
             return torch.empty(0, self.vocab_size)
         if self._length + len(token_ids) > self.max_length:
@@ -108,6 +109,7 @@ class HFBackend:
             cache_position=positions,
             position_ids=positions.unsqueeze(0),
             output_hidden_states=self.keep_hidden,
+            logits_to_keep=1 if last_only else 0,
         )
         if self.keep_hidden:
             self._store_hidden(out.hidden_states[-1][0])

@@ -8,10 +8,11 @@ Measurement follows Spec-Bench (evaluation/speed.py):
 - speedup = mean over questions of the runner's tok/s / the same mean for the baseline;
 - τ (mean accepted length) is pooled over all decoding steps.
 
-Runners take turns question by question (each question: every method, then every peer), so
-machine drift hits them all alike. A multi-turn question feeds turn n+1 after the runner's own
-answer to turn n. Under greedy decoding every runner's token ids are compared with the
-baseline's, turn by turn: that is the losslessness check, and a mismatch is always reported.
+Runners take turns question by question (each question: every method and every peer, in an
+order that rotates from one question to the next), so machine drift hits them all alike.
+A multi-turn question feeds turn n+1 after the runner's own answer to turn n. Under greedy
+decoding every runner's token ids are compared with the baseline's, turn by turn: that is the
+losslessness check, and a mismatch is always reported.
 """
 
 from __future__ import annotations
@@ -251,7 +252,10 @@ def run_benchmark(
     bar.set_description("bench")
 
     for qi, question in enumerate(questions):
-        for runner in runners:
+        # Rotate the order each question, so no runner always follows the same one (a runner
+        # can leave spinning threads or a cold cache behind for the next).
+        shift = qi % len(runners)
+        for runner in [*runners[shift:], *runners[:shift]]:
             bar.set_postfix_str(f"{question.question_id} {runner.name}", refresh=False)
             messages: list[dict] = []
             turns = []

@@ -107,9 +107,10 @@ class LlamaCppPeer(Runner):
     name = "llamacpp"
     exact = False  # quantized GGUF weights, not the float weights the baseline runs
 
-    def __init__(self, gguf_path, eos_token_ids: set[int], n_ctx: int, threads: int = 2):
+    def __init__(self, gguf_path, eos_token_ids: set[int], n_ctx: int, threads: int | None = None):
         from llama_cpp import Llama  # optional extra
 
+        threads = threads or torch.get_num_threads()  # the same thread budget as the torch runners
         self.llm = Llama(
             model_path=str(gguf_path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
             n_batch=512, verbose=False,

@@ -29,11 +29,36 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="smollm2-135m", help="built-in name, .gguf file or HF model directory")
 
 
+def add_backend_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", default="hf", help="model backend: hf (transformers) or native (lean PyTorch)")
+    p.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="backend option, repeatable (native: precision=fp32|bf16|int8|int4, device=cuda, "
+                        "max_length=N, compile=1)")
+
+
+def backend_options(args: argparse.Namespace) -> dict:
+    """--backend-option KEY=VALUE pairs as a dict, validated before any model is loaded."""
+    from .backend import BACKENDS
+
+    if args.backend not in BACKENDS:
+        raise SpecdecError(f"unknown backend {args.backend!r}; choose one of: {', '.join(BACKENDS)}", "backend")
+    options: dict = {}
+    for item in args.backend_option:
+        key, eq, value = item.partition("=")
+        if not eq or not key.isidentifier():
+            raise SpecdecError(f"--backend-option expects KEY=VALUE, got {item!r}", "backend_option")
+        options[key] = value
+    return options
+
+
 def add_generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text for one prompt")
     p.add_argument("--prompt", required=True, help="a user chat message (plain text with --raw)")
     add_model_args(p)
-    p.add_argument("--drafter", default="ngram", help="none | ngram[:min=N][:max=N] | model:PATH_OR_NAME")
+    add_backend_args(p)
+    p.add_argument("--drafter", default="ngram",
+                   help="none | ngram[:min=N][:max=N] | suffix[:tree=1] | retrieval:DIR | model:PATH_OR_NAME | "
+                        "layerskip[:FILE] | eagle:DIR")
     p.add_argument("--k", default="auto", help="draft length: auto (adaptive) or an integer")
     p.add_argument("--max-new-tokens", type=_positive_int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
@@ -59,14 +84,15 @@ def run_generate(args: argparse.Namespace) -> None:
         from .traffic_log import TrafficLog
 
         log = TrafficLog(args.log_dir)
-    engine = Engine(target=args.target, drafter=args.drafter, k=args.k)
+    options = backend_options(args)
+    engine = Engine(target=args.target, drafter=args.drafter, k=args.k, backend=args.backend, backend_options=options)
     kwargs = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, stop=args.stop, seed=args.seed, chat=not args.raw,
     )
     plain = None
     if args.compare_plain:
-        baseline = Engine(target=engine.target, drafter="none", k=0)
+        baseline = Engine(target=engine.target, drafter="none", k=0, backend=args.backend, backend_options=options)
         baseline.generate(args.prompt, **{**kwargs, "max_new_tokens": 8})  # warm-up
         plain = baseline.generate(args.prompt, **kwargs)
     if args.stream and not args.json:

@@ -216,7 +216,7 @@ class Sequence:
     def start(self) -> None:
         """Prefill every prompt token but the last, which becomes the pending token."""
         self.drafter.begin(self.prompt_ids, self.params, self.generator)
-        self.backend.prefill(self.prompt_ids[:-1])
+        self.backend.prefill(self.prompt_ids[:-1], all_logits=False)  # nobody reads the prompt's logits
         self.stats.prefill_s = time.perf_counter() - self.start_time
 
     def plan(self, k_cap: int | None = None, tree: bool = False) -> list[int] | None:

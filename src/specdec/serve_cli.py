@@ -9,6 +9,7 @@ import os
 import socket
 import sys
 
+from .cli import add_backend_args, backend_options
 from .errors import SpecdecError
 
 
@@ -44,9 +45,7 @@ def add_parser(sub) -> None:
     p.add_argument("--target", default="smollm2-135m", help="built-in name, .gguf file or HF model directory")
     p.add_argument("--drafter", default="ngram", help="default drafter: none | ngram[:min=N][:max=N] | model:PATH")
     p.add_argument("--k", default="auto", help="default draft length: auto (adaptive) or an integer")
-    p.add_argument("--backend", default="hf", help="model backend: hf or native")
-    p.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="backend option, repeatable (native: precision=fp32|bf16|int8|int4, device=cuda, max_length=N)")
+    add_backend_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=_nonneg_int, default=8000, help="0 picks a free port")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --target)")
@@ -82,27 +81,19 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def _backend_options(args: argparse.Namespace) -> dict:
-    options: dict = {}
-    for item in args.backend_option:
-        key, eq, value = item.partition("=")
-        if not eq or not key.isidentifier():
-            raise SpecdecError(f"--backend-option expects KEY=VALUE, got {item!r}", "backend_option")
-        options[key] = value
+    options = backend_options(args)
     if args.backend == "native":
         options.setdefault("slots", args.max_batch)  # one cache slot per request in the batch
     return options
 
 
 def run_serve(args: argparse.Namespace) -> None:
-    from .backend import BACKENDS
     from .controller import make_controller
     from .drafters import DrafterSpec
 
     make_controller(args.k)
     DrafterSpec.parse(args.drafter)
-    if args.backend not in BACKENDS:  # fail before listening; the rest is checked while loading
-        raise SpecdecError(f"unknown backend {args.backend!r}; choose one of: {', '.join(BACKENDS)}", "backend")
-    backend_options = _backend_options(args)
+    options = _backend_options(args)  # fails before listening; the rest is checked while loading
     api_key = None
     if args.api_key_env:
         api_key = os.environ.get(args.api_key_env)
@@ -123,7 +114,7 @@ def run_serve(args: argparse.Namespace) -> None:
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     logging.getLogger("specdec").setLevel(logging.INFO if args.log_level in ("debug", "info") else logging.WARNING)
     config = ServeConfig(
-        target=args.target, drafter=args.drafter, k=args.k, backend=args.backend, backend_options=backend_options,
+        target=args.target, drafter=args.drafter, k=args.k, backend=args.backend, backend_options=options,
         served_model_name=args.served_model_name, api_key=api_key, max_batch=args.max_batch,
         max_queue=args.max_queue, max_batch_tokens=args.max_batch_tokens, spec_off_above=args.spec_off_above,
         request_timeout=args.request_timeout, max_body_bytes=args.max_body_bytes,
