@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
 PROMPT ?= Rewrite this function with type hints and a docstring, keeping the logic unchanged:\n\ndef merge_counts(a, b):\n    result = dict(a)\n    for key, value in b.items():\n        if key in result:\n            result[key] = result[key] + value\n        else:\n            result[key] = value\n    return result
-RUN_ARGS ?= --drafter ngram --max-new-tokens 160
+RUN_ARGS ?= --backend native --drafter ngram --max-new-tokens 160
 
 .PHONY: run test test-fast lint install clean
 

@@ -279,7 +279,7 @@ def test_quantized_scoring_is_batch_invariant(target, precision):
 # ---- quantization ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("precision", "bound"), [("bf16", 0.01), ("int8", 0.02), ("int4", 0.15)])
+@pytest.mark.parametrize(("precision", "bound"), [("bf16", 0.01), ("fp16", 0.002), ("int8", 0.02), ("int4", 0.15)])
 @pytest.mark.parametrize("rows", [48, 40])  # 40: int4 pads to a multiple of 16
 def test_quantized_linear_error_is_bounded(precision, bound, rows):
     gen = torch.Generator().manual_seed(0)
@@ -306,7 +306,7 @@ def test_int4_from_gguf_blocks_matches_dequantize(kind):
     assert (y - expected).norm() / expected.norm() < 0.01  # bf16 activations and scales only
 
 
-@pytest.mark.parametrize(("precision", "bound"), [("bf16", 0.02), ("int8", 0.05), ("int4", 0.3)])
+@pytest.mark.parametrize(("precision", "bound"), [("bf16", 0.02), ("fp16", 0.002), ("int8", 0.05), ("int4", 0.3)])
 def test_quantized_backends_track_fp32(target, precision, bound):
     tokens = random_tokens(24, seed=9)
     full = make_backend("native", target, precision="fp32").prefill(tokens)
