@@ -15,18 +15,8 @@ from .errors import SpecdecError
 DEFAULT_MAX_NEW_TOKENS = 64  # keeps a full run of the shipped set near 30 minutes on 2 CPU cores
 
 
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
 def add_parser(sub) -> None:
-    from .cli import _positive_int, add_model_args
+    from .cli import _nonneg_int, _positive_int, add_model_args
 
     p = sub.add_parser("bench", help="benchmark methods and peers, Spec-Bench style")
     p.add_argument("--data", default=None, help="Spec-Bench question JSONL (default: the shipped set)")

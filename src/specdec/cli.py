@@ -25,6 +25,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="smollm2-135m", help="built-in name, .gguf file or HF model directory")
 
