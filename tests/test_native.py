@@ -276,6 +276,24 @@ def test_quantized_scoring_is_batch_invariant(target, precision):
     assert accepted > 0
 
 
+def test_prompts_run_dense_and_never_share_a_pass_with_steps(target):
+    """With a quantized precision, prompts (over 32 tokens) run the fp32 layers over the same
+    tensors, and a batch that mixes prompts and steps is split, so a step's bits never
+    depend on what it was batched with."""
+    tokens = random_tokens(60, seed=31)
+    fp32 = make_backend("native", target, precision="fp32")
+    int4 = make_backend("native", target, precision="int4")
+    assert torch.equal(int4.prefill(tokens[:40]), fp32.prefill(tokens[:40]))
+    alone = int4.forward(tokens[40:43])  # a step: int4 layers
+    assert not torch.equal(alone, fp32.forward(tokens[40:43]))
+    pool = int4.pool.model.new_pool(slots=2)
+    a, b = pool.new_sequence(), pool.new_sequence()
+    a.prefill(tokens[:40])
+    mixed = pool.forward_batch([a, b], [tokens[40:43], tokens[5:45]])
+    assert torch.equal(mixed[0], alone)
+    assert torch.equal(mixed[1], fp32.prefill(tokens[5:45]))
+
+
 # ---- quantization ----------------------------------------------------------------------------
 
 

@@ -1,0 +1,223 @@
+"""The native backend's KV cache: a preallocated pool of slots, and one sequence per slot.
+
+- `CachePool` owns the KV cache of several sequences, preallocated once as
+  [layers, slots, kv_heads, max_length, head_dim]. A slot is one sequence; tokens are stored
+  by position, so rollback is moving the length pointer.
+- `NativeSequence` is one slot; it implements the ModelBackend protocol plus tree forwards.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .errors import SpecdecError
+from .native import COMPILE_BUCKETS, DECODE_ATTENTION_MAX, DEFAULT_MAX_LENGTH, _Row
+from .tree import ancestor_mask, check_tree, tree_depths
+
+if TYPE_CHECKING:
+    from .native import NativeModel
+
+class CachePool:
+    """A preallocated KV cache for `slots` sequences of up to `max_length` tokens each."""
+
+    def __init__(self, model: NativeModel, slots: int = 1, max_length: int | None = None, kv_dtype=torch.float32):
+        cfg = model.config
+        if slots < 1:
+            raise SpecdecError(f"a cache pool needs at least one slot, got {slots}", "slots")
+        max_length = max_length or min(cfg.max_positions, DEFAULT_MAX_LENGTH)
+        if not 1 <= max_length <= cfg.max_positions:
+            raise SpecdecError(f"max_length must be in 1..{cfg.max_positions}, got {max_length}", "max_length")
+        self.model, self.slots, self.max_length = model, slots, max_length
+        shape = (cfg.num_layers, slots, cfg.num_kv_heads, max_length, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=kv_dtype, device=model.device)
+        self.v = torch.zeros(shape, dtype=kv_dtype, device=model.device)
+        self.cos, self.sin = model.rope_tables(max_length)  # [max_length, head_dim]
+        self._free = list(range(slots - 1, -1, -1))
+        self._hidden: torch.Tensor | None = None  # see hidden_buffer
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def new_sequence(self) -> NativeSequence:
+        if not self._free:
+            raise SpecdecError(f"all {self.slots} cache slots are in use", "slots")
+        return NativeSequence(self, self._free.pop())
+
+    def release(self, seq: NativeSequence) -> None:
+        if seq.pool is not self or seq.slot is None:
+            raise ValueError("this sequence does not hold a slot of this pool")
+        self._free.append(seq.slot)
+        seq.slot = None
+
+    def forward_batch(self, sequences: list[NativeSequence], token_lists: list[list[int]],
+                      last_only: bool = False) -> list[torch.Tensor]:
+        """One packed forward that appends token_lists[i] to sequences[i]; logits [len_i, V]
+        each, or with `last_only` just the last row [1, V] ([0, V] for an empty list)."""
+        if len(sequences) != len(token_lists):
+            raise ValueError("one token list per sequence")
+        if len({id(s) for s in sequences}) != len(sequences):
+            raise ValueError("a sequence appears twice in one batch")
+        for seq, ids in zip(sequences, token_lists, strict=True):
+            seq._check_append(len(ids))  # all checked before any is changed
+        prompt = [len(ids) > DECODE_ATTENTION_MAX for ids in token_lists]
+        if any(prompt) and not all(p or not ids for p, ids in zip(prompt, token_lists, strict=True)):
+            # prompts and steps in two passes, so that no step's logits depend on its batch
+            out: list = [None] * len(sequences)
+            for kind in (True, False):
+                idx = [i for i, p in enumerate(prompt) if p == kind]
+                part = self.forward_batch([sequences[i] for i in idx], [token_lists[i] for i in idx], last_only)
+                for i, logits in zip(idx, part, strict=True):
+                    out[i] = logits
+            return out
+        dense = any(prompt)  # only prompts (and empty lists) here
+        compiled = self.model.compiled and len(sequences) == 1 and not dense
+        tokens, positions, rows, lasts = [], [], [], []
+        for seq, ids in zip(sequences, token_lists, strict=True):
+            start, t = seq._check_append(len(ids)), len(ids)
+            if t == 0:
+                continue
+            lasts.append(len(tokens) + t - 1)
+            if compiled:  # pad to a bucket so a few compiled shapes serve every k; pads come last
+                t = next((b for b in COMPILE_BUCKETS if b >= t and start + b <= self.max_length), t)
+                ids = list(ids) + [ids[-1]] * (t - len(ids))
+            tokens.extend(ids)
+            positions.extend(range(start, start + t))
+            mask = None  # a short chain attends query by query, bit-identical to decode steps
+            if t > DECODE_ATTENTION_MAX:  # a long prompt: one causal pass
+                mask = torch.ones(t, start + t, dtype=torch.bool, device=self.model.device).tril(start)
+            rows.append(_Row(seq.slot, len(tokens) - t, len(tokens), start, start + t, mask))
+        hidden, logits = self._run(tokens, positions, rows, compiled, lasts if last_only else None, dense)
+        out, offset, row = [], 0, 0
+        for seq, ids in zip(sequences, token_lists, strict=True):
+            end = offset + len(ids)
+            if last_only:
+                out.append(logits[row : row + 1] if ids else logits[:0])
+                row += bool(ids)
+            else:
+                out.append(logits[offset:end])
+            seq._store_hidden(seq._length, hidden[offset:end])
+            seq._length, offset = seq._length + len(ids), end
+        return out
+
+    def _run(self, tokens, positions, rows, compiled=False, logits_at=None, dense=False) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [N, hidden] on the model's device, logits [N, V] on the cpu."""
+        cfg, dev = self.model.config, self.model.device
+        if not tokens:
+            return torch.empty(0, cfg.hidden_size, device=dev), torch.empty(0, cfg.vocab_size)
+
+        def as_tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long).to(dev, non_blocking=True)
+
+        at = None if logits_at is None else as_tensor(logits_at)
+        hidden, logits = self.model.forward_packed(
+            self, as_tensor(tokens), as_tensor(positions), rows, at, compiled, dense)
+        return hidden, logits.cpu()
+
+    def hidden_buffer(self) -> torch.Tensor:
+        """[slots, max_length, hidden] post-norm features of cached tokens, allocated on first use."""
+        if self._hidden is None:
+            cfg = self.model.config
+            self._hidden = torch.zeros(self.slots, self.max_length, cfg.hidden_size, device=self.model.device)
+        return self._hidden
+
+
+class NativeSequence:
+    """One cache slot of a pool: the ModelBackend protocol, plus `forward_tree` and `keep`."""
+
+    def __init__(self, pool: CachePool, slot: int):
+        self.pool, self.slot = pool, slot
+        self.vocab_size = pool.model.config.vocab_size
+        self.max_length = pool.max_length
+        self.device = pool.model.device
+        self._length = 0
+        self._tree: tuple[int, list[int]] | None = None  # (length before the tree, parents)
+        # Drafters that read target features (eagle) set keep_hidden; `hidden` then holds the
+        # final post-norm hidden state of every cached token and rolls back with the cache.
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None  # [T, hidden] of the last forward
+        self.supports_tree = True
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def hidden(self) -> torch.Tensor | None:
+        """[length, hidden] features of the cached tokens, when `keep_hidden` is set."""
+        if not self.keep_hidden or self.slot is None:
+            return None
+        return self.pool.hidden_buffer()[self.slot, : self._length]
+
+    def _store_hidden(self, start: int, rows: torch.Tensor) -> None:  # rows: [T, hidden]
+        if self.keep_hidden:
+            self.pool.hidden_buffer()[self.slot, start : start + rows.shape[0]] = rows
+        self.last_hidden = rows
+
+    def reset(self) -> None:
+        self._length, self._tree = 0, None
+
+    def prefill(self, token_ids: list[int], all_logits: bool = True) -> torch.Tensor:
+        """Reset and feed `token_ids`; logits [T, V], or with all_logits=False only [1, V] of the
+        last token, which skips the LM head for the rest of a long prompt."""
+        self.reset()
+        return self.pool.forward_batch([self], [list(token_ids)], last_only=not all_logits)[0]
+
+    def forward(self, token_ids: list[int]) -> torch.Tensor:
+        return self.pool.forward_batch([self], [list(token_ids)])[0]
+
+    def rollback(self, length: int) -> None:
+        if not 0 <= length <= self._length:
+            raise ValueError(f"cannot roll back to {length}; the cache holds {self._length}")
+        self._length, self._tree = length, None
+
+    def _check_append(self, count: int) -> int:
+        if self.slot is None:
+            raise ValueError("this sequence was released")
+        if self._tree is not None:
+            raise ValueError("call keep() or rollback() after forward_tree before appending")
+        if self._length + count > self.max_length:
+            raise ValueError(f"context overflow: {self._length} + {count} > {self.max_length}")
+        return self._length
+
+    def forward_tree(self, token_ids: list[int], parents: list[int]) -> torch.Tensor:
+        """Score a token tree in one forward; returns logits [T, V].
+
+        parents[i] < i is the index of token i's parent, or -1 for a child of the last cached
+        token. Token i sits at position length + depth(i) and sees the cache, its ancestors and
+        itself. Its keys are stored at length + i until `keep` compacts the chosen path.
+        """
+        t = len(token_ids)
+        if len(parents) != t:
+            raise ValueError("one parent per tree token")
+        check_tree(parents)
+        base = self._check_append(t)
+        if t == 0:
+            return torch.empty(0, self.vocab_size)
+        mask = torch.cat([torch.ones(t, base, dtype=torch.bool), ancestor_mask(parents)], dim=1)  # [T, base+T]
+        positions = [base + d for d in tree_depths(parents)]
+        row = _Row(self.slot, 0, t, base, base + t, mask.to(self.device))
+        hidden, logits = self.pool._run(list(token_ids), positions, [row])
+        self._store_hidden(base, hidden)
+        self._length, self._tree = base + t, (base, list(parents))
+        return logits
+
+    def keep(self, indices: list[int]) -> None:
+        """Keep the tree path `indices` (root to leaf, in order) right after the pre-tree cache."""
+        if self._tree is None:
+            raise ValueError("keep() follows forward_tree()")
+        base, parents = self._tree
+        for j, node in enumerate(indices):
+            if not 0 <= node < len(parents) or parents[node] != (indices[j - 1] if j else -1):
+                raise ValueError(f"indices {indices} are not a root-to-leaf path of the tree")
+        if indices != list(range(len(indices))):
+            src = torch.tensor(indices, device=self.device) + base
+            for cache in (self.pool.k, self.pool.v):
+                view = cache[:, self.slot]  # [layers, kv_heads, max_length, dim]
+                view[:, :, base : base + len(indices)] = view.index_select(2, src)
+            if self.keep_hidden:
+                rows = self.pool.hidden_buffer()[self.slot]  # [max_length, hidden]
+                rows[base : base + len(indices)] = rows.index_select(0, src)
+        self._length, self._tree = base + len(indices), None
