@@ -62,3 +62,57 @@ def test_context_overflow_is_refused():
 def test_unknown_backend():
     with pytest.raises(SpecdecError, match="unknown backend"):
         make_backend("tpu", tiny_llama(seed=0))
+
+
+# ---- prefix caching: a prompt that starts like the last one keeps the cached part --------
+
+PREFIX_BACKENDS = [("hf", {}), ("native", {"precision": "fp32"})]
+
+
+@pytest.mark.parametrize(("kind", "options"), PREFIX_BACKENDS, ids=[k for k, _ in PREFIX_BACKENDS])
+@pytest.mark.parametrize(
+    ("shared", "decoded", "expect_keep"),
+    [
+        (10, 0, 10),  # a longer prompt that extends the last one
+        (10, 6, 10),  # decoded tokens after the prompt are never reused
+        (4, 3, 4),  # the prompts diverge after 4 tokens
+        (0, 2, 0),  # nothing in common
+    ],
+)
+def test_prefill_keeping_a_cached_prefix_equals_a_fresh_prefill(kind, options, shared, decoded, expect_keep):
+    target = tiny_llama(seed=0)
+    first = torch.randint(5, 300, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    second = first[:shared] + [301 + i for i in range(9)]  # diverges at `shared`
+    backend = make_backend(kind, target, **options)
+    backend.prefill(first)
+    backend.forward(list(range(40, 40 + decoded)))  # a decoded answer
+    keep = backend.cached_prefix(second)
+    assert keep == expect_keep
+    rows = backend.prefill(second, keep=keep)  # [len(second) - keep, V]
+    assert backend.length == len(second) and rows.shape[0] == len(second) - keep
+    fresh = make_backend(kind, target, **options).prefill(second)
+    torch.testing.assert_close(rows, fresh[keep:], rtol=1e-4, atol=1e-4)
+    tail = [7, 8, 9]
+    torch.testing.assert_close(backend.forward(tail), make_backend(kind, target, **options).prefill(second + tail)[-3:],
+                               rtol=1e-4, atol=1e-4)  # fmt: skip
+
+
+@pytest.mark.parametrize(("kind", "options"), PREFIX_BACKENDS, ids=[k for k, _ in PREFIX_BACKENDS])
+def test_prefix_record_follows_rollback_reset_and_hidden_states(kind, options):
+    backend = make_backend(kind, tiny_llama(seed=0), **options)
+    prompt = list(range(10, 30))
+    backend.prefill(prompt)
+    assert backend.cached_prefix(prompt + [1]) == 20
+    backend.rollback(15)  # below the prefilled length: those tokens are gone
+    assert backend.cached_prefix(prompt) == 15
+    with pytest.raises(ValueError, match="does not hold"):
+        backend.prefill([99, *prompt[1:]], keep=5)
+    assert backend.cached_prefix(prompt) == 0  # a refused prefill resets
+    backend.prefill(prompt)
+    backend.keep_hidden = True  # a drafter now reads hidden states the prefix did not keep
+    assert backend.cached_prefix(prompt) == 0
+    backend.prefill(prompt)
+    assert backend.cached_prefix(prompt) == 20
+    assert backend.hidden.shape[0] == 20
+    backend.reset()
+    assert backend.cached_prefix(prompt) == 0

@@ -250,3 +250,20 @@ def test_model_drafter_from_a_directory(target, tmp_path):
     engine = Engine(target=target, drafter=f"model:{path}", k=4)
     result = engine.generate(PROMPTS[0], max_new_tokens=20, chat=False)
     assert result.stats.acceptance_rate == 1.0  # same weights, loaded from disk
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram"])
+def test_multi_turn_prompts_reuse_the_cached_prefix_and_stay_exact(target, drafter):
+    """A conversation resent with one more turn prefills only the new part, and its output
+    equals a cold start's (each turn checked against transformers' greedy decoding)."""
+    engine = Engine(target, drafter=drafter if drafter == "none" else "ngram:min=1", k=0 if drafter == "none" else 4)
+    prompt = target.tokenizer.encode(PROMPTS[1])
+    cached = []
+    for _ in range(3):
+        result = engine.generate(prompt, max_new_tokens=16)
+        assert result.token_ids == hf_greedy(target, prompt, 16)
+        cached.append(result.stats.cached_prompt_tokens)
+        prompt = prompt + result.token_ids + target.tokenizer.encode(PROMPTS[0])
+    assert cached[0] == 0 and all(c > 0 for c in cached[1:])
+    cold = Engine(target, drafter="none", k=0, prefix_cache=False)
+    assert cold.generate(prompt, max_new_tokens=4).stats.cached_prompt_tokens == 0

@@ -115,7 +115,7 @@ class FakePool:
     def __init__(self, target):
         self.target = target
         self.batch_sizes: list[int] = []
-        self.released = 0
+        self.free_slots = 99
 
     def new_sequence(self):
         seq = HFBackend(self.target.model)
@@ -125,9 +125,6 @@ class FakePool:
     def forward_batch(self, sequences, token_lists):
         self.batch_sizes.append(len(sequences))
         return [s.forward(t) for s, t in zip(sequences, token_lists, strict=True)]
-
-    def release(self, seq) -> None:
-        self.released += 1
 
 
 def test_pooled_backend_gets_one_forward_per_step_and_slots_back(target, monkeypatch):
@@ -144,7 +141,7 @@ def test_pooled_backend_gets_one_forward_per_step_and_slots_back(target, monkeyp
         assert rec.result.token_ids == plain.generate(target.tokenizer.encode(prompt), max_new_tokens=20).token_ids
     assert max(pool.batch_sizes) == 3  # all three verified in one forward
     assert len(pool.batch_sizes) == sched.num_steps
-    assert pool.released == 3
+    assert sched.slots.in_use == 0  # the slots wait, caches kept, for prompts that share a prefix
 
 
 def test_cancel_frees_the_slot_and_others_continue(target):
@@ -248,7 +245,7 @@ def test_native_pool_is_batched_and_lossless(target):
     run_until_idle(sched)
     for prompt, rec in zip(PROMPTS[:4], recs, strict=True):
         assert rec.result.token_ids == plain.generate(target.tokenizer.encode(prompt), max_new_tokens=20).token_ids
-    assert sched.max_batch_seen == 3 and sched.slots.pool.free_slots == 3
+    assert sched.max_batch_seen == 3 and sched.slots.in_use == 0 and sched.slots.pool.free_slots == 0
 
 
 def test_tree_drafts_are_scored_with_tree_attention(target, monkeypatch):
@@ -281,3 +278,23 @@ def test_tree_drafts_are_scored_with_tree_attention(target, monkeypatch):
         assert rec.result.prompt_ids + rec.result.token_ids == seq
         assert rec.result.stats.num_accepted_tokens > 0
     assert trees
+
+
+def test_a_request_gets_the_slot_that_caches_its_prompt_prefix(target):
+    """Agents resend their conversation: turn 2 lands on the slot that served turn 1 and
+    prefills only the new tokens, with the output of a cold start."""
+    plain = Engine(target, drafter="none", k=0, prefix_cache=False)
+    sched = Scheduler(target, "hf", "ngram:min=1", "auto", max_batch=2)
+    first, other = target.tokenizer.encode(PROMPTS[0]), target.tokenizer.encode(PROMPTS[2])
+    recs = [Recorder(), Recorder()]
+    sched.submit(make_request(target, PROMPTS[0], recs[0], 12))
+    sched.submit(make_request(target, PROMPTS[2], recs[1], 12))
+    run_until_idle(sched)
+    assert [r.result.stats.cached_prompt_tokens for r in recs] == [0, 0]
+    turn2 = first + recs[0].result.token_ids + first[1:]  # the conversation so far plus a new message
+    rec = Recorder()
+    sched.submit(GenRequest(turn2, SamplingParams(), 12, rec))
+    run_until_idle(sched)
+    assert rec.result.stats.cached_prompt_tokens == len(first) - 1  # what turn 1 prefilled
+    assert rec.result.token_ids == plain.generate(turn2, max_new_tokens=12).token_ids
+    assert len(other) > 1 and sched.slots.in_use == 0

@@ -21,9 +21,16 @@ class ModelBackend(Protocol):
         """Number of tokens held in the KV cache."""
         ...
 
-    def prefill(self, token_ids: list[int], all_logits: bool = True) -> torch.Tensor:
-        """Reset the cache, feed `token_ids`; return logits [len(token_ids), V], or only the
-        last row [1, V] with all_logits=False (skips the LM head over a long prompt)."""
+    def prefill(self, token_ids: list[int], all_logits: bool = True, keep: int = 0) -> torch.Tensor:
+        """Reset the cache, feed `token_ids`; return logits [len(token_ids) - keep, V], or only
+        the last row [1, V] with all_logits=False (skips the LM head over a long prompt).
+        With keep > 0 the first `keep` tokens stay cached from an earlier prefill (see
+        `cached_prefix`) and only the rest is fed."""
+        ...
+
+    def cached_prefix(self, token_ids: list[int]) -> int:
+        """How many leading `token_ids` this cache holds from earlier prefills: the `keep`
+        a prefill of `token_ids` may pass."""
         ...
 
     def forward(self, token_ids: list[int]) -> torch.Tensor:
@@ -39,7 +46,48 @@ class ModelBackend(Protocol):
         ...
 
 
-class HFBackend:
+class PrefixCache:
+    """Remembers which cached tokens came from prefills, so that a later prompt starting with
+    them keeps their keys and values and prefills only the rest: prefix caching with one
+    entry per KV cache. Multi-turn agents resend their conversation and share system prompts
+    and tool lists, so most of a prompt is usually cached already.
+
+    Only prefilled tokens count, not decoded ones: a prefix is then computed by the same
+    passes whichever drafter decoded the previous request, so reuse cannot make methods differ.
+    """
+
+    def _init_prefix(self) -> None:
+        self._prefilled: list[int] = []  # the cache's first tokens, all written by prefills
+        self._prefilled_hidden = False  # whether their hidden states were kept too
+
+    def cached_prefix(self, token_ids: list[int]) -> int:
+        if self.keep_hidden and not self._prefilled_hidden:
+            return 0  # a drafter needs features that the cached prefix did not keep
+        n, cached = 0, self._prefilled
+        for a, b in zip(cached, token_ids, strict=False):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    def _start_prefill(self, token_ids: list[int], keep: int) -> list[int]:
+        """Roll back to `keep` cached tokens (or reset); return the tokens left to feed."""
+        if keep:
+            if keep > len(self._prefilled) or self._prefilled[:keep] != list(token_ids[:keep]):
+                self.reset()
+                raise ValueError(f"keep={keep}: the cache does not hold these {keep} tokens")
+            self.rollback(keep)
+        else:
+            self.reset()
+        self._prefilled_hidden = self.keep_hidden and (self._prefilled_hidden or not keep)
+        self._prefilled = list(token_ids)  # written once the caller's forward has run
+        return list(token_ids[keep:])
+
+    def _drop_prefix(self, length: int) -> None:  # after rollback(length) or reset()
+        del self._prefilled[length:]
+
+
+class HFBackend(PrefixCache):
     """A transformers causal LM over a DynamicCache; rollback is `DynamicCache.crop`."""
 
     def __init__(self, model: torch.nn.Module):
@@ -53,11 +101,12 @@ class HFBackend:
         self.device = next(model.parameters()).device
         self._length = 0
         self._tree_base: int | None = None  # cache length before a forward_tree awaiting keep()
-        self.reset()
-        self.last_hidden: torch.Tensor | None = None  # [T, H] of the last forward, for drafters
         # Opt-in (set by the eagle drafter): keep the final post-norm hidden state of every
         # cached token, in a buffer that rolls back with the cache.
         self.keep_hidden = False
+        self._init_prefix()
+        self.reset()
+        self.last_hidden: torch.Tensor | None = None  # [T, H] of the last forward, for drafters
         self._hidden: torch.Tensor | None = None  # [capacity, H]
 
     @property
@@ -87,10 +136,15 @@ class HFBackend:
         if hasattr(self._cache, "activate_past_recording"):
             self._cache.activate_past_recording()
         self._length = 0
+        self._drop_prefix(0)
 
-    def prefill(self, token_ids: list[int], all_logits: bool = True) -> torch.Tensor:
-        self.reset()
-        return self.forward(token_ids, last_only=not all_logits)
+    def prefill(self, token_ids: list[int], all_logits: bool = True, keep: int = 0) -> torch.Tensor:
+        rest = self._start_prefill(token_ids, keep)
+        try:
+            return self.forward(rest, last_only=not all_logits)
+        except BaseException:
+            self.reset()  # a half-written prefix must not be reused
+            raise
 
     @torch.inference_mode()
     def forward(self, token_ids: list[int], last_only: bool = False) -> torch.Tensor:
@@ -122,6 +176,7 @@ class HFBackend:
         self._cache.crop(length - self._length)  # a negative count removes that many tokens
         self._length = length
         self._tree_base = None
+        self._drop_prefix(length)
 
     @property
     def supports_tree(self) -> bool:

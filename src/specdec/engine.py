@@ -67,6 +67,7 @@ class Engine:
         k: str | int = "auto",
         backend: str = "hf",
         backend_options: dict | None = None,  # e.g. {"precision": "int8"} for the native backend
+        prefix_cache: bool = True,
     ):
         self.target = target if isinstance(target, LoadedModel) else load_model(target)
         self.tokenizer = self.target.tokenizer
@@ -81,6 +82,7 @@ class Engine:
         make_controller(k)  # validate now rather than at the first request
         self.k = k
         self.eos_token_ids = self.target.eos_token_ids
+        self.prefix_cache = prefix_cache  # keep the cached part of a prompt that repeats the last one's start
 
     # ---- prompts -------------------------------------------------------------------------
 
@@ -158,7 +160,7 @@ class Engine:
             self.backend, self.drafter, prompt_ids, params, max_new_tokens, self.k,
             self.tokenizer, self.eos_token_ids, stop, seed, track_text,
         )
-        seq.start()
+        seq.start(reuse_prefix=self.prefix_cache)
         while (tokens := seq.plan(tree=True)) is not None:
             t0 = time.perf_counter()
             if seq.tree_parents is not None:  # a token tree: one forward with tree attention
@@ -213,10 +215,14 @@ class Sequence:
         self._step: tuple | None = None  # (k, draft_tokens, draft_probs, cache_len, propose_s) between plan and advance
         self.tree_parents: list[int] | None = None  # parents of the planned tokens when they form a tree
 
-    def start(self) -> None:
-        """Prefill every prompt token but the last, which becomes the pending token."""
+    def start(self, reuse_prefix: bool = True) -> None:
+        """Prefill every prompt token but the last, which becomes the pending token; keep the
+        part the backend's cache holds from an earlier prompt (`PrefixCache`)."""
         self.drafter.begin(self.prompt_ids, self.params, self.generator)
-        self.backend.prefill(self.prompt_ids[:-1], all_logits=False)  # nobody reads the prompt's logits
+        prefix = self.prompt_ids[:-1]
+        keep = self.backend.cached_prefix(prefix) if reuse_prefix else 0
+        self.backend.prefill(prefix, all_logits=False, keep=keep)  # nobody reads the prompt's logits
+        self.stats.cached_prompt_tokens = keep
         self.stats.prefill_s = time.perf_counter() - self.start_time
 
     def plan(self, k_cap: int | None = None, tree: bool = False) -> list[int] | None:

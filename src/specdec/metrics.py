@@ -46,6 +46,12 @@ class ServerMetrics:
         self.running = Gauge(p + "num_requests_running", "Requests being decoded.", registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens.", registry=r)
+        self.prefix_cache_queries = Counter(
+            p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=r
+        )
+        self.prefix_cache_hits = Counter(
+            p + "prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=r
+        )
         self.request_success = Counter(
             p + "request_success", "Finished requests.", ["finished_reason"], registry=r
         )
@@ -77,6 +83,8 @@ class ServerMetrics:
         if req.first_token_at is not None:
             self.ttft.observe(req.first_token_at - req.submitted_at)
         self.prompt_tokens.inc(len(result.prompt_ids))
+        self.prefix_cache_queries.inc(len(result.prompt_ids))
+        self.prefix_cache_hits.inc(result.stats.cached_prompt_tokens)
         self.generation_tokens.inc(len(result.token_ids))
         self.request_success.labels(finished_reason=result.finish_reason).inc()
 

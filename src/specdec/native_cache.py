@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .backend import PrefixCache
 from .errors import SpecdecError
 from .native import COMPILE_BUCKETS, DECODE_ATTENTION_MAX, DEFAULT_MAX_LENGTH, _Row
 from .tree import ancestor_mask, check_tree, tree_depths
@@ -124,7 +125,7 @@ class CachePool:
         return self._hidden
 
 
-class NativeSequence:
+class NativeSequence(PrefixCache):
     """One cache slot of a pool: the ModelBackend protocol, plus `forward_tree` and `keep`."""
 
     def __init__(self, pool: CachePool, slot: int):
@@ -139,6 +140,7 @@ class NativeSequence:
         self.keep_hidden = False
         self.last_hidden: torch.Tensor | None = None  # [T, hidden] of the last forward
         self.supports_tree = True
+        self._init_prefix()
 
     @property
     def length(self) -> int:
@@ -158,12 +160,20 @@ class NativeSequence:
 
     def reset(self) -> None:
         self._length, self._tree = 0, None
+        self._drop_prefix(0)
 
-    def prefill(self, token_ids: list[int], all_logits: bool = True) -> torch.Tensor:
-        """Reset and feed `token_ids`; logits [T, V], or with all_logits=False only [1, V] of the
-        last token, which skips the LM head for the rest of a long prompt."""
-        self.reset()
-        return self.pool.forward_batch([self], [list(token_ids)], last_only=not all_logits)[0]
+    def prefill(self, token_ids: list[int], all_logits: bool = True, keep: int = 0) -> torch.Tensor:
+        """Reset (or keep `keep` cached tokens) and feed the rest of `token_ids`; logits [T, V],
+        or with all_logits=False only [1, V] of the last token, which skips the LM head for
+        the rest of a long prompt."""
+        rest = self._start_prefill(token_ids, keep)
+        if not rest:
+            return torch.empty(0, self.vocab_size)
+        try:
+            return self.pool.forward_batch([self], [rest], last_only=not all_logits)[0]
+        except BaseException:
+            self.reset()  # a half-written prefix must not be reused
+            raise
 
     def forward(self, token_ids: list[int]) -> torch.Tensor:
         return self.pool.forward_batch([self], [list(token_ids)])[0]
@@ -172,6 +182,7 @@ class NativeSequence:
         if not 0 <= length <= self._length:
             raise ValueError(f"cannot roll back to {length}; the cache holds {self._length}")
         self._length, self._tree = length, None
+        self._drop_prefix(length)
 
     def _check_append(self, count: int) -> int:
         if self.slot is None:

@@ -102,8 +102,10 @@ class BackendSlots:
     """Per-request KV caches over the shared target weights.
 
     With a pooled backend (`backend.pool` has new_sequence / forward_batch / release) a slot
-    is a sequence of the pool; otherwise it is a fresh backend from `make_backend`, reset and
-    kept for reuse when its request ends (the reset frees the cache memory).
+    is a sequence of the pool; otherwise it is a fresh backend from `make_backend`. A slot
+    whose request ended keeps its cache: the next request goes to the free slot that holds
+    the longest prefix of its prompt (`PrefixCache`), so agents that resend their
+    conversation, or share a system prompt and tool list, skip most of their prefill.
     """
 
     def __init__(self, kind: str, target, options: dict | None = None):
@@ -111,12 +113,15 @@ class BackendSlots:
         first = make_backend(kind, target, **self.options)
         self.pool = getattr(first, "pool", None)
         self.max_length = int(first.max_length)
-        self._free = [first]
+        self._free = [first]  # least recently released first
         self.in_use = 0
 
-    def acquire(self):
-        if self._free:
-            backend = self._free.pop()
+    def acquire(self, prompt_ids: list[int] | None = None):
+        """A slot for a request; the one whose cache holds the longest prefix of `prompt_ids`."""
+        hits = [b.cached_prefix(prompt_ids) if prompt_ids else 0 for b in self._free]
+        best = max(range(len(hits)), key=hits.__getitem__) if hits else None
+        if best is not None and (hits[best] > 0 or not self._can_grow()):
+            backend = self._free.pop(best)  # a hit, or else the least recently used slot
         elif self.pool is not None:
             backend = self.pool.new_sequence()
         else:
@@ -124,14 +129,14 @@ class BackendSlots:
         self.in_use += 1
         return backend
 
-    def release(self, backend) -> None:
-        self.in_use -= 1
-        if self.pool is not None:
-            self.pool.release(backend)
-        else:
-            backend.reset()
-            self._free.append(backend)
+    def _can_grow(self) -> bool:
+        return self.pool is None or self.pool.free_slots > 0
 
+    def release(self, backend, keep_cache: bool = True) -> None:
+        self.in_use -= 1
+        if not keep_cache:
+            backend.reset()
+        self._free.append(backend)
 
 class DrafterPool:
     """Drafter instances by spec text. One instance serves one request at a time (`begin`
@@ -361,7 +366,7 @@ class Scheduler:
             spec, spec_k = (self.default_drafter, None) if req.drafter is None else self.resolve_drafter(req.drafter)
             k = req.k if req.k is not None else spec_k if spec_k is not None else self.default_k
             drafter = self.drafters.acquire(spec)
-            backend = self.slots.acquire()
+            backend = self.slots.acquire(req.prompt_ids)
             drafter.bind_target(backend)  # drafters that read the target's states follow this request's cache
             seq = Sequence(
                 backend, drafter, req.prompt_ids, req.params, req.max_new_tokens, k,
@@ -370,7 +375,7 @@ class Scheduler:
             seq.start()
         except Exception as e:
             if backend is not None:
-                self.slots.release(backend)
+                self.slots.release(backend, keep_cache=False)
             if drafter is not None:
                 self.drafters.release(spec, drafter)
             self._forget()
@@ -404,7 +409,7 @@ class Scheduler:
         self._active.remove(a)
         if self.metrics is not None:
             self.metrics.observe_spec(a.seq.stats)
-        self.slots.release(a.backend)
+        self.slots.release(a.backend, keep_cache=reuse_drafter)  # a failed request's cache is not trusted
         if reuse_drafter:
             self.drafters.release(a.spec, a.drafter)
         self._forget()

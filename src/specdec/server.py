@@ -335,7 +335,7 @@ class Gateway:
                     return _error_for(payload)
                 if kind == "done":
                     self._record(body, chat, payload)
-                    use = usage(len(payload.prompt_ids), len(payload.token_ids))
+                    use = usage(len(payload.prompt_ids), len(payload.token_ids), payload.stats.cached_prompt_tokens)
                     spec = spec_decode(payload.stats, req.drafter or self.scheduler.default_drafter)
                     return JSONResponse(builder.full(payload.text, payload.finish_reason, use, spec))
             req.cancel()  # the client disconnected: stop generating, free the cache slot
@@ -359,7 +359,7 @@ class Gateway:
                     final["spec_decode"] = spec_decode(payload.stats, req.drafter or self.scheduler.default_drafter)
                     yield sse(final)
                     if include_usage:
-                        yield sse(builder.usage_chunk(usage(len(payload.prompt_ids), len(payload.token_ids))))
+                        yield sse(builder.usage_chunk(usage(len(payload.prompt_ids), len(payload.token_ids), payload.stats.cached_prompt_tokens)))
                     break
                 elif kind == "error":  # headers are sent: an error event the OpenAI SDKs raise on
                     yield sse(json.loads(_error_for(payload).body))

@@ -22,6 +22,7 @@ class SpecStats:
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted by each step
     k_history: list[int] = field(default_factory=list)  # k the controller chose at each step
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens whose keys/values an earlier prefill left in the cache
     prefill_s: float = 0.0
     propose_s: float = 0.0
     score_s: float = 0.0
@@ -68,6 +69,7 @@ class SpecStats:
             "accepted_tokens": self.num_accepted_tokens,
             "generated_tokens": self.num_emitted_tokens,
             "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "accepted_per_pos": list(self.accepted_per_pos),

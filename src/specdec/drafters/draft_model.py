@@ -26,9 +26,8 @@ class ModelDrafter(Drafter):
         self._generator: torch.Generator | None = None
 
     def begin(self, prompt_ids, params, generator) -> None:
+        # the draft cache is kept: `propose` reuses whatever prefix the new context shares with it
         self._params, self._generator = params, generator
-        self.backend.reset()
-        self._cached = []
 
     def propose(self, context_ids: list[int], k: int) -> Draft:
         room = self.backend.max_length - len(context_ids)
@@ -36,6 +35,7 @@ class ModelDrafter(Drafter):
         if k <= 0:
             return Draft([])
         shared = _common_prefix(self._cached, context_ids, limit=len(context_ids) - 1)
+        self._cached = []  # unknown until the forward below has run
         self.backend.rollback(shared)
         logits = self.backend.forward(context_ids[shared:])[-1]  # [V]
         self._cached = list(context_ids)
