@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama
+from specdec import backend as backend_mod
 from specdec.backend import HFBackend, make_backend
 from specdec.errors import SpecdecError
 
@@ -66,20 +67,26 @@ def test_unknown_backend():
 
 # ---- prefix caching: a prompt that starts like the last one keeps the cached part --------
 
-PREFIX_BACKENDS = [("hf", {}), ("native", {"precision": "fp32"})]
+PREFIX_BACKENDS = [("hf", {}), ("native", {"precision": "fp32"}), ("native", {"precision": "int4"})]
+PREFIX_IDS = ["hf", "native-fp32", "native-int4"]
 
 
-@pytest.mark.parametrize(("kind", "options"), PREFIX_BACKENDS, ids=[k for k, _ in PREFIX_BACKENDS])
+@pytest.fixture
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(backend_mod, "PREFILL_CHUNK", 4)
+
+
+@pytest.mark.parametrize(("kind", "options"), PREFIX_BACKENDS, ids=PREFIX_IDS)
 @pytest.mark.parametrize(
     ("shared", "decoded", "expect_keep"),
     [
-        (10, 0, 10),  # a longer prompt that extends the last one
-        (10, 6, 10),  # decoded tokens after the prompt are never reused
+        (10, 0, 8),  # a longer prompt that extends the last one: kept up to a chunk boundary
+        (10, 6, 8),  # decoded tokens after the prompt are never reused
         (4, 3, 4),  # the prompts diverge after 4 tokens
-        (0, 2, 0),  # nothing in common
+        (3, 2, 0),  # less than a chunk in common
     ],
 )
-def test_prefill_keeping_a_cached_prefix_equals_a_fresh_prefill(kind, options, shared, decoded, expect_keep):
+def test_prefill_keeping_a_cached_prefix_changes_no_bits(small_chunks, kind, options, shared, decoded, expect_keep):
     target = tiny_llama(seed=0)
     first = torch.randint(5, 300, (12,), generator=torch.Generator().manual_seed(1)).tolist()
     second = first[:shared] + [301 + i for i in range(9)]  # diverges at `shared`
@@ -90,23 +97,27 @@ def test_prefill_keeping_a_cached_prefix_equals_a_fresh_prefill(kind, options, s
     assert keep == expect_keep
     rows = backend.prefill(second, keep=keep)  # [len(second) - keep, V]
     assert backend.length == len(second) and rows.shape[0] == len(second) - keep
-    fresh = make_backend(kind, target, **options).prefill(second)
-    torch.testing.assert_close(rows, fresh[keep:], rtol=1e-4, atol=1e-4)
-    tail = [7, 8, 9]
-    torch.testing.assert_close(backend.forward(tail), make_backend(kind, target, **options).prefill(second + tail)[-3:],
-                               rtol=1e-4, atol=1e-4)  # fmt: skip
+    cold = make_backend(kind, target, **options)
+    assert torch.equal(rows, cold.prefill(second)[keep:])
+    assert torch.equal(backend.forward([7, 8, 9]), cold.forward([7, 8, 9]))  # the decode after it too
 
 
-@pytest.mark.parametrize(("kind", "options"), PREFIX_BACKENDS, ids=[k for k, _ in PREFIX_BACKENDS])
-def test_prefix_record_follows_rollback_reset_and_hidden_states(kind, options):
+def test_prefill_chunks_are_cut_at_fixed_positions(small_chunks):
+    assert backend_mod.prefill_chunks(list(range(10)), 0) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert backend_mod.prefill_chunks(list(range(6)), 6) == [[0, 1], [2, 3, 4, 5]]
+    assert backend_mod.prefill_chunks([], 3) == []
+
+
+@pytest.mark.parametrize(("kind", "options"), PREFIX_BACKENDS[:2], ids=PREFIX_IDS[:2])
+def test_prefix_record_follows_rollback_reset_and_hidden_states(small_chunks, kind, options):
     backend = make_backend(kind, tiny_llama(seed=0), **options)
     prompt = list(range(10, 30))
     backend.prefill(prompt)
     assert backend.cached_prefix(prompt + [1]) == 20
     backend.rollback(15)  # below the prefilled length: those tokens are gone
-    assert backend.cached_prefix(prompt) == 15
+    assert backend.cached_prefix(prompt) == 12
     with pytest.raises(ValueError, match="does not hold"):
-        backend.prefill([99, *prompt[1:]], keep=5)
+        backend.prefill([99, *prompt[1:]], keep=4)
     assert backend.cached_prefix(prompt) == 0  # a refused prefill resets
     backend.prefill(prompt)
     backend.keep_hidden = True  # a drafter now reads hidden states the prefix did not keep

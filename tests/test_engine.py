@@ -9,6 +9,7 @@ import torch
 
 from conftest import save_loaded, tiny_llama, tiny_tokenizer
 from specdec import Engine, SpecdecError
+from specdec import backend as backend_mod
 from specdec.backend import HFBackend
 from specdec.drafters.draft_model import ModelDrafter
 
@@ -253,9 +254,10 @@ def test_model_drafter_from_a_directory(target, tmp_path):
 
 
 @pytest.mark.parametrize("drafter", ["none", "ngram"])
-def test_multi_turn_prompts_reuse_the_cached_prefix_and_stay_exact(target, drafter):
+def test_multi_turn_prompts_reuse_the_cached_prefix_and_stay_exact(target, drafter, monkeypatch):
     """A conversation resent with one more turn prefills only the new part, and its output
     equals a cold start's (each turn checked against transformers' greedy decoding)."""
+    monkeypatch.setattr(backend_mod, "PREFILL_CHUNK", 4)
     engine = Engine(target, drafter=drafter if drafter == "none" else "ngram:min=1", k=0 if drafter == "none" else 4)
     prompt = target.tokenizer.encode(PROMPTS[1])
     cached = []

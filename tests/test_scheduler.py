@@ -9,6 +9,7 @@ import pytest
 
 import specdec.scheduler as scheduler_mod
 from conftest import tiny_llama
+from specdec import backend as backend_mod
 from specdec.backend import HFBackend
 from specdec.engine import Engine
 from specdec.errors import SpecdecError
@@ -280,9 +281,10 @@ def test_tree_drafts_are_scored_with_tree_attention(target, monkeypatch):
     assert trees
 
 
-def test_a_request_gets_the_slot_that_caches_its_prompt_prefix(target):
+def test_a_request_gets_the_slot_that_caches_its_prompt_prefix(target, monkeypatch):
     """Agents resend their conversation: turn 2 lands on the slot that served turn 1 and
     prefills only the new tokens, with the output of a cold start."""
+    monkeypatch.setattr(backend_mod, "PREFILL_CHUNK", 4)
     plain = Engine(target, drafter="none", k=0, prefix_cache=False)
     sched = Scheduler(target, "hf", "ngram:min=1", "auto", max_batch=2)
     first, other = target.tokenizer.encode(PROMPTS[0]), target.tokenizer.encode(PROMPTS[2])
@@ -295,6 +297,6 @@ def test_a_request_gets_the_slot_that_caches_its_prompt_prefix(target):
     rec = Recorder()
     sched.submit(GenRequest(turn2, SamplingParams(), 12, rec))
     run_until_idle(sched)
-    assert rec.result.stats.cached_prompt_tokens == len(first) - 1  # what turn 1 prefilled
+    assert rec.result.stats.cached_prompt_tokens == (len(first) - 1) // 4 * 4  # turn 1's prefill, whole chunks
     assert rec.result.token_ids == plain.generate(turn2, max_new_tokens=12).token_ids
     assert len(other) > 1 and sched.slots.in_use == 0

@@ -46,14 +46,31 @@ class ModelBackend(Protocol):
         ...
 
 
+PREFILL_CHUNK = 128  # prompts are fed in chunks that start at multiples of this position
+
+
+def prefill_chunks(token_ids: list[int], start: int) -> list[list[int]]:
+    """Split the tokens that go at positions start.. into chunks cut at multiples of
+    PREFILL_CHUNK. Chunk boundaries depend on positions only, so a prompt's keys and values
+    come out of the same passes whether it is prefilled cold or after a cached prefix."""
+    chunks, pos, i = [], start, 0
+    while i < len(token_ids):
+        n = PREFILL_CHUNK - pos % PREFILL_CHUNK
+        chunks.append(list(token_ids[i : i + n]))
+        i, pos = i + n, pos + n
+    return chunks
+
+
 class PrefixCache:
     """Remembers which cached tokens came from prefills, so that a later prompt starting with
     them keeps their keys and values and prefills only the rest: prefix caching with one
     entry per KV cache. Multi-turn agents resend their conversation and share system prompts
     and tool lists, so most of a prompt is usually cached already.
 
-    Only prefilled tokens count, not decoded ones: a prefix is then computed by the same
-    passes whichever drafter decoded the previous request, so reuse cannot make methods differ.
+    Reuse changes no bits: only prefilled tokens count (not decoded ones, which a drafter's
+    chunks computed), the kept prefix ends at a chunk boundary, and prefills cut their chunks
+    at fixed positions (`prefill_chunks`), so a prompt's keys and values are those of a cold
+    prefill whatever the cache held before.
     """
 
     def _init_prefix(self) -> None:
@@ -68,14 +85,14 @@ class PrefixCache:
             if a != b:
                 break
             n += 1
-        return n
+        return n - n % PREFILL_CHUNK
 
     def _start_prefill(self, token_ids: list[int], keep: int) -> list[int]:
         """Roll back to `keep` cached tokens (or reset); return the tokens left to feed."""
         if keep:
-            if keep > len(self._prefilled) or self._prefilled[:keep] != list(token_ids[:keep]):
+            if keep % PREFILL_CHUNK or keep > len(self._prefilled) or self._prefilled[:keep] != list(token_ids[:keep]):
                 self.reset()
-                raise ValueError(f"keep={keep}: the cache does not hold these {keep} tokens")
+                raise ValueError(f"keep={keep}: the cache does not hold these tokens up to a chunk boundary")
             self.rollback(keep)
         else:
             self.reset()
@@ -141,10 +158,13 @@ class HFBackend(PrefixCache):
     def prefill(self, token_ids: list[int], all_logits: bool = True, keep: int = 0) -> torch.Tensor:
         rest = self._start_prefill(token_ids, keep)
         try:
-            return self.forward(rest, last_only=not all_logits)
+            logits = [self.forward(chunk, last_only=not all_logits) for chunk in prefill_chunks(rest, keep)]
         except BaseException:
             self.reset()  # a half-written prefix must not be reused
             raise
+        if not logits:
+            return torch.empty(0, self.vocab_size)
+        return torch.cat(logits) if all_logits else logits[-1]
 
     @torch.inference_mode()
     def forward(self, token_ids: list[int], last_only: bool = False) -> torch.Tensor:

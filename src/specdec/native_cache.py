@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .backend import PrefixCache
+from .backend import PrefixCache, prefill_chunks
 from .errors import SpecdecError
 from .native import COMPILE_BUCKETS, DECODE_ATTENTION_MAX, DEFAULT_MAX_LENGTH, _Row
 from .tree import ancestor_mask, check_tree, tree_depths
@@ -54,26 +54,30 @@ class CachePool:
         seq.slot = None
 
     def forward_batch(self, sequences: list[NativeSequence], token_lists: list[list[int]],
-                      last_only: bool = False) -> list[torch.Tensor]:
+                      last_only: bool = False, prompt: bool = False) -> list[torch.Tensor]:
         """One packed forward that appends token_lists[i] to sequences[i]; logits [len_i, V]
-        each, or with `last_only` just the last row [1, V] ([0, V] for an empty list)."""
+        each, or with `last_only` just the last row [1, V] ([0, V] for an empty list).
+
+        Lists of more than DECODE_ATTENTION_MAX tokens, or all of them with `prompt`, are
+        prompt chunks: one causal pass each, through the dense layers where there are some.
+        Shorter lists are decode chains, scored query by query."""
         if len(sequences) != len(token_lists):
             raise ValueError("one token list per sequence")
         if len({id(s) for s in sequences}) != len(sequences):
             raise ValueError("a sequence appears twice in one batch")
         for seq, ids in zip(sequences, token_lists, strict=True):
             seq._check_append(len(ids))  # all checked before any is changed
-        prompt = [len(ids) > DECODE_ATTENTION_MAX for ids in token_lists]
-        if any(prompt) and not all(p or not ids for p, ids in zip(prompt, token_lists, strict=True)):
+        is_prompt = [prompt or len(ids) > DECODE_ATTENTION_MAX for ids in token_lists]
+        if any(is_prompt) and not all(p or not ids for p, ids in zip(is_prompt, token_lists, strict=True)):
             # prompts and steps in two passes, so that no step's logits depend on its batch
             out: list = [None] * len(sequences)
             for kind in (True, False):
-                idx = [i for i, p in enumerate(prompt) if p == kind]
-                part = self.forward_batch([sequences[i] for i in idx], [token_lists[i] for i in idx], last_only)
+                idx = [i for i, p in enumerate(is_prompt) if p == kind]
+                part = self.forward_batch([sequences[i] for i in idx], [token_lists[i] for i in idx], last_only, kind)
                 for i, logits in zip(idx, part, strict=True):
                     out[i] = logits
             return out
-        dense = any(prompt)  # only prompts (and empty lists) here
+        dense = any(is_prompt)  # only prompts (and empty lists) here
         compiled = self.model.compiled and len(sequences) == 1 and not dense
         tokens, positions, rows, lasts = [], [], [], []
         for seq, ids in zip(sequences, token_lists, strict=True):
@@ -87,7 +91,7 @@ class CachePool:
             tokens.extend(ids)
             positions.extend(range(start, start + t))
             mask = None  # a short chain attends query by query, bit-identical to decode steps
-            if t > DECODE_ATTENTION_MAX:  # a long prompt: one causal pass
+            if dense:  # a prompt chunk: one causal pass
                 mask = torch.ones(t, start + t, dtype=torch.bool, device=self.model.device).tril(start)
             rows.append(_Row(seq.slot, len(tokens) - t, len(tokens), start, start + t, mask))
         hidden, logits = self._run(tokens, positions, rows, compiled, lasts if last_only else None, dense)
@@ -167,13 +171,15 @@ class NativeSequence(PrefixCache):
         or with all_logits=False only [1, V] of the last token, which skips the LM head for
         the rest of a long prompt."""
         rest = self._start_prefill(token_ids, keep)
-        if not rest:
-            return torch.empty(0, self.vocab_size)
         try:
-            return self.pool.forward_batch([self], [rest], last_only=not all_logits)[0]
+            logits = [self.pool.forward_batch([self], [chunk], last_only=not all_logits, prompt=True)[0]
+                      for chunk in prefill_chunks(rest, keep)]
         except BaseException:
             self.reset()  # a half-written prefix must not be reused
             raise
+        if not logits:
+            return torch.empty(0, self.vocab_size)
+        return torch.cat(logits) if all_logits else logits[-1]
 
     def forward(self, token_ids: list[int]) -> torch.Tensor:
         return self.pool.forward_batch([self], [list(token_ids)])[0]
