@@ -122,15 +122,16 @@ async def run_config(url, sessions, concurrency, drafter, args, headers) -> dict
 
     async def agent(client):
         while queue:
-            _, turns = queue.pop(0)
+            index, turns = queue.pop(0)
             messages = [{"role": "system", "content": SYSTEM}]
-            for user in turns:
+            for turn, user in enumerate(turns):
                 messages.append({"role": "user", "content": user})
                 body = {"model": args.model, "messages": messages, "max_tokens": args.max_tokens,
                         "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True}}
                 if drafter is not None:
                     body["drafter"] = drafter
                 res = await one_request(client, url, body, headers)
+                res["key"] = f"{index}.{turn}"
                 results.append(res)
                 messages = [*messages, {"role": "assistant", "content": res["text"]}]
 
@@ -153,6 +154,7 @@ async def run_config(url, sessions, concurrency, drafter, args, headers) -> dict
         "tpot_mean_s": round(statistics.fmean(tpot), 5) if tpot else None,
         "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
         "tau": round(tokens / steps, 3) if steps else None,
+        "texts": {r["key"]: r["text"] for r in results},
     }
 
 
@@ -240,12 +242,23 @@ def main(argv: list[str] | None = None) -> None:
         if proc is not None:
             proc.terminate()
             proc.wait(30)
-    print("\n| speculation | concurrency | tok/s | latency p50 (s) | p99 (s) | TTFT p50 (s) | p99 (s) | TPOT (s) | accept | tau |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    if args.temperature == 0 and rows:
+        # Greedy: every configuration must reproduce the first one's replies exactly.
+        reference = rows[0]["texts"]
+        for r in rows:
+            same = sum(r["texts"].get(key) == text for key, text in reference.items())
+            r["exact_match"] = f"{same}/{len(reference)}"
+        print(f"\ngreedy replies equal to the first configuration's: "
+              f"{', '.join(r['exact_match'] for r in rows)}")
+    for r in rows:
+        r.pop("texts")
+    print("\n| speculation | concurrency | tok/s | latency p50 (s) | p99 (s) | TTFT p50 (s) | p99 (s) | TPOT (s) "
+          "| accept | tau | exact |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {'on' if r['speculation'] else 'off'} | {r['concurrency']} | {r['tok_per_s']} | {r['latency_p50_s']} | "
               f"{r['latency_p99_s']} | {r['ttft_p50_s']} | {r['ttft_p99_s']} | {r['tpot_mean_s']} | "
-              f"{r['acceptance_rate']} | {r['tau']} |")
+              f"{r['acceptance_rate']} | {r['tau']} | {r.get('exact_match', '–')} |")
     by = {(r["speculation"], r["concurrency"]): r["tok_per_s"] for r in rows}
     summary = {"url": url, "target": args.target if proc else None, "backend": args.backend if proc else None,
                "sessions": args.sessions, "turns": args.turns, "max_tokens": args.max_tokens, "results": rows}

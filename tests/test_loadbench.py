@@ -1,0 +1,25 @@
+"""The concurrency benchmark against a real server process: every configuration runs, and
+greedy replies are checked to be identical across concurrency and speculation settings."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import save_loaded, tiny_llama
+from specdec import loadbench
+
+
+def test_loadbench_runs_every_configuration_and_checks_greedy_replies(tmp_path, capsys):
+    model_dir = save_loaded(tiny_llama(0, max_positions=2048), tmp_path / "model")
+    out = tmp_path / "load.json"
+    loadbench.main([
+        "--target", str(model_dir), "--drafter", "ngram:min=1", "--concurrency", "1,2", "--sessions", "3",
+        "--turns", "2", "--max-tokens", "12", "--out", str(out),
+    ])  # fmt: skip
+    summary = json.loads(out.read_text())
+    rows = summary["results"]
+    assert [(r["speculation"], r["concurrency"]) for r in rows] == [(True, 1), (True, 2), (False, 1), (False, 2)]
+    assert all(r["requests"] == 6 and r["tokens"] > 0 for r in rows)
+    assert all(r["exact_match"] == "6/6" for r in rows)  # nothing lost or mixed between requests
+    assert rows[0]["tau"] is not None and rows[2]["tau"] == 1.0
+    assert "| on | 2 |" in capsys.readouterr().out
