@@ -269,3 +269,18 @@ def test_multi_turn_prompts_reuse_the_cached_prefix_and_stay_exact(target, draft
     assert cached[0] == 0 and all(c > 0 for c in cached[1:])
     cold = Engine(target, drafter="none", k=0, prefix_cache=False)
     assert cold.generate(prompt, max_new_tokens=4).stats.cached_prompt_tokens == 0
+
+
+def test_draft_device_runs_the_draft_on_its_own_device(target, tmp_path):
+    """--draft-device places a model drafter (through the native backend, which takes a
+    device); the target stays where it is. Only cpu exists here: scripts/gpu_check.py runs
+    the cpu-draft / cuda-target split when a GPU is lent."""
+    path = save_loaded(tiny_llama(seed=0), tmp_path / "same")
+    engine = Engine(target=target, drafter=f"model:{path}", k=4, draft_device="cpu")
+    draft_backend = engine.drafter.backend
+    assert type(draft_backend).__name__ == "NativeSequence" and str(draft_backend.device) == "cpu"
+    result = engine.generate(PROMPTS[0], max_new_tokens=20, chat=False)
+    assert result.token_ids == hf_greedy(target, target.tokenizer.encode(PROMPTS[0]), 20)
+    assert result.stats.num_accepted_tokens > 0
+    with pytest.raises(SpecdecError):
+        Engine(target=target, drafter=f"model:{path}", k=4, draft_device="tpu")

@@ -192,7 +192,8 @@ class EngineRunner(Runner):
         )
 
 
-def make_engine_runners(target, methods: Sequence[str], backend: str = "hf") -> list[EngineRunner]:
+def make_engine_runners(target, methods: Sequence[str], backend: str = "hf",
+                        draft_device: str | None = None) -> list[EngineRunner]:
     """One Engine per method, all sharing the loaded target's weights."""
     from .drafters import DrafterSpec
     from .engine import Engine
@@ -200,7 +201,8 @@ def make_engine_runners(target, methods: Sequence[str], backend: str = "hf") -> 
     runners = []
     for method in methods:
         k = 0 if DrafterSpec.parse(method).name == "none" else "auto"
-        runners.append(EngineRunner(method, Engine(target=target, drafter=method, k=k, backend=backend)))
+        engine = Engine(target=target, drafter=method, k=k, backend=backend, draft_device=draft_device)
+        runners.append(EngineRunner(method, engine))
     return runners
 
 

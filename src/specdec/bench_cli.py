@@ -27,6 +27,7 @@ def add_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (and checks exact matches)")
     add_model_args(p)
     p.add_argument("--backend", default="hf", help="target backend for the methods")
+    p.add_argument("--draft-device", default=None, metavar="DEVICE", help="where model drafters run (default: the target's)")
     p.add_argument("--peers", default=None, help="hf,hf-pld,hf-assisted,llamacpp or none (default: all that apply)")
     p.add_argument("--out", default="out/bench", help="output directory")
     p.add_argument("--warmup", type=_nonneg_int, default=1, help="warm-up generations per runner")
@@ -57,7 +58,7 @@ def run_bench(args: argparse.Namespace) -> None:
     from .models import load_model
 
     target = load_model(args.target)
-    runners = make_engine_runners(target, methods, args.backend)
+    runners = make_engine_runners(target, methods, args.backend, args.draft_device)
     engines = {r.name: r.engine for r in runners}
     runners += make_peers(peers, target, args.target, methods, engines)
     print(

@@ -44,6 +44,8 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE",
                    help="backend option, repeatable (native: precision=fp32|bf16|int8|int4, device=cuda, "
                         "max_length=N, compile=1)")
+    p.add_argument("--draft-device", default=None, metavar="DEVICE",
+                   help="where a model drafter runs, e.g. cpu while the target is on cuda (default: the target's)")
 
 
 def backend_options(args: argparse.Namespace) -> dict:
@@ -95,7 +97,8 @@ def run_generate(args: argparse.Namespace) -> None:
 
         log = TrafficLog(args.log_dir)
     options = backend_options(args)
-    engine = Engine(target=args.target, drafter=args.drafter, k=args.k, backend=args.backend, backend_options=options)
+    engine = Engine(target=args.target, drafter=args.drafter, k=args.k, backend=args.backend, backend_options=options,
+                    draft_device=args.draft_device)
     kwargs = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, stop=args.stop, seed=args.seed, chat=not args.raw,

@@ -68,6 +68,7 @@ class Engine:
         backend: str = "hf",
         backend_options: dict | None = None,  # e.g. {"precision": "int8"} for the native backend
         prefix_cache: bool = True,
+        draft_device: str | None = None,  # where the `model` drafter runs (the target stays put)
     ):
         self.target = target if isinstance(target, LoadedModel) else load_model(target)
         self.tokenizer = self.target.tokenizer
@@ -77,7 +78,7 @@ class Engine:
         else:
             spec = DrafterSpec.parse(drafter)
             k = spec.options.pop("k", k)
-            self.drafter, self.drafter_name = make_drafter(spec, self.target), spec.text
+            self.drafter, self.drafter_name = make_drafter(spec, self.target, draft_device), spec.text
         self.drafter.bind_target(self.backend)  # drafters that read the target's states keep it
         make_controller(k)  # validate now rather than at the first request
         self.k = k

@@ -333,6 +333,21 @@ def native_model_for(hf_model: torch.nn.Module, precision: str = "fp32", device=
     return models[key]
 
 
+def check_device(device) -> torch.device:
+    """A torch.device that exists on this machine, or a one-line SpecdecError."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise SpecdecError(f"unknown device {str(device)!r}: {str(e).splitlines()[0]}", "device") from None
+    if device.type != "cpu":
+        module = getattr(torch, device.type, None)
+        available = getattr(module, "is_available", lambda: False)()
+        count = getattr(module, "device_count", lambda: 1)() if available else 0
+        if not available or (device.index or 0) >= count:
+            raise SpecdecError(f"device {str(device)!r} is not available on this machine", "device")
+    return device
+
+
 def default_precision(device=None) -> str:
     """int4 on cpus, bf16 elsewhere. On SmolLM2-135M here (2 threads) int4 decodes at 2.0x the
     HF backend (fp16 1.7x: fbgemm's fp16 GEMM uses one thread; fp32 1.04x), it keeps the
@@ -346,6 +361,7 @@ def make_native_backend(target, precision: str | None = None, device=None, max_l
     """A sequence over a fresh pool (its own KV cache) for a LoadedModel's weights."""
     if device is None:
         device = next(target.model.parameters()).device
+    device = check_device(device)
     model = native_model_for(target.model, precision or default_precision(device), device, _flag(compile))
     pool = model.new_pool(int(slots), int(max_length) if max_length else None)
     if _flag(compile) and not model.compiled:

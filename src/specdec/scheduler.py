@@ -142,13 +142,13 @@ class DrafterPool:
     """Drafter instances by spec text. One instance serves one request at a time (`begin`
     resets it); idle instances are reused so a model drafter is not reloaded per request."""
 
-    def __init__(self, target):
-        self.target = target
+    def __init__(self, target, device: str | None = None):
+        self.target, self.device = target, device
         self._idle: dict[str, list[Drafter]] = {}
 
     def acquire(self, spec: str) -> Drafter:
         idle = self._idle.get(spec)
-        return idle.pop() if idle else make_drafter(spec, self.target)
+        return idle.pop() if idle else make_drafter(spec, self.target, self.device)
 
     def release(self, spec: str, drafter: Drafter) -> None:
         self._idle.setdefault(spec, []).append(drafter)
@@ -177,6 +177,7 @@ class Scheduler:
         policy: LoadPolicy | None = None,
         metrics=None,
         backend_options: dict | None = None,
+        draft_device: str | None = None,
     ):
         if max_batch < 1 or max_queue < 0:
             raise SpecdecError(f"need max_batch >= 1 and max_queue >= 0, got {max_batch}, {max_queue}", "max_batch")
@@ -187,7 +188,7 @@ class Scheduler:
         make_controller(self.default_k)  # validate now
         self.slots = BackendSlots(backend, target, backend_options)
         self.max_length = self.slots.max_length
-        self.drafters = DrafterPool(target)
+        self.drafters = DrafterPool(target, draft_device)
         self.drafters.release(self.default_drafter, self.drafters.acquire(self.default_drafter))  # fail early
         self.max_batch, self.max_queue = max_batch, max_queue
         self.policy = policy or LoadPolicy()

@@ -66,6 +66,9 @@ class DrafterSpec:
     arg: str | None = None
     options: dict[str, str] = field(default_factory=dict)
     text: str = ""
+    # Where a drafter that runs a model of its own puts it (--draft-device); an explicit
+    # `device=` option wins. Drafters without a model of their own ignore it.
+    device: str | None = None
 
     @classmethod
     def parse(cls, text: str) -> DrafterSpec:
@@ -108,10 +111,13 @@ def available() -> list[str]:
     return sorted(REGISTRY)
 
 
-def make_drafter(spec: str | DrafterSpec, target: object) -> Drafter:
-    """Build a drafter from a method string. Engine-level options (like `k`) are ignored here."""
+def make_drafter(spec: str | DrafterSpec, target: object, device: str | None = None) -> Drafter:
+    """Build a drafter from a method string. Engine-level options (like `k`) are ignored here.
+    `device` places a drafter's own model (the draft on cpu while the target is on cuda)."""
     _load_builtins()
     parsed = spec if isinstance(spec, DrafterSpec) else DrafterSpec.parse(spec)
+    if device is not None:
+        parsed.device = device
     factory = REGISTRY.get(parsed.name)
     if factory is None:
         raise SpecdecError(

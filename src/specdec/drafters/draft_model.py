@@ -78,5 +78,9 @@ def _make(spec: DrafterSpec, target: LoadedModel) -> Drafter:
         check_same_tokenizer(target, draft)
     # model:NAME:backend=native:device=cpu:precision=int4 runs the draft natively, on any device
     options = {key: spec.options[key] for key in ("device", "precision") if key in spec.options}
-    backend = make_backend(spec.options.get("backend", "hf"), draft, **options)
+    if spec.device is not None and "device" not in options:
+        options["device"] = spec.device
+    # only the native backend places weights on another device than the loaded model's
+    kind = spec.options.get("backend", "native" if "device" in options else "hf")
+    backend = make_backend(kind, draft, **options)
     return ModelDrafter(backend, target.eos_token_ids)
