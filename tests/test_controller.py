@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.controller import AdaptiveK, FixedK, expected_tokens, make_controller
+from specdec.controller import AdaptiveK, FixedK, ScoreCosts, expected_tokens, make_controller
 from specdec.errors import SpecdecError
 
 
@@ -50,3 +50,27 @@ def test_make_controller():
     for bad in ("-1", "x", "2.5"):
         with pytest.raises(SpecdecError):
             make_controller(bad)
+
+
+@pytest.mark.parametrize(("t1", "slope"), [(0.03, 0.15), (0.025, 0.27), (0.05, 0.0)])
+def test_score_costs_recover_the_line_from_measured_steps(t1, slope):
+    costs = ScoreCosts()
+    assert costs.cost(5) == pytest.approx(1.0 + 4 * costs.prior_slope)  # relative, before any step
+    costs.observe(5, t1 * (1 + 4 * slope))
+    assert costs.cost(5) == pytest.approx(t1 * (1 + 4 * slope))  # one point: the prior slope through it
+    for n in (1, 3, 9):
+        costs.observe(n, t1 * (1 + slope * (n - 1)))
+    assert costs.fit() == pytest.approx((t1, slope))
+    assert costs.cost(17) == pytest.approx(t1 * (1 + 16 * slope))
+
+
+def test_a_shared_cost_model_and_alpha_prior_carry_over_between_requests():
+    """A second request on the same engine starts from what the first measured: with costly
+    verification (slope 0.5) and low acceptance it bypasses from its first step."""
+    costs = ScoreCosts()
+    first = AdaptiveK(costs=costs)
+    drive(first, 0.2, 60, slope=0.5)
+    second = make_controller("auto", costs, prior_alpha=first.alpha)
+    assert second.costs is costs and second.next_k() == 0
+    fresh = make_controller("auto")  # no history: the prior says speculate
+    assert fresh.next_k() > 0

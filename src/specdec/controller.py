@@ -3,8 +3,9 @@
 `AdaptiveK` feeds the expected-speedup model of Leviathan et al. (2023) with numbers it
 measures online:
 - α, the per-token acceptance rate, from (accepted, rejected) counts with exponential decay;
-- the cost of scoring n tokens in one target forward, t(n) = t1 * (1 + slope * (n - 1));
-- the cost of drafting one token.
+- t(n), the cost of scoring n tokens in one target forward, and the cost of drafting one
+  token (`ScoreCosts`, a line fitted to measured steps; an Engine shares one across its
+  requests, since the hardware and the model do not change between them).
 A k-token draft then yields (1 - α^(k+1)) / (1 - α) tokens per step at a cost of
 t(k+1) + k * t_draft, against 1 token per t(1) for plain decoding. The controller picks
 the k with the best rate, grows it by at most `grow` per step, and bypasses speculation
@@ -35,6 +36,52 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
+class ScoreCosts:
+    """Seconds to score n tokens in one target forward, t(n) = t1 * (1 + slope * (n - 1)),
+    fitted by least squares to the mean measured time of each n seen; plus seconds to draft
+    one token. Before anything is measured, t1 = 1 and slope = `prior_slope`."""
+
+    def __init__(self, prior_slope: float = 0.15):
+        self.prior_slope = prior_slope
+        self._mean: dict[int, float] = {}  # n -> EMA of seconds
+        self.t_draft = 0.0
+        self._fit: tuple[float, float] | None = None  # (t1, slope), refitted lazily
+
+    def observe(self, num_scored: int, score_s: float) -> None:
+        if num_scored < 1 or score_s <= 0:
+            return
+        old = self._mean.get(num_scored)
+        self._mean[num_scored] = score_s if old is None else 0.8 * old + 0.2 * score_s
+        self._fit = None
+
+    def observe_draft(self, num_drafted: int, propose_s: float) -> None:
+        if num_drafted > 0:
+            self.t_draft = 0.8 * self.t_draft + 0.2 * (propose_s / num_drafted)
+
+    def fit(self) -> tuple[float, float]:
+        if self._fit is None:
+            points = sorted(self._mean.items())
+            if not points:
+                self._fit = (1.0, self.prior_slope)
+            elif len(points) == 1:
+                n, t = points[0]
+                self._fit = (t / (1.0 + self.prior_slope * (n - 1)), self.prior_slope)
+            else:
+                xs = [n - 1 for n, _ in points]
+                ys = [t for _, t in points]
+                mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+                b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+                a = my - b * mx
+                if a <= 0:  # noise pushed the intercept below zero: keep the smallest n's time
+                    a = points[0][1]
+                self._fit = (a, max(0.0, b) / a)
+        return self._fit
+
+    def cost(self, n: int) -> float:
+        t1, slope = self.fit()
+        return t1 * (1.0 + slope * (n - 1))
+
+
 @dataclass
 class AdaptiveK:
     k_init: int = 4
@@ -43,33 +90,32 @@ class AdaptiveK:
     decay: float = 0.95
     prior_alpha: float = 0.7
     prior_weight: float = 2.0
-    prior_slope: float = 0.15  # scoring 8 tokens ≈ 2x one token on the reference CPU
     min_gain: float = 1.02  # speculate only when it beats plain decoding by this factor
     max_backoff: int = 64
+    costs: ScoreCosts | None = None  # shared across requests by an Engine; else private
 
     def __post_init__(self) -> None:
         self.k = self.k_init
         self._accepted = self.prior_alpha * self.prior_weight
         self._rejected = (1.0 - self.prior_alpha) * self.prior_weight
-        self._t1: float | None = None  # seconds to score one token
-        self._slope = self.prior_slope
-        self._t_draft = 0.0  # seconds to draft one token
+        self.costs = self.costs or ScoreCosts()
         self._bypass_left = 0
         self._backoff = 4
         self.bypassed = False
+        self.drafted = 0  # tokens drafted in this request
 
     @property
     def alpha(self) -> float:
         return self._accepted / (self._accepted + self._rejected)
 
     def score_cost(self, n: int) -> float:
-        return (self._t1 or 1.0) * (1.0 + self._slope * (n - 1))
+        return self.costs.cost(n)
 
     def rate(self, k: int) -> float:
         """Expected tokens per second with a k-token draft (k = 0 is plain decoding)."""
         if k == 0:
             return 1.0 / self.score_cost(1)
-        return expected_tokens(self.alpha, k) / (self.score_cost(k + 1) + k * self._t_draft)
+        return expected_tokens(self.alpha, k) / (self.score_cost(k + 1) + k * self.costs.t_draft)
 
     def best_k(self) -> int:
         return max(range(1, self.k_max + 1), key=self.rate)
@@ -94,26 +140,23 @@ class AdaptiveK:
 
     def observe(self, num_drafted: int, num_accepted: int, num_scored: int, score_s: float, propose_s: float) -> None:
         """num_scored tokens went through one target forward that took score_s seconds."""
-        if num_scored == 1:
-            self._t1 = score_s if self._t1 is None else 0.8 * self._t1 + 0.2 * score_s
-        elif num_scored > 1:
-            if self._t1 is None:
-                self._t1 = score_s / (1.0 + self._slope * (num_scored - 1))
-            else:
-                slope = max(0.0, (score_s / self._t1 - 1.0) / (num_scored - 1))
-                self._slope = 0.8 * self._slope + 0.2 * slope
+        self.costs.observe(num_scored, score_s)
         if num_drafted == 0:
             return
-        self._t_draft = 0.8 * self._t_draft + 0.2 * (propose_s / num_drafted)
+        self.drafted += num_drafted
+        self.costs.observe_draft(num_drafted, propose_s)
         self._accepted = self.decay * self._accepted + num_accepted
         self._rejected = self.decay * self._rejected + (1 if num_accepted < num_drafted else 0)
 
 
-def make_controller(k: str | int) -> FixedK | AdaptiveK:
+def make_controller(k: str | int, costs: ScoreCosts | None = None, prior_alpha: float | None = None) -> FixedK | AdaptiveK:
+    """FixedK for an integer; AdaptiveK for "auto", starting from a shared cost model and
+    the acceptance rate the drafter had on earlier requests, when given."""
     from .errors import SpecdecError
 
     if k in ("auto", None):
-        return AdaptiveK()
+        alpha = 0.7 if prior_alpha is None else min(0.95, max(0.05, prior_alpha))
+        return AdaptiveK(costs=costs, prior_alpha=alpha)
     try:
         value = int(k)
     except (TypeError, ValueError):

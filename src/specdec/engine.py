@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .backend import make_backend
-from .controller import make_controller
+from .controller import AdaptiveK, ScoreCosts, make_controller
 from .drafters import Drafter, DrafterSpec, make_drafter
 from .errors import SpecdecError
 from .models import DEFAULT_TARGET, LoadedModel, load_model
@@ -84,6 +84,10 @@ class Engine:
         self.k = k
         self.eos_token_ids = self.target.eos_token_ids
         self.prefix_cache = prefix_cache  # keep the cached part of a prompt that repeats the last one's start
+        # What the adaptive controller learns that outlives a request: the target's cost of
+        # scoring n tokens on this machine, and how often this drafter's tokens are accepted.
+        self.costs = ScoreCosts()
+        self.alpha_prior: float | None = None
 
     # ---- prompts -------------------------------------------------------------------------
 
@@ -160,6 +164,7 @@ class Engine:
         seq = Sequence(
             self.backend, self.drafter, prompt_ids, params, max_new_tokens, self.k,
             self.tokenizer, self.eos_token_ids, stop, seed, track_text,
+            costs=self.costs, prior_alpha=self.alpha_prior,
         )
         seq.start(reuse_prefix=self.prefix_cache)
         while (tokens := seq.plan(tree=True)) is not None:
@@ -172,6 +177,8 @@ class Engine:
             if delta:
                 yield delta
         final = seq.finish()
+        if isinstance(seq.controller, AdaptiveK) and seq.controller.drafted:
+            self.alpha_prior = seq.controller.alpha  # the next request starts from it
         stream.result = seq.result
         if final:
             yield final
@@ -199,6 +206,8 @@ class Sequence:
         stop: list[str] | None = None,
         seed: int | None = None,
         track_text: bool = True,
+        costs: ScoreCosts | None = None,
+        prior_alpha: float | None = None,
     ):
         self.start_time = time.perf_counter()
         self.backend, self.drafter = backend, drafter
@@ -206,7 +215,7 @@ class Sequence:
         self.eos_token_ids, self.track_text = eos_token_ids, track_text
         self.stats = SpecStats(prompt_tokens=len(prompt_ids))
         self.generator = torch.Generator().manual_seed(seed if seed is not None else int(torch.seed() % 2**63))
-        self.controller = make_controller(k)
+        self.controller = make_controller(k, costs, prior_alpha)
         self.tracker = TextTracker(tokenizer, stop)
         self.context = list(prompt_ids)
         self.generated: list[int] = []
