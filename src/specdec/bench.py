@@ -193,7 +193,7 @@ class EngineRunner(Runner):
 
 
 def make_engine_runners(target, methods: Sequence[str], backend: str = "hf",
-                        draft_device: str | None = None) -> list[EngineRunner]:
+                        draft_device: str | None = None, backend_options: dict | None = None) -> list[EngineRunner]:
     """One Engine per method, all sharing the loaded target's weights."""
     from .drafters import DrafterSpec
     from .engine import Engine
@@ -201,7 +201,8 @@ def make_engine_runners(target, methods: Sequence[str], backend: str = "hf",
     runners = []
     for method in methods:
         k = 0 if DrafterSpec.parse(method).name == "none" else "auto"
-        engine = Engine(target=target, drafter=method, k=k, backend=backend, draft_device=draft_device)
+        engine = Engine(target=target, drafter=method, k=k, backend=backend, draft_device=draft_device,
+                        backend_options=backend_options)
         runners.append(EngineRunner(method, engine))
     return runners
 

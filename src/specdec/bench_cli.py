@@ -16,7 +16,7 @@ DEFAULT_MAX_NEW_TOKENS = 64  # keeps a full run of the shipped set near 30 minut
 
 
 def add_parser(sub) -> None:
-    from .cli import _nonneg_int, _positive_int, add_model_args
+    from .cli import _nonneg_int, _positive_int, add_backend_args, add_model_args
 
     p = sub.add_parser("bench", help="benchmark methods and peers, Spec-Bench style")
     p.add_argument("--data", default=None, help="Spec-Bench question JSONL (default: the shipped set)")
@@ -26,8 +26,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=_positive_int, default=DEFAULT_MAX_NEW_TOKENS)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (and checks exact matches)")
     add_model_args(p)
-    p.add_argument("--backend", default="hf", help="target backend for the methods")
-    p.add_argument("--draft-device", default=None, metavar="DEVICE", help="where model drafters run (default: the target's)")
+    add_backend_args(p)
     p.add_argument("--peers", default=None, help="hf,hf-pld,hf-assisted,llamacpp or none (default: all that apply)")
     p.add_argument("--out", default="out/bench", help="output directory")
     p.add_argument("--warmup", type=_nonneg_int, default=1, help="warm-up generations per runner")
@@ -37,15 +36,14 @@ def add_parser(sub) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> None:
-    from . import backend as backend_mod
     from .bench import load_questions, make_engine_runners, parse_methods, run_benchmark
     from .bench_peers import make_peers, parse_peers
+    from .cli import backend_options
 
     # Everything that can be checked without the model is checked first.
     if args.temperature < 0:
         raise SpecdecError(f"--temperature must be >= 0, got {args.temperature}", "temperature")
-    if args.backend not in backend_mod.BACKENDS:
-        raise SpecdecError(f"unknown backend {args.backend!r}; choose one of: {', '.join(backend_mod.BACKENDS)}")
+    options = backend_options(args)  # also checks the backend name
     methods = parse_methods(args.methods, args.target)
     categories = [c.strip() for c in args.categories.split(",")] if args.categories else None
     if categories is not None and not all(categories):
@@ -58,7 +56,7 @@ def run_bench(args: argparse.Namespace) -> None:
     from .models import load_model
 
     target = load_model(args.target)
-    runners = make_engine_runners(target, methods, args.backend, args.draft_device)
+    runners = make_engine_runners(target, methods, args.backend, args.draft_device, options)
     engines = {r.name: r.engine for r in runners}
     runners += make_peers(peers, target, args.target, methods, engines)
     print(
@@ -79,6 +77,8 @@ def run_bench(args: argparse.Namespace) -> None:
         "peers": [r.name for r in runners if r.kind == "peer"],
         "target": args.target,
         "backend": args.backend,
+        "backend_options": options,
+        "draft_device": args.draft_device,
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
         "warmup": args.warmup,
