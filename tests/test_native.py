@@ -187,6 +187,30 @@ def test_tree_forward_matches_chain_forwards(model, shape):
     torch.testing.assert_close(seq.forward(tail), expected, **TOL)
 
 
+@pytest.mark.parametrize("precision", ["int4", "int8"])
+@pytest.mark.parametrize("shape", ["branches", "forest"])
+def test_tree_scores_every_path_with_the_bits_of_plain_decoding(target, precision, shape):
+    """Tree nodes attend query by query with their path laid out as a chain would hold it, so
+    each node's logits, and the cache kept after `keep`, are bit-identical to decoding that
+    path one token per step: token trees stay exact over a quantized target (whose kernels
+    are row-wise; fp32 GEMM is not, see test_quantized_scoring_is_batch_invariant)."""
+    parents = TREES[shape]
+    prefix, nodes, tail = random_tokens(7, seed=5), random_tokens(len(parents), seed=6), random_tokens(2, seed=7)
+    tree = make_backend("native", target, precision=precision)
+    tree.prefill(prefix)
+    logits = tree.forward_tree(nodes, parents)  # [T, V]
+    deepest = max(range(len(parents)), key=lambda i: len(tree_path(parents, i)))
+    for i in range(len(parents)):
+        steps = make_backend("native", target, precision=precision)
+        steps.prefill(prefix)
+        path = [nodes[j] for j in tree_path(parents, i)]
+        rows = torch.cat([steps.forward([token]) for token in path])
+        assert torch.equal(logits[i], rows[-1]), i
+        if i == deepest:
+            tree.keep(tree_path(parents, i))
+            assert torch.equal(tree.forward(tail), torch.cat([steps.forward([token]) for token in tail]))
+
+
 def test_tree_keep_nothing_and_bad_paths(model):
     seq = model.new_pool().new_sequence()
     seq.prefill([5, 6, 7])

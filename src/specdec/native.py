@@ -87,6 +87,10 @@ class _Row:
     store: int  # their keys and values go to cache[slot, :, store : store + end - start]
     kv_len: int  # they attend to cache[slot, :, :kv_len]
     mask: torch.Tensor | None  # [end - start, kv_len] bool, True = attend; None = attend to all
+    # A token tree: (nodes in depth-first order, depth of each node), attended query by query
+    # (see _tree_attention); the nodes' keys and values of every layer are kept in tree_kv.
+    tree: tuple[list[int], list[int]] | None = None
+    tree_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 class _Layer(torch.nn.Module):
@@ -298,6 +302,9 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch
     outs = []
     for row in rows:
         t = row.end - row.start
+        if row.tree is not None:
+            outs.append(_tree_attention(q, k, v, k_cache, v_cache, row, gqa))
+            continue
         k_cache[row.slot, :, row.store : row.store + t] = k[row.start : row.end].transpose(0, 1)
         v_cache[row.slot, :, row.store : row.store + t] = v[row.start : row.end].transpose(0, 1)
         q_row = q[row.start : row.end].transpose(0, 1).unsqueeze(0)  # [1, heads, T, dim]
@@ -315,6 +322,30 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, heads, N, dim]
     out = out[0].transpose(0, 1)  # [N, heads, dim]
     return out if out.dtype == q.dtype else out.to(q.dtype)
+
+
+def _tree_attention(q, k, v, k_cache, v_cache, row: _Row, gqa: bool) -> torch.Tensor:
+    """A token tree, query by query: node i at depth d attends to the cache, its ancestors
+    and itself laid out at positions base..base+d, exactly as a chain would hold them, so a
+    tree scores each path with the bits of a one-token-per-step decode. Walking the nodes in
+    depth-first order keeps a node's ancestors in place: it only writes its own keys at
+    base+d. Returns [1, heads, T, dim] in node order."""
+    order, depths = row.tree
+    t, base = row.end - row.start, row.store
+    k_nodes, v_nodes = k[row.start : row.end], v[row.start : row.end]  # [T, kv_heads, dim]
+    row.tree_kv.append((k_nodes, v_nodes))  # for keep(), one entry per layer
+    outs: list[torch.Tensor | None] = [None] * t
+    for i in order:
+        pos = base + depths[i]
+        k_cache[row.slot, :, pos] = k_nodes[i]
+        v_cache[row.slot, :, pos] = v_nodes[i]
+        q_i = q[row.start + i].unsqueeze(0).unsqueeze(2)  # [1, heads, 1, dim]
+        if q_i.dtype != k_cache.dtype:
+            q_i = q_i.to(k_cache.dtype)
+        outs[i] = F.scaled_dot_product_attention(
+            q_i, k_cache[row.slot : row.slot + 1, :, : pos + 1], v_cache[row.slot : row.slot + 1, :, : pos + 1],
+            enable_gqa=gqa)  # fmt: skip
+    return torch.cat(outs, dim=2)
 
 
 # ---- building backends ---------------------------------------------------------------------

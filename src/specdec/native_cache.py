@@ -15,7 +15,7 @@ import torch
 from .backend import PrefixCache, prefill_chunks
 from .errors import SpecdecError
 from .native import COMPILE_BUCKETS, DECODE_ATTENTION_MAX, DEFAULT_MAX_LENGTH, _Row
-from .tree import ancestor_mask, check_tree, tree_depths
+from .tree import check_tree, depth_first, tree_depths
 
 if TYPE_CHECKING:
     from .native import NativeModel
@@ -213,27 +213,28 @@ class NativeSequence(PrefixCache):
         base = self._check_append(t)
         if t == 0:
             return torch.empty(0, self.vocab_size)
-        mask = torch.cat([torch.ones(t, base, dtype=torch.bool), ancestor_mask(parents)], dim=1)  # [T, base+T]
-        positions = [base + d for d in tree_depths(parents)]
-        row = _Row(self.slot, 0, t, base, base + t, mask.to(self.device))
-        hidden, logits = self.pool._run(list(token_ids), positions, [row])
+        depths = tree_depths(parents)
+        row = _Row(self.slot, 0, t, base, base + t, None, tree=(depth_first(parents), depths), tree_kv=[])
+        hidden, logits = self.pool._run(list(token_ids), [base + d for d in depths], [row])
         self._store_hidden(base, hidden)
-        self._length, self._tree = base + t, (base, list(parents))
+        self._length, self._tree = base + t, (base, list(parents), row.tree_kv)
         return logits
 
     def keep(self, indices: list[int]) -> None:
         """Keep the tree path `indices` (root to leaf, in order) right after the pre-tree cache."""
         if self._tree is None:
             raise ValueError("keep() follows forward_tree()")
-        base, parents = self._tree
+        base, parents, tree_kv = self._tree
         for j, node in enumerate(indices):
             if not 0 <= node < len(parents) or parents[node] != (indices[j - 1] if j else -1):
                 raise ValueError(f"indices {indices} are not a root-to-leaf path of the tree")
+        path = torch.tensor(indices, dtype=torch.long, device=self.device)
+        end = base + len(indices)
+        for layer, (k_nodes, v_nodes) in enumerate(tree_kv):  # [T, kv_heads, dim] each
+            self.pool.k[layer, self.slot, :, base:end] = k_nodes.index_select(0, path).transpose(0, 1)
+            self.pool.v[layer, self.slot, :, base:end] = v_nodes.index_select(0, path).transpose(0, 1)
         if indices != list(range(len(indices))):
-            src = torch.tensor(indices, device=self.device) + base
-            for cache in (self.pool.k, self.pool.v):
-                view = cache[:, self.slot]  # [layers, kv_heads, max_length, dim]
-                view[:, :, base : base + len(indices)] = view.index_select(2, src)
+            src = path + base
             if self.keep_hidden:
                 rows = self.pool.hidden_buffer()[self.slot]  # [max_length, hidden]
                 rows[base : base + len(indices)] = rows.index_select(0, src)

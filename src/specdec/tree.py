@@ -75,6 +75,19 @@ def first_path(parents: list[int]) -> list[int]:
     return path
 
 
+def depth_first(parents: list[int]) -> list[int]:
+    """The nodes in depth-first preorder: each node comes after its parent, and a subtree's
+    nodes come together, so walking them keeps the current root-to-node path on a stack."""
+    children = tree_children(parents)
+    order: list[int] = []
+    stack = list(reversed(children[len(parents)]))
+    while stack:
+        node = stack.pop()
+        order.append(node)
+        stack.extend(reversed(children[node]))
+    return order
+
+
 def ancestor_mask(parents: list[int]) -> torch.Tensor:
     """[T, T] bool: mask[i, j] is True when node j is node i or one of its ancestors."""
     n = len(parents)
