@@ -103,6 +103,23 @@ class PrefixCache:
     def _drop_prefix(self, length: int) -> None:  # after rollback(length) or reset()
         del self._prefilled[length:]
 
+    def prefill(self, token_ids: list[int], all_logits: bool = True, keep: int = 0) -> torch.Tensor:
+        """Reset (or keep `keep` cached tokens) and feed the rest of `token_ids` chunk by chunk;
+        logits [T, V], or with all_logits=False only [1, V] of the last token, which skips the
+        LM head for the rest of a long prompt."""
+        rest = self._start_prefill(token_ids, keep)
+        try:
+            logits = [self._prefill_chunk(chunk, not all_logits) for chunk in prefill_chunks(rest, keep)]
+        except BaseException:
+            self.reset()  # a half-written prefix must not be reused
+            raise
+        if not logits:
+            return torch.empty(0, self.vocab_size)
+        return torch.cat(logits) if all_logits else logits[-1]
+
+    def _prefill_chunk(self, chunk: list[int], last_only: bool) -> torch.Tensor:
+        raise NotImplementedError
+
 
 class HFBackend(PrefixCache):
     """A transformers causal LM over a DynamicCache; rollback is `DynamicCache.crop`."""
@@ -155,16 +172,8 @@ class HFBackend(PrefixCache):
         self._length = 0
         self._drop_prefix(0)
 
-    def prefill(self, token_ids: list[int], all_logits: bool = True, keep: int = 0) -> torch.Tensor:
-        rest = self._start_prefill(token_ids, keep)
-        try:
-            logits = [self.forward(chunk, last_only=not all_logits) for chunk in prefill_chunks(rest, keep)]
-        except BaseException:
-            self.reset()  # a half-written prefix must not be reused
-            raise
-        if not logits:
-            return torch.empty(0, self.vocab_size)
-        return torch.cat(logits) if all_logits else logits[-1]
+    def _prefill_chunk(self, chunk: list[int], last_only: bool) -> torch.Tensor:
+        return self.forward(chunk, last_only=last_only)
 
     @torch.inference_mode()
     def forward(self, token_ids: list[int], last_only: bool = False) -> torch.Tensor:

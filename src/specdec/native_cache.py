@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .backend import PrefixCache, prefill_chunks
+from .backend import PrefixCache
 from .errors import SpecdecError
 from .native import COMPILE_BUCKETS, DECODE_ATTENTION_MAX, DEFAULT_MAX_LENGTH, _Row
 from .tree import check_tree, depth_first, tree_depths
@@ -166,20 +166,8 @@ class NativeSequence(PrefixCache):
         self._length, self._tree = 0, None
         self._drop_prefix(0)
 
-    def prefill(self, token_ids: list[int], all_logits: bool = True, keep: int = 0) -> torch.Tensor:
-        """Reset (or keep `keep` cached tokens) and feed the rest of `token_ids`; logits [T, V],
-        or with all_logits=False only [1, V] of the last token, which skips the LM head for
-        the rest of a long prompt."""
-        rest = self._start_prefill(token_ids, keep)
-        try:
-            logits = [self.pool.forward_batch([self], [chunk], last_only=not all_logits, prompt=True)[0]
-                      for chunk in prefill_chunks(rest, keep)]
-        except BaseException:
-            self.reset()  # a half-written prefix must not be reused
-            raise
-        if not logits:
-            return torch.empty(0, self.vocab_size)
-        return torch.cat(logits) if all_logits else logits[-1]
+    def _prefill_chunk(self, chunk: list[int], last_only: bool) -> torch.Tensor:
+        return self.pool.forward_batch([self], [chunk], last_only=last_only, prompt=True)[0]  # the prompt path
 
     def forward(self, token_ids: list[int]) -> torch.Tensor:
         return self.pool.forward_batch([self], [list(token_ids)])[0]
