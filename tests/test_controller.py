@@ -74,3 +74,27 @@ def test_a_shared_cost_model_and_alpha_prior_carry_over_between_requests():
     assert second.costs is costs and second.next_k() == 0
     fresh = make_controller("auto")  # no history: the prior says speculate
     assert fresh.next_k() > 0
+
+
+def test_staircase_costs_pick_the_cheap_block():
+    """int4 GEMMs work in blocks of 4 rows: scoring 4 tokens costs 1.3x one, 5 tokens 2.4x.
+    A line through those points would hide the step; the per-n table stops at k = 3."""
+    costs = ScoreCosts()
+    for n, t in {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3, 5: 2.4, 6: 2.4, 7: 2.4, 8: 2.5, 9: 2.6}.items():
+        costs.observe(n, t)
+    controller = AdaptiveK(costs=costs, prior_alpha=0.6, prior_weight=1e9)  # α pinned at 0.6
+    assert controller.best_k() == 3
+    assert costs.cost(12) > costs.cost(9)  # beyond the table: the fitted line
+
+
+@pytest.mark.parametrize("kind", ["hf", "native"])
+def test_calibrate_times_every_size_and_leaves_the_cache_as_it_was(kind):
+    from conftest import tiny_llama
+    from specdec.backend import make_backend
+
+    backend = make_backend(kind, tiny_llama())
+    backend.prefill([1, 2, 3])
+    costs = ScoreCosts()
+    costs.calibrate(backend, sizes=(1, 2, 5), repeats=2)
+    assert costs.calibrated and backend.length == 3
+    assert all(costs.cost(n) > 0 for n in (1, 2, 5)) and set(costs._mean) == {1, 2, 5}

@@ -4,8 +4,8 @@
 measures online:
 - α, the per-token acceptance rate, from (accepted, rejected) counts with exponential decay;
 - t(n), the cost of scoring n tokens in one target forward, and the cost of drafting one
-  token (`ScoreCosts`, a line fitted to measured steps; an Engine shares one across its
-  requests, since the hardware and the model do not change between them).
+  token (`ScoreCosts`: timed per n at start-up and tracked online; an Engine shares one
+  across its requests, since the hardware and the model do not change between them).
 A k-token draft then yields (1 - α^(k+1)) / (1 - α) tokens per step at a cost of
 t(k+1) + k * t_draft, against 1 token per t(1) for plain decoding. The controller picks
 the k with the best rate, grows it by at most `grow` per step, and bypasses speculation
@@ -15,6 +15,7 @@ that doubles each time the probe does not pay.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 
@@ -37,15 +38,43 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 class ScoreCosts:
-    """Seconds to score n tokens in one target forward, t(n) = t1 * (1 + slope * (n - 1)),
-    fitted by least squares to the mean measured time of each n seen; plus seconds to draft
-    one token. Before anything is measured, t1 = 1 and slope = `prior_slope`."""
+    """Seconds to score n tokens in one target forward, kept per n, plus seconds to draft one
+    token.
+
+    Kernels make t(n) a staircase rather than a line: PyTorch's int4 CPU GEMM works in
+    blocks of 4 rows (scoring 4 tokens costs ~1.4x one, 5 tokens ~2.4x), and a compiled
+    forward pads to shape buckets. So each n keeps its own time (`calibrate` times them at
+    start-up, `observe` tracks the steps as an EMA), and an n never timed falls back to the
+    line t(n) = t1 * (1 + slope * (n - 1)) fitted by least squares through the timed ones.
+    Before anything is measured, t1 = 1 and slope = `prior_slope`.
+    """
+
+    CALIBRATION_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 17)  # 17 = the default k_max + 1
 
     def __init__(self, prior_slope: float = 0.15):
         self.prior_slope = prior_slope
         self._mean: dict[int, float] = {}  # n -> EMA of seconds
         self.t_draft = 0.0
         self._fit: tuple[float, float] | None = None  # (t1, slope), refitted lazily
+        self.calibrated = False
+
+    def calibrate(self, backend, sizes: tuple[int, ...] = CALIBRATION_SIZES, repeats: int = 3) -> None:
+        """Time target forwards of each size on `backend` (median of `repeats`, interleaved so
+        that a noisy moment does not hit one size only) and roll the cache back after each."""
+        start = backend.length
+        sizes = [n for n in sizes if start + n <= backend.max_length]
+        times: dict[int, list[float]] = {n: [] for n in sizes}
+        backend.forward([0])  # the first forward of a process pays for allocations
+        backend.rollback(start)
+        for _ in range(repeats):
+            for n in sizes:
+                t0 = time.perf_counter()
+                backend.forward([0] * n)
+                times[n].append(time.perf_counter() - t0)
+                backend.rollback(start)
+        for n, ts in times.items():
+            self._mean[n] = sorted(ts)[len(ts) // 2]
+        self._fit, self.calibrated = None, True
 
     def observe(self, num_scored: int, score_s: float) -> None:
         if num_scored < 1 or score_s <= 0:
@@ -78,6 +107,8 @@ class ScoreCosts:
         return self._fit
 
     def cost(self, n: int) -> float:
+        if n in self._mean:
+            return self._mean[n]
         t1, slope = self.fit()
         return t1 * (1.0 + slope * (n - 1))
 

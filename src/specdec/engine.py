@@ -161,6 +161,8 @@ class Engine:
         return stream
 
     def _run(self, stream, prompt_ids, params, max_new_tokens, stop, seed, track_text) -> Iterator[str]:
+        if self.k in ("auto", None) and self.drafter_name != "none" and not self.costs.calibrated:
+            self.costs.calibrate(self.backend)  # once per engine, before the first prompt fills the cache
         seq = Sequence(
             self.backend, self.drafter, prompt_ids, params, max_new_tokens, self.k,
             self.tokenizer, self.eos_token_ids, stop, seed, track_text,
