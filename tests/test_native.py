@@ -479,19 +479,33 @@ def test_compare_precisions_reports_fp32_as_its_own_reference(target):
 
 
 @pytest.mark.slow
-def test_compiled_forward_equals_eager_bit_for_bit():
+def test_compiled_model_is_close_to_eager_and_consistent_with_itself():
     """torch.compile of a tiny model at the cpu default, int4 (about a minute of compiling on
-    two cores). The server runs a lone request through the compiled graph and a batch
-    eagerly, so a request's greedy reply must not depend on which one scored it."""
+    two cores). Inductor fuses norms and rotations with its own rounding, so compiled logits
+    are only close to eager ones; but a compiled model must agree with itself bit for bit
+    whatever it scores at once: a chain of drafts, a batch of sequences (run one by one),
+    never an eager tree."""
     eager = NativeModel.from_hf(tiny_llama(seed=0, layers=1).model, "int4")
     compiled = NativeModel.from_hf(tiny_llama(seed=0, layers=1).model, "int4")
     assert compiled.compile() > 0
     tokens = random_tokens(20, seed=13)
-    a, b = eager.new_pool().new_sequence(), compiled.new_pool().new_sequence()
-    assert torch.equal(b.prefill(tokens[:9]), a.prefill(tokens[:9]))
+    pool = compiled.new_pool(slots=2)
+    a, b = eager.new_pool().new_sequence(), pool.new_sequence()
+    torch.testing.assert_close(b.prefill(tokens[:9]), a.prefill(tokens[:9]), **TOL)
     for chunk in (tokens[9:10], tokens[10:13], tokens[13:20]):  # 3 and 7 tokens are padded to 4 and 8
-        assert torch.equal(b.forward(chunk), a.forward(chunk))
+        torch.testing.assert_close(b.forward(chunk), a.forward(chunk), **TOL)
     b.rollback(11)
-    a.rollback(11)
-    assert torch.equal(b.forward(tokens[11:14]), a.forward(tokens[11:14]))
-    assert a.length == b.length == 14
+    chain = b.forward(tokens[11:14])
+    b.rollback(11)
+    steps = torch.cat([b.forward([t]) for t in tokens[11:14]])
+    assert torch.equal(chain, steps) and b.length == 14
+    other = pool.new_sequence()
+    other.prefill(tokens[:5])
+    b.rollback(11)
+    batched = pool.forward_batch([b, other], [tokens[11:14], tokens[5:7]])
+    assert torch.equal(batched[0], chain)
+    other.rollback(5)
+    assert torch.equal(batched[1], other.forward(tokens[5:7]))
+    assert not b.supports_tree
+    with pytest.raises(ValueError, match="chains only"):
+        b.forward_tree(tokens[14:16], [-1, -1])

@@ -43,7 +43,7 @@ def run_bench(args: argparse.Namespace) -> None:
     # Everything that can be checked without the model is checked first.
     if args.temperature < 0:
         raise SpecdecError(f"--temperature must be >= 0, got {args.temperature}", "temperature")
-    options = backend_options(args, long_running=True)  # also checks the backend name
+    options = backend_options(args)  # also checks the backend name
     methods = parse_methods(args.methods, args.target)
     categories = [c.strip() for c in args.categories.split(",")] if args.categories else None
     if categories is not None and not all(categories):

@@ -43,17 +43,14 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="hf", help="model backend: hf (transformers) or native (lean PyTorch)")
     p.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE",
                    help="backend option, repeatable (native: precision=fp32|bf16|int8|int4, device=cuda, "
-                        "max_length=N, compile=0|1; serve and bench compile on cpus by default)")
+                        "max_length=N, compile=1: torch.compile the decode step, for faster single streams; "
+                        "no token trees, and a batch runs one sequence at a time)")
     p.add_argument("--draft-device", default=None, metavar="DEVICE",
                    help="where a model drafter runs, e.g. cpu while the target is on cuda (default: the target's)")
 
 
-def backend_options(args: argparse.Namespace, long_running: bool = False) -> dict:
-    """--backend-option KEY=VALUE pairs as a dict, validated before any model is loaded.
-
-    Long-running commands (serve, bench) compile the native backend on a CPU unless told
-    otherwise: tracing costs 15-40 s once (inductor caches it on disk for the next start)
-    and cuts a decode step by about a quarter; a one-shot generate would not earn it back."""
+def backend_options(args: argparse.Namespace) -> dict:
+    """--backend-option KEY=VALUE pairs as a dict, validated before any model is loaded."""
     from .backend import BACKENDS
 
     if args.backend not in BACKENDS:
@@ -64,8 +61,6 @@ def backend_options(args: argparse.Namespace, long_running: bool = False) -> dic
         if not eq or not key.isidentifier():
             raise SpecdecError(f"--backend-option expects KEY=VALUE, got {item!r}", "backend_option")
         options[key] = value
-    if long_running and args.backend == "native" and "compile" not in options:
-        options["compile"] = str(options.get("device", "cpu")).startswith("cpu")
     return options
 
 

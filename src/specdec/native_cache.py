@@ -78,7 +78,13 @@ class CachePool:
                     out[i] = logits
             return out
         dense = any(is_prompt)  # only prompts (and empty lists) here
-        compiled = self.model.compiled and len(sequences) == 1 and not dense
+        compiled = self.model.compiled and not dense
+        if compiled and len(sequences) > 1:
+            # Inductor fuses norms and rotations with its own rounding, so a compiled step and
+            # an eager one differ in the last bits. Every decode forward of a compiled model
+            # therefore runs through the compiled graph, one sequence at a time, so that no
+            # reply depends on what it was batched with.
+            return [self.forward_batch([seq], [ids], last_only)[0] for seq, ids in zip(sequences, token_lists, strict=True)]
         tokens, positions, rows, lasts = [], [], [], []
         for seq, ids in zip(sequences, token_lists, strict=True):
             start, t = seq._check_append(len(ids)), len(ids)
@@ -143,12 +149,16 @@ class NativeSequence(PrefixCache):
         # final post-norm hidden state of every cached token and rolls back with the cache.
         self.keep_hidden = False
         self.last_hidden: torch.Tensor | None = None  # [T, hidden] of the last forward
-        self.supports_tree = True
         self._init_prefix()
 
     @property
     def length(self) -> int:
         return self._length
+
+    @property
+    def supports_tree(self) -> bool:
+        # tree attention runs eagerly, and a compiled model's decode steps must all be compiled
+        return not self.pool.model.compiled
 
     @property
     def hidden(self) -> torch.Tensor | None:
@@ -198,6 +208,8 @@ class NativeSequence(PrefixCache):
         if len(parents) != t:
             raise ValueError("one parent per tree token")
         check_tree(parents)
+        if not self.supports_tree:
+            raise ValueError("a compiled native model scores chains only; token trees need compile=0")
         base = self._check_append(t)
         if t == 0:
             return torch.empty(0, self.vocab_size)

@@ -79,7 +79,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def _backend_options(args: argparse.Namespace) -> dict:
-    options = backend_options(args, long_running=True)
+    options = backend_options(args)
     if args.backend == "native":
         options.setdefault("slots", args.max_batch)  # one cache slot per request in the batch
     return options
