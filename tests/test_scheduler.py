@@ -300,3 +300,20 @@ def test_a_request_gets_the_slot_that_caches_its_prompt_prefix(target, monkeypat
     assert rec.result.stats.cached_prompt_tokens == (len(first) - 1) // 4 * 4  # turn 1's prefill, whole chunks
     assert rec.result.token_ids == plain.generate(turn2, max_new_tokens=12).token_ids
     assert len(other) > 1 and sched.slots.in_use == 0
+
+
+def test_requests_share_a_calibrated_cost_model_fed_by_solo_steps_only(target, monkeypatch):
+    """The scheduler times the target's forwards once at start; a step that scored a batch
+    must not teach the shared cost model (its time is the batch's), a step scored alone does."""
+    sched = Scheduler(target, "hf", "ngram:min=1", "auto", max_batch=4)
+    assert sched.costs.calibrated and sched.slots.in_use == 0
+    seen: list[tuple[int, float]] = []
+    monkeypatch.setattr(sched.costs, "observe", lambda n, s: seen.append((n, s)))
+    recorders = [Recorder(sched) for _ in PROMPTS[:2]]
+    for prompt, rec, max_new in zip(PROMPTS[:2], recorders, (6, 24), strict=True):
+        sched.submit(make_request(target, prompt, rec, max_new=max_new))
+    run_until_idle(sched)
+    assert all(rec.error is None for rec in recorders)
+    assert any(s == 0.0 for _, s in seen)  # batched steps: no cost sample (observe ignores 0)
+    assert all(s > 0 for _, s in seen[-3:])  # the longer request finishes alone
+    assert sched.max_batch_seen == 2

@@ -267,8 +267,10 @@ class Sequence:
         self._step = (k, draft_tokens, draft_probs, self.backend.length, time.perf_counter() - t0)
         return [self.context[-1], *draft_tokens]
 
-    def advance(self, logits: torch.Tensor, score_s: float = 0.0) -> str:
-        """logits: [k+1, V] for the planned tokens. Verify, roll back, emit; return a text delta."""
+    def advance(self, logits: torch.Tensor, score_s: float = 0.0, solo: bool = True) -> str:
+        """logits: [k+1, V] for the planned tokens. Verify, roll back, emit; return a text delta.
+        `solo`: the forward scored this sequence alone, so score_s is a sample of what scoring
+        its tokens costs (a batch's time is not)."""
         assert self._step is not None, "advance() needs a plan() first"
         k, draft_tokens, draft_probs, cache_len, propose_s = self._step
         self._step = None
@@ -311,7 +313,8 @@ class Sequence:
         stats.propose_s += propose_s
         stats.score_s += score_s
         stats.verify_s += t3 - t2
-        self.controller.observe(num_drafted, result.num_accepted, len(draft_tokens) + 1, score_s, propose_s)
+        self.controller.observe(num_drafted, result.num_accepted, len(draft_tokens) + 1, score_s if solo else 0.0,
+                                propose_s)
         if done:
             self.done = True
             return ""

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .backend import forward_batch, make_backend
-from .controller import make_controller
+from .controller import ScoreCosts, make_controller
 from .drafters import Drafter, DrafterSpec, make_drafter
 from .engine import GenerationResult, Sequence
 from .errors import SpecdecError
@@ -188,6 +188,14 @@ class Scheduler:
         make_controller(self.default_k)  # validate now
         self.slots = BackendSlots(backend, target, backend_options)
         self.max_length = self.slots.max_length
+        # What scoring n tokens costs, timed once now and then learned from steps that scored
+        # one sequence alone; shared by every request's adaptive controller, as in Engine.
+        self.costs = ScoreCosts()
+        backend_for_timing = self.slots.acquire()
+        try:
+            self.costs.calibrate(backend_for_timing)
+        finally:
+            self.slots.release(backend_for_timing, keep_cache=False)
         self.drafters = DrafterPool(target, draft_device)
         self.drafters.release(self.default_drafter, self.drafters.acquire(self.default_drafter))  # fail early
         self.max_batch, self.max_queue = max_batch, max_queue
@@ -306,7 +314,7 @@ class Scheduler:
             self.metrics.observe_batch(len(planned), sum(len(t) for _, t in planned))
         for (a, _), row, score_s in zip(planned, logits, times, strict=True):
             try:
-                delta = a.seq.advance(row, score_s)
+                delta = a.seq.advance(row, score_s, solo=len(planned) == 1)
             except Exception as e:
                 self._fail(a, e)
                 continue
@@ -372,6 +380,7 @@ class Scheduler:
             seq = Sequence(
                 backend, drafter, req.prompt_ids, req.params, req.max_new_tokens, k,
                 self.tokenizer, self.eos_token_ids, req.stop, req.seed, track_text=req.stream or bool(req.stop),
+                costs=self.costs,
             )
             seq.start()
         except Exception as e:
