@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from conftest import tiny_llama
 from specdec import Engine, SpecdecError
 from specdec.backend import HFBackend, forward_batch, make_backend
-from specdec.native import NativeConfig, NativeModel
+from specdec.native import NativeConfig, NativeModel, compile_seconds
 from specdec.quant import Int4Linear, make_linear
 from specdec.tree import tree_path
 
@@ -506,6 +506,7 @@ def test_compiled_model_is_close_to_eager_and_consistent_with_itself():
     assert torch.equal(batched[0], chain)
     other.rollback(5)
     assert torch.equal(batched[1], other.forward(tokens[5:7]))
+    assert compile_seconds(b) > 0 and compile_seconds(a) == 0.0  # reported by generate and bench
     assert not b.supports_tree
     with pytest.raises(ValueError, match="chains only"):
         b.forward_tree(tokens[14:16], [-1, -1])

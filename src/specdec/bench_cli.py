@@ -54,10 +54,14 @@ def run_bench(args: argparse.Namespace) -> None:
         print(f"specdec bench: {note}", file=sys.stderr)
 
     from .models import load_model
+    from .native import compile_seconds
 
     target = load_model(args.target)
     runners = make_engine_runners(target, methods, args.backend, args.draft_device, options)
     engines = {r.name: r.engine for r in runners}
+    compile_s = max(compile_seconds(e.backend) for e in engines.values())
+    if compile_s:
+        print(f"specdec bench: compiled the native decode step in {compile_s:.1f}s", file=sys.stderr)
     runners += make_peers(peers, target, args.target, methods, engines)
     print(
         f"specdec bench: {len(questions)} questions, {sum(len(q.turns) for q in questions)} turns, "
@@ -78,6 +82,7 @@ def run_bench(args: argparse.Namespace) -> None:
         "target": args.target,
         "backend": args.backend,
         "backend_options": options,
+        "compile_seconds": round(compile_s, 1) if compile_s else None,
         "draft_device": args.draft_device,
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,

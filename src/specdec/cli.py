@@ -100,6 +100,10 @@ def run_generate(args: argparse.Namespace) -> None:
     options = backend_options(args)
     engine = Engine(target=args.target, drafter=args.drafter, k=args.k, backend=args.backend, backend_options=options,
                     draft_device=args.draft_device)
+    from .native import compile_seconds
+
+    if compile_seconds(engine.backend):
+        print(f"[native] compiled the decode step in {compile_seconds(engine.backend):.1f}s", file=sys.stderr)
     kwargs = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, stop=args.stop, seed=args.seed, chat=not args.raw,

@@ -379,6 +379,12 @@ def check_device(device) -> torch.device:
     return device
 
 
+def compile_seconds(backend) -> float:
+    """Seconds spent compiling the native model behind `backend`; 0 when it is not compiled."""
+    model = getattr(getattr(backend, "pool", None), "model", None)
+    return float(model.compile_seconds) if getattr(model, "compiled", False) else 0.0
+
+
 def default_precision(device=None) -> str:
     """int4 on cpus, bf16 elsewhere. On SmolLM2-135M here (2 threads) int4 decodes at 2.0x the
     HF backend (fp16 1.7x: fbgemm's fp16 GEMM uses one thread; fp32 1.04x), it keeps the
