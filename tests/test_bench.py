@@ -193,11 +193,13 @@ def test_multi_turn_feeds_each_runners_own_answer(target):
 # ---- speedup arithmetic ------------------------------------------------------------------------
 
 
-def _synthetic(records: dict[str, list[list[tuple[int, float]]]], categories) -> BenchRun:
+def _synthetic(records: dict[str, list[list[tuple]]], categories) -> BenchRun:
+    """records: runner -> questions -> turns of (new tokens, wall seconds[, prefill seconds])."""
     questions = [Question(i, c, ["x"] * len(records["none"][i])) for i, c in enumerate(categories)]
     runners = [SimpleNamespace(name=n, kind="method") for n in records]
     recs = {
-        n: {qi: [TurnRecord([7] * tokens, wall_s=wall, steps=tokens) for tokens, wall in turns]
+        n: {qi: [TurnRecord([7] * turn[0], wall_s=turn[1], prefill_s=turn[2] if len(turn) > 2 else None,
+                            steps=turn[0]) for turn in turns]
             for qi, turns in enumerate(qs)}
         for n, qs in records.items()
     }
@@ -221,6 +223,29 @@ def test_speedup_is_ratio_of_mean_question_speeds():
     assert fast["per_category"]["b"]["speedup"] == pytest.approx(1.5)
     assert res["methods"]["none"]["speedup"] == 1.0
     assert "| `fast` | 4.00x | 1.50x | **2.33x**" in markdown({**res, "settings": {}})
+    assert fast["decode_speedup"] is None  # no prefill times recorded
+
+
+@pytest.mark.parametrize(
+    "base, fast, speedup, decode_speedup, prefill_share",
+    [
+        # 20 tokens: plain 2.0 s of which 1.0 s prefill; the method decodes 4x faster
+        ([(20, 2.0, 1.0)], [(20, 1.25, 1.0)], 1.6, 4.0, 0.8),
+        # no prefill: both speedups agree
+        ([(20, 2.0, 0.0)], [(20, 0.5, 0.0)], 4.0, 4.0, 0.0),
+        # two turns, prefill pooled over the question's turns
+        ([(10, 1.0, 0.5), (10, 1.0, 0.5)], [(10, 0.75, 0.5), (10, 0.75, 0.5)], 4 / 3, 2.0, 2 / 3),
+    ],
+)
+def test_decode_only_speedup_leaves_prefill_out(base, fast, speedup, decode_speedup, prefill_share):
+    res = bench.summarize(_synthetic({"none": [base], "fast": [fast]}, ["agent"]))
+    entry = res["methods"]["fast"]
+    assert entry["speedup"] == pytest.approx(speedup, abs=1e-3)
+    assert entry["decode_speedup"] == pytest.approx(decode_speedup, abs=1e-3)
+    assert entry["prefill_share"] == pytest.approx(prefill_share, abs=1e-3)
+    assert entry["per_category"]["agent"]["decode_speedup"] == pytest.approx(decode_speedup, abs=1e-3)
+    table = markdown({**res, "settings": {}})
+    assert f"| {decode_speedup:.2f}x | {prefill_share:.0%} |" in table
 
 
 # ---- the CLI -----------------------------------------------------------------------------------

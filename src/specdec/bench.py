@@ -149,6 +149,7 @@ def parse_methods(text: str | Sequence[str], target_name: str | None = None) -> 
 class TurnRecord:
     token_ids: list[int]
     wall_s: float = 0.0
+    prefill_s: float | None = None  # of wall_s, the time to read the prompt; None for peers
     steps: int | None = None  # target forwards while decoding; None for peers
     drafted: int = 0
     accepted: int = 0
@@ -186,7 +187,7 @@ class EngineRunner(Runner):
         result = self.engine.generate(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
         s = result.stats
         return TurnRecord(
-            list(result.token_ids), steps=s.num_steps, drafted=s.num_draft_tokens, accepted=s.num_accepted_tokens,
+            list(result.token_ids), prefill_s=s.prefill_s, steps=s.num_steps, drafted=s.num_draft_tokens, accepted=s.num_accepted_tokens,
             accepted_per_pos=list(s.accepted_per_pos), drafted_per_pos=list(s.drafted_per_pos),
             accept_lengths=list(s.accept_lengths), k_history=list(s.k_history),
         )
@@ -328,6 +329,15 @@ def question_tps(turns: Sequence[TurnRecord]) -> float:
     return sum(t.new_tokens for t in turns) / wall if wall > 0 else 0.0
 
 
+def question_decode_tps(turns: Sequence[TurnRecord]) -> float | None:
+    """The same speed with the prompts' prefill left out: what speculation can change.
+    None when a turn's prefill time is unknown (peers)."""
+    if any(t.prefill_s is None for t in turns):
+        return None
+    wall = sum(t.wall_s - t.prefill_s for t in turns)
+    return sum(t.new_tokens for t in turns) / wall if wall > 0 else 0.0
+
+
 def _mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
@@ -350,6 +360,16 @@ def aggregate(
         "speedup": round(tps / base_tps, 4) if base_tps > 0 else None,
         "tokens_per_second": round(tps, 3),
     }
+    decode = [question_decode_tps(run_turns[q]) for q in qis]
+    base_decode = [question_decode_tps(base_turns[q]) for q in qis]
+    if None in decode or None in base_decode or _mean(base_decode) <= 0:
+        out["decode_speedup"] = out["prefill_share"] = None
+    else:
+        # Multi-turn prompts (agents resending their conversation) make prefill a large,
+        # speculation-proof part of the wall time; report it, and the speedup without it.
+        out["decode_speedup"] = round(_mean(decode) / _mean(base_decode), 4)
+        wall = sum(t.wall_s for t in turns)
+        out["prefill_share"] = round(sum(t.prefill_s for t in turns) / wall, 4) if wall > 0 else None
     if is_method:
         steps = sum(t.steps or 0 for t in turns)
         drafted = sum(t.drafted for t in turns)
@@ -405,7 +425,8 @@ def question_records(run: BenchRun) -> list[dict]:
         for runner in run.runners:
             runs[runner.name] = [
                 {
-                    "new_tokens": t.new_tokens, "wall_time": round(t.wall_s, 5), "steps": t.steps,
+                    "new_tokens": t.new_tokens, "wall_time": round(t.wall_s, 5),
+                    "prefill_time": None if t.prefill_s is None else round(t.prefill_s, 5), "steps": t.steps,
                     "exact_match": t.exact_match, "first_diff": t.first_diff,
                     "accept_lengths": t.accept_lengths, "k_history": t.k_history,
                     "text": t.text, "token_ids": t.token_ids,

@@ -72,7 +72,9 @@ def markdown(results: dict) -> str:
     if s.get("command"):
         lines += [f"Command: `{s['command']}`", ""]
     lines += [f"Baseline: `{results['baseline']}` (plain decoding on the same engine). "
-              "Speedup = mean over questions of tok/s, divided by the baseline's.", ""]
+              "Speedup = mean over questions of tok/s, divided by the baseline's. Per category, "
+              "the decode-only speedup leaves each turn's prefill out of its wall time, and the "
+              "prefill share is the part of the wall time spent reading prompts.", ""]
     head = ["Method", *cats, "Overall", "τ", "Accept", "tok/s", "Exact match"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, e in _rows(results):
@@ -84,11 +86,13 @@ def markdown(results: dict) -> str:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     for cat in cats:
-        lines += ["", f"### {cat}", "", "| Method | tok/s | Speedup | τ | Exact match |", "|---|---|---|---|---|"]
+        lines += ["", f"### {cat}", "", "| Method | tok/s | Speedup | Decode-only speedup | Prefill share | τ "
+                  "| Exact match |", "|---|---|---|---|---|---|---|"]
         for name, e in _rows(results):
             c = e["per_category"][cat]
             lines.append(
                 f"| `{name}` | {_fmt(c['tokens_per_second'], '.1f')} | {_fmt(c['speedup'], '.2f', 'x')} | "
+                f"{_fmt(c.get('decode_speedup'), '.2f', 'x')} | {_fmt(c.get('prefill_share'), '.0%')} | "
                 f"{_fmt(c['mean_accepted_length'])} | {c['exact_match']} |"
             )
     if results.get("mismatches"):
@@ -207,6 +211,7 @@ def print_table(results: dict, file=sys.stdout) -> None:
     for name, e in _rows(results):
         print(
             f"{name:<28} speedup {_fmt(e['speedup'], '.2f', 'x'):>7}  {_fmt(e['tokens_per_second'], '.1f'):>7} tok/s  "
+            f"decode-only {_fmt(e.get('decode_speedup'), '.2f', 'x'):>6}  "
             f"tau {_fmt(e['mean_accepted_length']):>5}  exact {e['exact_match']}",
             file=file,
         )
