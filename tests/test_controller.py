@@ -87,6 +87,28 @@ def test_staircase_costs_pick_the_cheap_block():
     assert costs.cost(12) > costs.cost(9)  # beyond the table: the fitted line
 
 
+STAIRCASE = {1: 1.0, 2: 1.07, 3: 1.28, 4: 1.39, 5: 2.2, 6: 2.2, 7: 2.2, 8: 2.2, 9: 4.0}
+
+
+@pytest.mark.parametrize(
+    "costs, k, nodes",
+    [
+        (STAIRCASE, 1, 1),  # 3 tokens cost more than the 2 the chain pays for
+        (STAIRCASE, 3, 3),  # the 4-row block is full
+        (STAIRCASE, 4, 7),  # 5 tokens pay for the second block: 8 tokens cost the same
+        (STAIRCASE, 7, 7),
+        ({n: 1.0 for n in range(1, 18)}, 2, 16),  # flat costs (a GPU): branches are free up to k_max
+        ({}, 5, 5),  # nothing measured: the prior line, every token costs
+    ],
+)
+def test_tree_nodes_fill_what_the_chain_costs(costs, k, nodes):
+    model = ScoreCosts()
+    for n, t in costs.items():
+        model.observe(n, t)
+    assert AdaptiveK(costs=model).tree_nodes(k) == nodes
+    assert FixedK(k).tree_nodes(k) == k
+
+
 @pytest.mark.parametrize("kind", ["hf", "native"])
 def test_calibrate_times_every_size_and_leaves_the_cache_as_it_was(kind):
     from conftest import tiny_llama

@@ -259,6 +259,7 @@ def test_greedy_equals_plain_and_learns_across_requests(target, tree, backend):
     assert second.stats.num_accepted_tokens >= MAX_NEW // 2
     assert second.stats.num_steps < plain.stats.num_steps // 2
     assert bool(tree_calls) == tree
+    assert all(size <= 8 + 1 for size in tree_calls)  # k = 8 nodes below the pending token, as a chain
 
 
 def test_greedy_equals_plain_from_the_request_alone(target):

@@ -26,6 +26,9 @@ class FixedK:
     def next_k(self) -> int:
         return self.k
 
+    def tree_nodes(self, k: int) -> int:
+        return k  # a tree scores as many tokens as the chain would
+
     def observe(self, num_drafted: int, num_accepted: int, num_scored: int, score_s: float, propose_s: float) -> None:
         pass
 
@@ -150,6 +153,16 @@ class AdaptiveK:
 
     def best_k(self) -> int:
         return max(range(1, self.k_max + 1), key=self.rate)
+
+    def tree_nodes(self, k: int, slack: float = 1.05) -> int:
+        """How many draft nodes a token tree may have when the controller priced a k-token
+        chain: the most whose forward costs no more than the chain's (within `slack`). A
+        tree spends what it gets on branches instead of depth; on a staircase t(n) it can
+        fill the rest of the chain's step for free (k = 5 on the int4 CPU backend: 7)."""
+        limit, n = self.score_cost(k + 1) * slack, k
+        while n < self.k_max and self.score_cost(n + 2) <= limit:
+            n += 1
+        return n
 
     def next_k(self) -> int:
         if self._bypass_left > 0:

@@ -259,7 +259,9 @@ class Sequence:
         if draft is not None and draft.parents is not None:  # a tree: cut to fit, or its best chain
             from .tree import fit_tree, supports_tree
 
-            draft = fit_tree(draft, k, room, use_tree=tree and supports_tree(self.backend))
+            # a tree may score as many tokens as cost what the controller priced for k, not more
+            nodes = min(room, self.controller.tree_nodes(k))
+            draft = fit_tree(draft, k, nodes, use_tree=tree and supports_tree(self.backend))
             if draft.parents is not None:
                 self.tree_parents = [-1, *[p + 1 for p in draft.parents]]  # the pending token is the root
         draft_tokens = draft.tokens[: k if self.tree_parents is None else room] if draft else []
