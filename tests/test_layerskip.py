@@ -10,7 +10,7 @@ import torch
 from conftest import save_loaded, tiny_llama
 from specdec.backend import HFBackend
 from specdec.drafters import make_drafter
-from specdec.drafters.eagle import EagleDrafter, EagleHead, head_config_from_target
+from specdec.drafters.eagle import EagleDrafter, EagleHead, LeanHead, head_config_from_target
 from specdec.drafters.layerskip import LayerSkipDrafter, LayerStack, load_choice, parse_layers, save_choice
 from specdec.engine import Engine
 from specdec.errors import SpecdecError
@@ -127,6 +127,28 @@ def test_untrained_eagle_head_is_lossless(target):
         assert out.stats.num_draft_tokens > 0
         sampled = engine.generate(PROMPT, max_new_tokens=12, chat=False, temperature=0.8, seed=1)
         assert len(sampled.token_ids) == 12
+
+
+@pytest.mark.parametrize("precision, atol", [("fp32", 1e-5), ("int8", 0.1)])
+def test_lean_head_follows_the_trained_module(target, precision, atol):
+    """The drafting runtime (native layer, static cache) predicts what the transformers head
+    does: a 40-token first call (one causal pass), steps of 1 and 3 tokens, and an overwrite
+    after a rollback."""
+    torch.manual_seed(0)
+    head = EagleHead(head_config_from_target(target.model)).eval()
+    for p in head.parameters():  # a trained head: no zeroed projections
+        torch.nn.init.normal_(p, std=0.05)
+    lean = LeanHead(head, precision, torch.device("cpu"))
+    lean._alloc(32)  # a small cache, so that the calls below grow it
+    feats, embeds = torch.randn(50, 64), torch.randn(50, 64)
+    with torch.no_grad():
+        want = head(feats[None], embeds[None], torch.full((50, 50), float("-inf")).triu(1)[None, None])[0]
+    got = torch.cat([lean.forward(feats[:40], embeds[:40], 0), lean.forward(feats[40:41], embeds[40:41], 40),
+                     lean.forward(feats[41:44], embeds[41:44], 41)])  # fmt: skip
+    torch.testing.assert_close(got, want[:44], atol=atol, rtol=0)
+    lean.forward(torch.randn(2, 64), torch.randn(2, 64), 44)  # guesses, then rolled back over
+    again = lean.forward(feats[44:50], embeds[44:50], 44)
+    torch.testing.assert_close(again, want[44:50], atol=atol, rtol=0)
 
 
 def test_eagle_needs_a_trained_directory(target, tmp_path):

@@ -27,11 +27,11 @@ import torch
 from torch import nn
 
 from ..errors import SpecdecError
-from ..quant import make_linear
+from ..quant import FusedLinear, make_linear
 from ..sampling import SamplingParams, logits_to_probs, sample
 from . import Draft, Drafter, DrafterSpec, register
 from .draft_model import _common_prefix
-from .layerskip import DecoderParts, causal_mask
+from .layerskip import DecoderParts
 
 FORMAT = "specdec-eagle"
 CONFIG_FILE = "eagle_config.json"
@@ -146,12 +146,81 @@ def load_head(directory: str | Path) -> tuple[EagleHead, torch.Tensor | None, di
     return head.eval(), vocab_ids, config
 
 
+class LeanHead:
+    """The trained head for drafting: its decoder layer as the native backend's `_Layer`
+    (weight-only int8 on a cpu) over a static KV cache, so rollback is a position and a
+    drafted token costs a few small GEMMs instead of a transformers layer call. Its
+    predictions only need to be close to the trained module's: verification is exact anyway.
+
+    forward(features [T, H], embeds [T, H], past) -> predicted next features [T, H]; keys and
+    values go to positions past..past+T-1, and the queries see positions < past + T.
+    """
+
+    def __init__(self, head: EagleHead, precision: str, device: torch.device):
+        from ..native import NativeConfig, _Layer
+
+        d = head.dims
+        self.config = NativeConfig(
+            model_type="llama", vocab_size=1, hidden_size=d["hidden_size"], num_layers=1,
+            num_heads=d["num_attention_heads"], num_kv_heads=d["num_key_value_heads"], head_dim=d["head_dim"],
+            rms_eps=d["rms_norm_eps"], max_positions=d["max_position_embeddings"], rope_theta=d["rope_theta"],
+        )  # fmt: skip
+        layer, attn, mlp = head.layer, head.layer.self_attn, head.layer.mlp
+
+        def w(module):
+            return module.weight.detach().to(device, torch.float32)
+
+        def b(module):
+            return None if module.bias is None else module.bias.detach().to(device, torch.float32)
+
+        qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+        self.layer = _Layer(
+            self.config, w(layer.input_layernorm),
+            FusedLinear([w(m) for m in qkv], [b(m) for m in qkv], precision), make_linear(w(attn.o_proj), b(attn.o_proj), precision),
+            w(layer.post_attention_layernorm),
+            FusedLinear([w(mlp.gate_proj), w(mlp.up_proj)], [b(mlp.gate_proj), b(mlp.up_proj)], precision),
+            make_linear(w(mlp.down_proj), b(mlp.down_proj), precision),
+        )  # fmt: skip
+        self.fc = make_linear(w(head.fc), b(head.fc), precision)
+        self.device = device
+        self.inv_freq = head.rotary.inv_freq.detach().float().to(device)  # [head_dim / 2]
+        self.scaling = float(getattr(head.rotary, "attention_scaling", 1.0))
+        self._alloc(256)
+
+    def _alloc(self, length: int) -> None:
+        c = self.config
+        self.k = torch.zeros(1, c.num_kv_heads, length, c.head_dim, device=self.device)  # [1, kv_heads, L, dim]
+        self.v = torch.zeros_like(self.k)
+        positions = torch.arange(length, device=self.device).float()
+        freqs = positions[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # the rotation transformers applies (see rope_tables)
+        half = emb.shape[-1] // 2
+        sin = emb.sin() * self.scaling
+        self.cos, self.sin = emb.cos() * self.scaling, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+
+    @torch.no_grad()
+    def forward(self, features: torch.Tensor, embeds: torch.Tensor, past: int) -> torch.Tensor:
+        from ..native import DECODE_ATTENTION_MAX, _Row
+
+        t = features.shape[0]
+        if past + t > self.k.shape[2]:  # grow the cache (doubling), keeping what it holds
+            old_k, old_v = self.k, self.v
+            self._alloc(max(2 * old_k.shape[2], past + t))
+            self.k[:, :, : old_k.shape[2]], self.v[:, :, : old_v.shape[2]] = old_k, old_v
+        x = self.fc(torch.cat([embeds, features], dim=-1))  # [T, H]
+        mask = None  # a few tokens attend query by query; a long first call takes one causal pass
+        if t > DECODE_ATTENTION_MAX:
+            mask = torch.ones(t, past + t, dtype=torch.bool, device=self.device).tril(past)
+        rows = [_Row(0, 0, t, past, past + t, mask)]
+        cos, sin = self.cos[past : past + t].unsqueeze(1), self.sin[past : past + t].unsqueeze(1)  # [T, 1, dim]
+        return self.layer.forward(x, cos, sin, self.k, self.v, rows)
+
+
 class EagleDrafter(Drafter):
     name = "eagle"
 
-    def __init__(self, target_model: nn.Module, head: EagleHead, vocab_ids: torch.Tensor | None, eos_token_ids):
-        from transformers import DynamicCache
-
+    def __init__(self, target_model: nn.Module, head: EagleHead, vocab_ids: torch.Tensor | None, eos_token_ids,
+                 precision: str | None = None):
         self.parts = DecoderParts.of(target_model)
         hidden = self.parts.lm_head.weight.shape[1]
         if head.dims["hidden_size"] != hidden:
@@ -160,7 +229,9 @@ class EagleDrafter(Drafter):
                 "drafter",
             )
         device = self.parts.lm_head.weight.device
-        self.head = head.to(device=device, dtype=self.parts.lm_head.weight.dtype)
+        if precision is None:  # int8 GEMMs on a cpu (bf16 activations); fp32 elsewhere
+            precision = "int8" if device.type == "cpu" else "fp32"
+        self.head = LeanHead(head, precision, device)
         self.vocab_size = int(self.parts.lm_head.weight.shape[0])
         self.vocab_ids = None if vocab_ids is None else vocab_ids.to(device)
         # FR-Spec: only the frequent rows of the LM head (a copy, small by design). On a cpu
@@ -172,7 +243,6 @@ class EagleDrafter(Drafter):
             rows = self.parts.lm_head.weight[self.vocab_ids].detach()
             self._head_rows = make_linear(rows, None, "int8" if rows.device.type == "cpu" else "fp32")
         self.eos_token_ids = set(eos_token_ids)
-        self._cache_cls = DynamicCache
         self.backend = None
         self._params, self._generator = SamplingParams(), None
         self._reset()
@@ -184,7 +254,6 @@ class EagleDrafter(Drafter):
         self.backend = backend
 
     def _reset(self) -> None:
-        self._cache = self._cache_cls()
         self._exact = 0  # head positions computed from real target features
         self._tokens: list[int] = []  # the context those positions were computed for
 
@@ -220,16 +289,17 @@ class EagleDrafter(Drafter):
         features = self.backend.hidden  # [n-1, H]: every cached token, all but the pending one
         if k <= 0 or features is None or features.shape[0] != n - 1 or n < 2:
             return Draft([])
+        # The head's cache holds positions computed from real features up to `exact`; later
+        # ones (its own guesses, or another context's) are overwritten in place.
         exact = min(self._exact, max(0, _common_prefix(self._tokens, context_ids, n) - 1))
-        self._cache.crop(exact - self._cache.get_seq_length())
         # New exact positions i = exact..n-2 read f_i and x_{i+1}.
-        new_ids = torch.tensor([context_ids[exact + 1 : n]], device=features.device)
-        out = self._step(features[exact : n - 1].unsqueeze(0), new_ids, exact)  # [1, T, H]
+        new_ids = torch.tensor(context_ids[exact + 1 : n], device=features.device)
+        out = self._step(features[exact : n - 1], new_ids, exact)  # [T, H]
         self._exact, self._tokens = n - 1, list(context_ids)
 
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
-        feature = out[0, -1]  # [H] predicted f_{n-1}, which predicts d1
+        feature = out[-1]  # [H] predicted f_{n-1}, which predicts d1
         for i in range(k):
             token, probs = self._pick(self._logits(feature))
             tokens.append(token)
@@ -237,15 +307,13 @@ class EagleDrafter(Drafter):
                 rows.append(probs)
             if token in self.eos_token_ids or i == k - 1 or n + i >= self.backend.max_length:
                 break
-            ids = torch.tensor([[token]], device=features.device)
-            feature = self._step(feature.view(1, 1, -1), ids, n - 1 + i)[0, -1]
+            ids = torch.tensor([token], device=features.device)
+            feature = self._step(feature.view(1, -1), ids, n - 1 + i)[-1]
         return Draft(tokens, torch.stack(rows) if rows else None)
 
     def _step(self, features: torch.Tensor, token_ids: torch.Tensor, past: int) -> torch.Tensor:
-        embeds = self.parts.embed(token_ids)  # [1, T, H]
-        t = token_ids.shape[1]
-        mask = causal_mask(t, past + t, embeds.dtype, embeds.device)
-        return self.head(features.to(embeds.dtype), embeds, mask, past, self._cache)
+        embeds = self.parts.embed(token_ids).float()  # [T, H]
+        return self.head.forward(features.float(), embeds, past)
 
 
 @register("eagle")
@@ -265,4 +333,7 @@ def _make(spec: DrafterSpec, target) -> Drafter:
             vocab_ids = vocab_ids[:keep]
         elif keep == 0:
             vocab_ids = None
-    return EagleDrafter(target.model, head, vocab_ids, target.eos_token_ids)
+    precision = spec.options.get("precision")  # eagle:DIR:precision=fp32 drafts without quantizing the head
+    if precision not in (None, "fp32", "bf16", "int8"):
+        raise SpecdecError(f"precision must be fp32, bf16 or int8 in {spec.text!r}", "drafter")
+    return EagleDrafter(target.model, head, vocab_ids, target.eos_token_ids, precision)
