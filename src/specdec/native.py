@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 DEFAULT_MAX_LENGTH = 4096
 NATIVE_OPTIONS = ("precision", "device", "max_length", "slots", "compile")
-COMPILE_BUCKETS = (1, 2, 4, 8, 16, 32)  # token counts the compiled forward is traced for
+COMPILE_BUCKETS = (1, 2, 3, 4, 8, 16, 32)  # token counts the compiled forward is traced for
 DECODE_ATTENTION_MAX = 32  # chains up to this long attend query by query (see _attention)
 
 
