@@ -90,7 +90,7 @@ class DrafterSpec:
 # shared weights).
 DrafterFactory = Callable[[DrafterSpec, object], Drafter]
 REGISTRY: dict[str, DrafterFactory] = {}
-_BUILTIN_MODULES = ("none", "ngram", "draft_model", "layerskip", "eagle", "suffix", "retrieval")
+_BUILTIN_MODULES = ("none", "ngram", "draft_model", "layerskip", "eagle", "suffix", "retrieval", "hybrid")
 
 
 def register(name: str) -> Callable[[DrafterFactory], DrafterFactory]:
