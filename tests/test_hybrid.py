@@ -90,3 +90,21 @@ def test_suffix_then_eagle_is_lossless_and_uses_both(target):
     assert all(n > 0 for n in hybrid.used), hybrid.used  # the prompt repeats itself; the head fills in
     sampled = engine.generate(PROMPT, max_new_tokens=12, chat=False, temperature=0.8, seed=1)
     assert len(sampled.token_ids) == 12
+
+
+def test_a_child_that_keeps_missing_is_asked_only_to_probe():
+    short, head = Fixed(1), Fixed(5)
+    hybrid = HybridDrafter([short, head], min_len=2, min_alpha=0.3, probe_every=16)
+    for _ in range(3):  # the head drafts 4 tokens and misses them: from the prior 0.5 to 0.27
+        assert len(hybrid.propose([1, 2, 3], 4)) == 4
+        hybrid.on_verified([1, 2, 3, 9], 0)
+    assert hybrid.alpha(1) < 0.3
+    asked = head.calls
+    drafts = [len(hybrid.propose([1, 2, 3], 4)) for _ in range(32)]  # no verification: no new evidence
+    assert head.calls - asked == 2  # two probes in 32 steps
+    assert drafts.count(4) == 2 and drafts.count(1) == 30  # otherwise the first child's short draft
+    for _ in range(5):  # the head starts hitting again (on its probes)
+        hybrid._skipped[1] = hybrid.probe_every - 1
+        hybrid.propose([1, 2, 3], 4)
+        hybrid.on_verified([1, 2, 3, 7, 7, 7, 7, 7], 4)
+    assert hybrid.alpha(1) >= 0.3 and len(hybrid.propose([1, 2, 3], 4)) == 4
