@@ -198,15 +198,18 @@ class LeanHead:
         sin = emb.sin() * self.scaling
         self.cos, self.sin = emb.cos() * self.scaling, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
+    def _fit(self, length: int) -> None:
+        if length > self.k.shape[2]:  # grow the cache (doubling), keeping what it holds
+            old_k, old_v = self.k, self.v
+            self._alloc(max(2 * old_k.shape[2], length))
+            self.k[:, :, : old_k.shape[2]], self.v[:, :, : old_v.shape[2]] = old_k, old_v
+
     @torch.no_grad()
     def forward(self, features: torch.Tensor, embeds: torch.Tensor, past: int) -> torch.Tensor:
         from ..native import DECODE_ATTENTION_MAX, _Row
 
         t = features.shape[0]
-        if past + t > self.k.shape[2]:  # grow the cache (doubling), keeping what it holds
-            old_k, old_v = self.k, self.v
-            self._alloc(max(2 * old_k.shape[2], past + t))
-            self.k[:, :, : old_k.shape[2]], self.v[:, :, : old_v.shape[2]] = old_k, old_v
+        self._fit(past + t)
         x = self.fc(torch.cat([embeds, features], dim=-1))  # [T, H]
         mask = None  # a few tokens attend query by query; a long first call takes one causal pass
         if t > DECODE_ATTENTION_MAX:
@@ -215,12 +218,27 @@ class LeanHead:
         cos, sin = self.cos[past : past + t].unsqueeze(1), self.sin[past : past + t].unsqueeze(1)  # [T, 1, dim]
         return self.layer.forward(x, cos, sin, self.k, self.v, rows)
 
+    @torch.no_grad()
+    def forward_nodes(self, features: torch.Tensor, embeds: torch.Tensor, positions: list[int], store: int,
+                      visible: torch.Tensor) -> torch.Tensor:
+        """Draft-tree nodes [T, H] -> their predicted next features [T, H]. Node j is rotated
+        for positions[j], its keys and values go to slot store + j, and it attends to the slots
+        that visible [T, store + T] marks (the context, its ancestors' slots and its own)."""
+        from ..native import _Row
+
+        t = features.shape[0]
+        self._fit(store + t)
+        x = self.fc(torch.cat([embeds, features], dim=-1))  # [T, H]
+        at = torch.tensor(positions, device=self.device)
+        cos, sin = self.cos[at].unsqueeze(1), self.sin[at].unsqueeze(1)  # [T, 1, dim]
+        return self.layer.forward(x, cos, sin, self.k, self.v, [_Row(0, 0, t, store, store + t, visible)])
+
 
 class EagleDrafter(Drafter):
     name = "eagle"
 
     def __init__(self, target_model: nn.Module, head: EagleHead, vocab_ids: torch.Tensor | None, eos_token_ids,
-                 precision: str | None = None):
+                 precision: str | None = None, tree: bool = False, width: int = 4, max_nodes: int = 24):
         self.parts = DecoderParts.of(target_model)
         hidden = self.parts.lm_head.weight.shape[1]
         if head.dims["hidden_size"] != hidden:
@@ -243,6 +261,9 @@ class EagleDrafter(Drafter):
             rows = self.parts.lm_head.weight[self.vocab_ids].detach()
             self._head_rows = make_linear(rows, None, "int8" if rows.device.type == "cpu" else "fp32")
         self.eos_token_ids = set(eos_token_ids)
+        # EAGLE-2 trees: each level expands the `width` likeliest open nodes by their `width`
+        # likeliest children; the `max_nodes` likeliest nodes of all levels are proposed.
+        self.tree, self.width, self.max_nodes = tree, width, max_nodes
         self.backend = None
         self._params, self._generator = SamplingParams(), None
         self._reset()
@@ -263,17 +284,12 @@ class EagleDrafter(Drafter):
 
     def _logits(self, feature: torch.Tensor) -> torch.Tensor:
         """feature [H] -> logits [V] (or [len(vocab_ids)] on the FR-Spec subset)."""
-        if self._head_rows is None:
-            return self.parts.logits(feature).float()
-        logits = self._head_rows(feature.unsqueeze(0))[0]  # [len(vocab_ids)]
-        if self.parts.softcap:
-            logits = torch.tanh(logits / self.parts.softcap) * self.parts.softcap
-        return logits.float()
+        return self._logits_rows(feature.unsqueeze(0))[0]
 
     def _pick(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         if self._params.greedy:
             index = int(logits.argmax())
-            return (index if self.vocab_ids is None else int(self.vocab_ids[index])), None
+            return self._token(index), None
         if self.vocab_ids is not None:  # back to the full vocabulary, zero outside the subset
             full = torch.full((self.vocab_size,), float("-inf"), device=logits.device)
             full[self.vocab_ids] = logits
@@ -297,6 +313,8 @@ class EagleDrafter(Drafter):
         out = self._step(features[exact : n - 1], new_ids, exact)  # [T, H]
         self._exact, self._tokens = n - 1, list(context_ids)
 
+        if self.tree and k > 1:
+            return self._propose_tree(out[-1], n, min(k, self.backend.max_length - n))
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         feature = out[-1]  # [H] predicted f_{n-1}, which predicts d1
@@ -310,6 +328,75 @@ class EagleDrafter(Drafter):
             ids = torch.tensor([token], device=features.device)
             feature = self._step(feature.view(1, -1), ids, n - 1 + i)[-1]
         return Draft(tokens, torch.stack(rows) if rows else None)
+
+    def _propose_tree(self, feature: torch.Tensor, n: int, depth: int) -> Draft:
+        """An EAGLE-2 draft tree (Li et al. 2024) below the pending token, grown from the
+        head's confidence: a node's score is the log-probability of its path under the head.
+        Each level runs the head once over the `width` best nodes of the level above, all
+        attending to the context and their own ancestors. The best `max_nodes` nodes of all
+        levels form the tree, listed best first: parents come before children (a path's score
+        only falls), and each node's first child is its likeliest, as `first_path` expects.
+
+        The tree is deterministic (probs None): under sampling, recursive rejection with one-hot
+        drafts keeps the target's distribution exactly (tree.verify_tree_sampling)."""
+        dev = feature.device
+        slot0 = n - 1  # head slots from here on hold tree nodes (the exact context is below)
+        logp = torch.log_softmax(self._logits(feature), -1)  # [V'] scores of the roots
+        best = logp.topk(min(self.width, logp.shape[-1]))
+        # nodes: (score, depth, token, parent node or -1); node i's input feature is feeds[i]
+        nodes = [(float(s), 0, self._token(int(i)), -1) for s, i in zip(best.values, best.indices, strict=True)]
+        feeds = [feature] * len(nodes)
+        slot_of: dict[int, int] = {}  # node -> the head slot holding its keys and values
+        level = list(range(len(nodes)))
+        for d in range(depth - 1):
+            level = sorted((i for i in level if nodes[i][2] not in self.eos_token_ids), key=lambda i: -nodes[i][0])
+            level = level[: self.width]
+            if not level:
+                break
+            store, t = slot0 + len(slot_of), len(level)
+            visible = torch.zeros(t, store + t, dtype=torch.bool, device=dev)  # [T, slots]
+            visible[:, :slot0] = True
+            for j, i in enumerate(level):
+                slot_of[i] = store + j
+                node = i
+                while node >= 0:  # the node itself and its ancestors
+                    visible[j, slot_of[node]] = True
+                    node = nodes[node][3]
+            ids = torch.tensor([nodes[i][2] for i in level], device=dev)
+            out = self.head.forward_nodes(torch.stack([feeds[i] for i in level]).float(),
+                                          self.parts.embed(ids).float(), [n - 1 + d] * t, store, visible)
+            logp = torch.log_softmax(self._logits_rows(out), -1)  # [T, V']
+            best = logp.topk(min(self.width, logp.shape[-1]), dim=-1)
+            level_next = []
+            for j, i in enumerate(level):
+                for s, index in zip(best.values[j].tolist(), best.indices[j].tolist(), strict=True):
+                    level_next.append(len(nodes))
+                    nodes.append((nodes[i][0] + s, d + 1, self._token(index), i))
+                    feeds.append(out[j])
+            level = level_next
+        # the best nodes of all levels; ties go to the shallower node, so parents stay first
+        chosen = sorted(range(len(nodes)), key=lambda i: (-nodes[i][0], nodes[i][1], i))[: self.max_nodes]
+        kept = set(chosen)
+        chosen = [i for i in chosen if nodes[i][3] < 0 or nodes[i][3] in kept]
+        index = {node: j for j, node in enumerate(chosen)}
+        tokens = [nodes[i][2] for i in chosen]
+        parents = [index.get(nodes[i][3], -1) for i in chosen]
+        if all(p == j - 1 for j, p in enumerate(parents)):
+            return Draft(tokens)
+        return Draft(tokens, None, parents)
+
+    def _token(self, index: int) -> int:
+        """A row of the head's logits -> a token id (FR-Spec rows are a vocabulary subset)."""
+        return index if self.vocab_ids is None else int(self.vocab_ids[index])
+
+    def _logits_rows(self, features: torch.Tensor) -> torch.Tensor:
+        """features [T, H] -> logits [T, V] (or [T, len(vocab_ids)] on the FR-Spec subset)."""
+        if self._head_rows is None:
+            return self.parts.logits(features).float()
+        logits = self._head_rows(features)
+        if self.parts.softcap:
+            logits = torch.tanh(logits / self.parts.softcap) * self.parts.softcap
+        return logits.float()
 
     def _step(self, features: torch.Tensor, token_ids: torch.Tensor, past: int) -> torch.Tensor:
         embeds = self.parts.embed(token_ids).float()  # [T, H]
@@ -336,4 +423,11 @@ def _make(spec: DrafterSpec, target) -> Drafter:
     precision = spec.options.get("precision")  # eagle:DIR:precision=fp32 drafts without quantizing the head
     if precision not in (None, "fp32", "bf16", "int8"):
         raise SpecdecError(f"precision must be fp32, bf16 or int8 in {spec.text!r}", "drafter")
-    return EagleDrafter(target.model, head, vocab_ids, target.eos_token_ids, precision)
+    try:  # eagle:DIR:tree=1[:width=4][:nodes=24] drafts EAGLE-2 trees
+        tree = spec.options.get("tree", "0") not in ("0", "false", "no")
+        width, max_nodes = int(spec.options.get("width", 4)), int(spec.options.get("nodes", 24))
+    except ValueError:
+        raise SpecdecError(f"width and nodes must be integers in {spec.text!r}", "drafter") from None
+    if width < 1 or max_nodes < 1:
+        raise SpecdecError(f"width and nodes must be at least 1 in {spec.text!r}", "drafter")
+    return EagleDrafter(target.model, head, vocab_ids, target.eos_token_ids, precision, tree, width, max_nodes)
