@@ -127,3 +127,29 @@ def test_prefix_record_follows_rollback_reset_and_hidden_states(small_chunks, ki
     assert backend.hidden.shape[0] == 20
     backend.reset()
     assert backend.cached_prefix(prompt) == 0
+
+
+@pytest.mark.parametrize(("kind", "options"), PREFIX_BACKENDS[:2], ids=PREFIX_IDS[:2])
+@pytest.mark.parametrize(
+    ("reuse_decoded", "extra", "expect_keep"),
+    [
+        (False, 0, 8),  # prompt-only caching: the answer is not kept, the prompt to a chunk boundary
+        (True, 0, 17),  # decoded: prompt and answer, at any length
+        (True, 2, 10),  # the cache holds two tokens past what was marked: the mark is refused
+    ],
+)
+def test_mark_decoded_keeps_answers_only_when_asked(small_chunks, kind, options, reuse_decoded, extra, expect_keep):
+    backend = make_backend(kind, tiny_llama(seed=0), **options)
+    backend.reuse_decoded = reuse_decoded
+    prompt, answer = list(range(10, 20)), list(range(50, 57))
+    backend.prefill(prompt)
+    backend.forward(answer + [99] * extra)
+    backend.mark_decoded(prompt + answer)
+    follow_up = prompt + answer + [5, 6, 7]
+    keep = backend.cached_prefix(follow_up)
+    assert keep == expect_keep
+    rows = backend.prefill(follow_up, keep=keep)
+    assert rows.shape[0] == len(follow_up) - keep and backend.length == len(follow_up)
+    if reuse_decoded and not extra:
+        backend.rollback(12)  # the record follows the cache
+        assert backend.cached_prefix(follow_up) == 12

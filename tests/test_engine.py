@@ -271,6 +271,42 @@ def test_multi_turn_prompts_reuse_the_cached_prefix_and_stay_exact(target, draft
     assert cold.generate(prompt, max_new_tokens=4).stats.cached_prompt_tokens == 0
 
 
+def _conversation(engine, target, turns=3, max_new=16):
+    """Resend a growing conversation: each turn is the last prompt, its answer and new text."""
+    prompt, outputs, cached, accepted = target.tokenizer.encode(PROMPTS[1]), [], [], 0
+    for i in range(turns):
+        result = engine.generate(prompt, max_new_tokens=max_new)
+        outputs.append(result.token_ids)
+        cached.append(result.stats.cached_prompt_tokens)
+        accepted += result.stats.num_accepted_tokens
+        prompt = prompt + result.token_ids + target.tokenizer.encode(PROMPTS[i % 2])
+    return outputs, cached, accepted
+
+
+@pytest.mark.parametrize(
+    ("backend", "drafter", "k"),
+    [("native", "ngram:min=1", 4), ("native", "suffix:tree=1", 6), ("hf", "ngram:min=1", 4)],
+    ids=["native-ngram", "native-suffix-tree", "hf-ngram"],
+)
+def test_decoded_prefix_cache_reuses_answers_and_speculation_stays_exact(target, backend, drafter, k, monkeypatch):
+    """--prefix-cache decoded: the next turn keeps the previous answer's keys as decoding
+    wrote them. Plain and speculative decoding, each through its own conversation, agree
+    token for token, and they keep more than prompt-only caching does."""
+    monkeypatch.setattr(backend_mod, "PREFILL_CHUNK", 4)
+    options = {"precision": "fp32"} if backend == "native" else None
+    plain = Engine(target, "none", k=0, backend=backend, backend_options=options, prefix_cache="decoded")
+    spec = Engine(target, drafter, k=k, backend=backend, backend_options=options, prefix_cache="decoded")
+    prompt_only = Engine(target, "none", k=0, backend=backend, backend_options=options)
+    want, cached_plain, _ = _conversation(plain, target)
+    got, cached_spec, accepted = _conversation(spec, target)
+    _, cached_prompt_only, _ = _conversation(prompt_only, target)
+    assert got == want and accepted > 0
+    assert cached_spec == cached_plain  # the same keys kept, so the same bits read
+    assert all(d > p for d, p in zip(cached_plain[1:], cached_prompt_only[1:], strict=True))
+    with pytest.raises(SpecdecError, match="prefix cache"):
+        Engine(target, "none", k=0, prefix_cache="everything")
+
+
 def test_draft_device_runs_the_draft_on_its_own_device(target, tmp_path):
     """--draft-device places a model drafter (through the native backend, which takes a
     device); the target stays where it is. Only cpu exists here: scripts/gpu_check.py runs

@@ -71,10 +71,20 @@ class PrefixCache:
     chunks computed), the kept prefix ends at a chunk boundary, and prefills cut their chunks
     at fixed positions (`prefill_chunks`), so a prompt's keys and values are those of a cold
     prefill whatever the cache held before.
+
+    With `reuse_decoded` set (`--prefix-cache decoded`), a finished request's answer counts
+    too (`mark_decoded`), at any length: the next turn of a conversation skips re-reading the
+    answer, as vLLM's and SGLang's prefix caches do. Its keys are then those of decode steps,
+    so a warm conversation may differ from a cold one in the last bits. Speculative and plain
+    decoding still agree: the native backend writes a decoded token's keys with the same bits
+    whether it was scored alone, among drafts or in a tree, and a request ends with its cache
+    holding exactly the tokens plain decoding would have fed.
     """
 
+    reuse_decoded = False
+
     def _init_prefix(self) -> None:
-        self._prefilled: list[int] = []  # the cache's first tokens, all written by prefills
+        self._prefilled: list[int] = []  # the cache's first tokens, written by prefills (or marked)
         self._prefilled_hidden = False  # whether their hidden states were kept too
 
     def cached_prefix(self, token_ids: list[int]) -> int:
@@ -85,12 +95,19 @@ class PrefixCache:
             if a != b:
                 break
             n += 1
-        return n - n % PREFILL_CHUNK
+        return n if self.reuse_decoded else n - n % PREFILL_CHUNK
+
+    def mark_decoded(self, token_ids: list[int]) -> None:
+        """Record that the cache holds exactly `token_ids` (a finished request's prompt and
+        answer, all but its last token); with `reuse_decoded`, later prompts may keep them."""
+        if self.reuse_decoded and self.length == len(token_ids) and self._prefilled == list(token_ids[: len(self._prefilled)]):
+            self._prefilled = list(token_ids)
 
     def _start_prefill(self, token_ids: list[int], keep: int) -> list[int]:
         """Roll back to `keep` cached tokens (or reset); return the tokens left to feed."""
         if keep:
-            if keep % PREFILL_CHUNK or keep > len(self._prefilled) or self._prefilled[:keep] != list(token_ids[:keep]):
+            off_chunk = keep % PREFILL_CHUNK and not self.reuse_decoded
+            if off_chunk or keep > len(self._prefilled) or self._prefilled[:keep] != list(token_ids[:keep]):
                 self.reset()
                 raise ValueError(f"keep={keep}: the cache does not hold these tokens up to a chunk boundary")
             self.rollback(keep)

@@ -193,8 +193,8 @@ class EngineRunner(Runner):
         )
 
 
-def make_engine_runners(target, methods: Sequence[str], backend: str = "hf",
-                        draft_device: str | None = None, backend_options: dict | None = None) -> list[EngineRunner]:
+def make_engine_runners(target, methods: Sequence[str], backend: str = "hf", draft_device: str | None = None,
+                        backend_options: dict | None = None, prefix_cache: bool | str = True) -> list[EngineRunner]:
     """One Engine per method, all sharing the loaded target's weights."""
     from .drafters import DrafterSpec
     from .engine import Engine
@@ -203,7 +203,7 @@ def make_engine_runners(target, methods: Sequence[str], backend: str = "hf",
     for method in methods:
         k = 0 if DrafterSpec.parse(method).name == "none" else "auto"
         engine = Engine(target=target, drafter=method, k=k, backend=backend, draft_device=draft_device,
-                        backend_options=backend_options)
+                        backend_options=backend_options, prefix_cache=prefix_cache)
         runners.append(EngineRunner(method, engine))
     return runners
 

@@ -57,7 +57,7 @@ def run_bench(args: argparse.Namespace) -> None:
     from .native import compile_seconds
 
     target = load_model(args.target)
-    runners = make_engine_runners(target, methods, args.backend, args.draft_device, options)
+    runners = make_engine_runners(target, methods, args.backend, args.draft_device, options, args.prefix_cache)
     engines = {r.name: r.engine for r in runners}
     compile_s = max(compile_seconds(e.backend) for e in engines.values())
     if compile_s:
@@ -84,6 +84,7 @@ def run_bench(args: argparse.Namespace) -> None:
         "backend_options": options,
         "compile_seconds": round(compile_s, 1) if compile_s else None,
         "draft_device": args.draft_device,
+        "prefix_cache": args.prefix_cache,
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
         "warmup": args.warmup,

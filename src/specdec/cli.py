@@ -47,6 +47,10 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
                         "no token trees, and a batch runs one sequence at a time)")
     p.add_argument("--draft-device", default=None, metavar="DEVICE",
                    help="where a model drafter runs, e.g. cpu while the target is on cuda (default: the target's)")
+    p.add_argument("--prefix-cache", default="prompt", choices=["prompt", "decoded", "off"],
+                   help="reuse the cached start of a prompt: prompt tokens only, bit-exact against a cold start "
+                        "(default); decoded: the previous answers too, so a conversation's next turn skips "
+                        "re-reading them (a warm conversation may then differ from a cold one in the last bits)")
 
 
 def backend_options(args: argparse.Namespace) -> dict:
@@ -99,7 +103,7 @@ def run_generate(args: argparse.Namespace) -> None:
         log = TrafficLog(args.log_dir)
     options = backend_options(args)
     engine = Engine(target=args.target, drafter=args.drafter, k=args.k, backend=args.backend, backend_options=options,
-                    draft_device=args.draft_device)
+                    draft_device=args.draft_device, prefix_cache=args.prefix_cache)
     from .native import compile_seconds
 
     if compile_seconds(engine.backend):

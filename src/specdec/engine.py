@@ -42,6 +42,19 @@ class GenerationResult:
         }
 
 
+PREFIX_CACHE_MODES = ("prompt", "decoded", "off")
+
+
+def prefix_cache_mode(value: bool | str) -> str:
+    """prompt: reuse prefilled prompt tokens, bit-exact against a cold start (the default);
+    decoded: also the previous answers of a conversation; off: prefill every prompt whole."""
+    mode = {True: "prompt", False: "off"}.get(value, value) if isinstance(value, bool) else value
+    if mode not in PREFIX_CACHE_MODES:
+        raise SpecdecError(f"prefix cache must be one of {', '.join(PREFIX_CACHE_MODES)}, got {value!r}",
+                           "prefix_cache")
+    return mode
+
+
 class GenerationStream:
     """Iterates over text deltas; `result` is set once the iteration ends."""
 
@@ -67,7 +80,7 @@ class Engine:
         k: str | int = "auto",
         backend: str = "hf",
         backend_options: dict | None = None,  # e.g. {"precision": "int8"} for the native backend
-        prefix_cache: bool = True,
+        prefix_cache: bool | str = True,  # True/"prompt", "decoded", or False/"off" (see PrefixCache)
         draft_device: str | None = None,  # where the `model` drafter runs (the target stays put)
     ):
         self.target = target if isinstance(target, LoadedModel) else load_model(target)
@@ -83,7 +96,9 @@ class Engine:
         make_controller(k)  # validate now rather than at the first request
         self.k = k
         self.eos_token_ids = self.target.eos_token_ids
-        self.prefix_cache = prefix_cache  # keep the cached part of a prompt that repeats the last one's start
+        mode = prefix_cache_mode(prefix_cache)
+        self.prefix_cache = mode != "off"  # keep the cached part of a prompt that repeats the last one's start
+        self.backend.reuse_decoded = mode == "decoded"  # ... including the last answer
         # What the adaptive controller learns that outlives a request: the target's cost of
         # scoring n tokens on this machine, and how often this drafter's tokens are accepted.
         self.costs = ScoreCosts()
@@ -326,6 +341,11 @@ class Sequence:
     def finish(self) -> str:
         """End the request: set `result`; return the last text delta."""
         self.done = True
+        if getattr(self.backend, "reuse_decoded", False) and self.backend.length >= len(self.context) - 1:
+            # keep what plain decoding would have fed (not drafts accepted past the end), and
+            # let the next turn of the conversation reuse it
+            self.backend.rollback(len(self.context) - 1)
+            self.backend.mark_decoded(self.context[:-1])
         self.drafter.end(self.context)
         if not self.track_text:
             self.tracker.add(self.generated)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from .backend import forward_batch, make_backend
 from .controller import ScoreCosts, make_controller
 from .drafters import Drafter, DrafterSpec, make_drafter
-from .engine import GenerationResult, Sequence
+from .engine import GenerationResult, Sequence, prefix_cache_mode
 from .errors import SpecdecError
 from .sampling import SamplingParams
 
@@ -108,9 +108,10 @@ class BackendSlots:
     conversation, or share a system prompt and tool list, skip most of their prefill.
     """
 
-    def __init__(self, kind: str, target, options: dict | None = None):
+    def __init__(self, kind: str, target, options: dict | None = None, prefix_cache: str = "prompt"):
         self.kind, self.target, self.options = kind, target, dict(options or {})
-        first = make_backend(kind, target, **self.options)
+        self.reuse_decoded = prefix_cache == "decoded"
+        first = self._configure(make_backend(kind, target, **self.options))
         self.pool = getattr(first, "pool", None)
         self.max_length = int(first.max_length)
         self._free = [first]  # least recently released first
@@ -123,10 +124,14 @@ class BackendSlots:
         if best is not None and (hits[best] > 0 or not self._can_grow()):
             backend = self._free.pop(best)  # a hit, or else the least recently used slot
         elif self.pool is not None:
-            backend = self.pool.new_sequence()
+            backend = self._configure(self.pool.new_sequence())
         else:
-            backend = make_backend(self.kind, self.target, **self.options)
+            backend = self._configure(make_backend(self.kind, self.target, **self.options))
         self.in_use += 1
+        return backend
+
+    def _configure(self, backend):
+        backend.reuse_decoded = self.reuse_decoded
         return backend
 
     def _can_grow(self) -> bool:
@@ -178,6 +183,7 @@ class Scheduler:
         metrics=None,
         backend_options: dict | None = None,
         draft_device: str | None = None,
+        prefix_cache: bool | str = True,
     ):
         if max_batch < 1 or max_queue < 0:
             raise SpecdecError(f"need max_batch >= 1 and max_queue >= 0, got {max_batch}, {max_queue}", "max_batch")
@@ -186,7 +192,7 @@ class Scheduler:
         self.default_drafter, spec_k = self.resolve_drafter(drafter)
         self.default_k = spec_k if spec_k is not None else k
         make_controller(self.default_k)  # validate now
-        self.slots = BackendSlots(backend, target, backend_options)
+        self.slots = BackendSlots(backend, target, backend_options, prefix_cache_mode(prefix_cache))
         self.max_length = self.slots.max_length
         # What scoring n tokens costs, timed once now and then learned from steps that scored
         # one sequence alone; shared by every request's adaptive controller, as in Engine.

@@ -113,7 +113,7 @@ def run_serve(args: argparse.Namespace) -> None:
     logging.getLogger("specdec").setLevel(logging.INFO if args.log_level in ("debug", "info") else logging.WARNING)
     config = ServeConfig(
         target=args.target, drafter=args.drafter, k=args.k, backend=args.backend, backend_options=options,
-        draft_device=args.draft_device,
+        draft_device=args.draft_device, prefix_cache=args.prefix_cache,
         served_model_name=args.served_model_name, api_key=api_key, max_batch=args.max_batch,
         max_queue=args.max_queue, max_batch_tokens=_batch_tokens(args, options), spec_off_above=args.spec_off_above,
         request_timeout=args.request_timeout, max_body_bytes=args.max_body_bytes,

@@ -55,6 +55,7 @@ class ServeConfig:
     backend: str = "hf"
     backend_options: dict = field(default_factory=dict)  # passed to make_backend (native: precision, ...)
     draft_device: str | None = None  # where a `model` drafter runs
+    prefix_cache: str = "prompt"  # or "decoded": a conversation's next turn reuses its answers (see PrefixCache)
     served_model_name: str | None = None
     api_key: str | None = None  # the key itself (read from the environment by the CLI)
     max_batch: int = 16
@@ -164,7 +165,7 @@ class Gateway:
             scheduler = Scheduler(
                 target, cfg.backend, cfg.drafter, cfg.k, cfg.max_batch, cfg.max_queue,
                 LoadPolicy(cfg.max_batch_tokens, cfg.spec_off_above), self.metrics, cfg.backend_options,
-                cfg.draft_device,
+                cfg.draft_device, cfg.prefix_cache,
             )
             self._allowed = {Scheduler.resolve_drafter(s)[0] for s in [cfg.drafter, "none", *cfg.allow_drafters]}
             self.metrics.bind_scheduler(scheduler)
