@@ -281,12 +281,15 @@ def test_tree_drafts_are_scored_with_tree_attention(target, monkeypatch):
     assert trees
 
 
-def test_a_request_gets_the_slot_that_caches_its_prompt_prefix(target, monkeypatch):
+@pytest.mark.parametrize("mode", ["prompt", "decoded"])
+def test_a_request_gets_the_slot_that_caches_its_prompt_prefix(target, monkeypatch, mode):
     """Agents resend their conversation: turn 2 lands on the slot that served turn 1 and
-    prefills only the new tokens, with the output of a cold start."""
+    prefills only the new tokens: with prompt caching, turn 1's prompt in whole chunks and
+    the output of a cold start; with decoded caching, turn 1's answer too and the output of
+    plain decoding through the same conversation."""
     monkeypatch.setattr(backend_mod, "PREFILL_CHUNK", 4)
-    plain = Engine(target, drafter="none", k=0, prefix_cache=False)
-    sched = Scheduler(target, "hf", "ngram:min=1", "auto", max_batch=2)
+    plain = Engine(target, drafter="none", k=0, prefix_cache=False if mode == "prompt" else "decoded")
+    sched = Scheduler(target, "hf", "ngram:min=1", "auto", max_batch=2, prefix_cache=mode)
     first, other = target.tokenizer.encode(PROMPTS[0]), target.tokenizer.encode(PROMPTS[2])
     recs = [Recorder(), Recorder()]
     sched.submit(make_request(target, PROMPTS[0], recs[0], 12))
@@ -297,7 +300,11 @@ def test_a_request_gets_the_slot_that_caches_its_prompt_prefix(target, monkeypat
     rec = Recorder()
     sched.submit(GenRequest(turn2, SamplingParams(), 12, rec))
     run_until_idle(sched)
-    assert rec.result.stats.cached_prompt_tokens == (len(first) - 1) // 4 * 4  # turn 1's prefill, whole chunks
+    if mode == "prompt":
+        assert rec.result.stats.cached_prompt_tokens == (len(first) - 1) // 4 * 4  # turn 1's prefill, whole chunks
+    else:  # turn 1's prompt and answer, all but the answer's last token (never fed)
+        assert rec.result.stats.cached_prompt_tokens == len(first) + len(recs[0].result.token_ids) - 1
+        plain.generate(first, max_new_tokens=12)  # plain decoding through the same conversation
     assert rec.result.token_ids == plain.generate(turn2, max_new_tokens=12).token_ids
     assert len(other) > 1 and sched.slots.in_use == 0
 
