@@ -78,3 +78,16 @@ def smollm2():
     from specdec.models import load_model
 
     return load_model("smollm2-135m")
+
+
+def spy_trees(backend) -> list[list[int]]:
+    """Record the parents of every token tree the backend scores (one list per forward_tree)."""
+    trees: list[list[int]] = []
+    original = backend.forward_tree
+
+    def forward_tree(token_ids, parents):
+        trees.append(list(parents))
+        return original(token_ids, parents)
+
+    backend.forward_tree = forward_tree
+    return trees

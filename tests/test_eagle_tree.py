@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_llama
+from conftest import spy_trees, tiny_llama
 from specdec.drafters import make_drafter
 from specdec.drafters.eagle import EagleDrafter, EagleHead, LeanHead, head_config_from_target
 from specdec.engine import Engine
@@ -25,19 +25,6 @@ def _head(target, std: float = 0.05) -> EagleHead:
     for p in head.parameters():  # a trained head: no zeroed projections
         torch.nn.init.normal_(p, std=std)
     return head
-
-
-def spy_trees(backend) -> list[list[int]]:
-    """Record the parents of every tree the backend scores."""
-    trees: list[list[int]] = []
-    original = backend.forward_tree
-
-    def forward_tree(token_ids, parents):
-        trees.append(list(parents))
-        return original(token_ids, parents)
-
-    backend.forward_tree = forward_tree
-    return trees
 
 
 def test_tree_nodes_see_what_their_chains_see(target):

@@ -149,7 +149,7 @@ MAX_NEW = 40
     ("tree", "backend"), [(False, "hf"), (True, "hf"), (True, "native")], ids=["chain", "tree-hf", "tree-native"]
 )
 def test_greedy_equals_plain(tmp_path, tree, backend):
-    from test_suffix import spy_tree_calls
+    from conftest import spy_trees
 
     target = tiny_llama(seed=0)
     prompt = "| name | value |\n|------|-------|\n| a | 1 |\n"
@@ -159,7 +159,7 @@ def test_greedy_equals_plain(tmp_path, tree, backend):
     corpus = [ids, ids[:16] + [(t + 1) % 300 for t in ids[16:]]]  # the answer, and a wrong variant
     drafter = RetrievalDrafter(_store(tmp_path, corpus, "fp"), tree=tree, max_nodes=16)
     engine = Engine(target=target, drafter=drafter, k=8, backend=backend)
-    tree_calls = spy_tree_calls(engine.backend)
+    tree_calls = spy_trees(engine.backend)
     result = engine.generate(prompt, max_new_tokens=MAX_NEW, chat=False)
     assert result.token_ids == plain.token_ids
     assert result.stats.num_accepted_tokens >= MAX_NEW // 2

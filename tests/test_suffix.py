@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import tiny_llama
+from conftest import spy_trees, tiny_llama
 from specdec import Engine, SpecdecError
 from specdec.drafters import make_drafter
 from specdec.drafters.suffix import ROOT, SuffixDrafter, SuffixStore, SuffixTrie
@@ -226,19 +226,6 @@ def _plain(target, prompt, backend="hf"):
     return engine.generate(prompt, max_new_tokens=MAX_NEW, chat=False)
 
 
-def spy_tree_calls(backend) -> list[int]:
-    """Record the size of every tree the backend scores."""
-    calls: list[int] = []
-    original = backend.forward_tree
-
-    def forward_tree(token_ids, parents):
-        calls.append(len(token_ids))
-        return original(token_ids, parents)
-
-    backend.forward_tree = forward_tree
-    return calls
-
-
 @pytest.mark.parametrize(
     ("tree", "backend"), [(False, "hf"), (True, "hf"), (True, "native")], ids=["chain", "tree-hf", "tree-native"]
 )
@@ -251,7 +238,7 @@ def test_greedy_equals_plain_and_learns_across_requests(target, tree, backend):
         store.add(ids[:14] + [(t + 1) % 300 for t in ids[14:20]] + ids[20:])
     drafter = SuffixDrafter(store, depth=24, tree=tree, eos_token_ids=target.eos_token_ids)
     engine = Engine(target=target, drafter=drafter, k=8, backend=backend)
-    tree_calls = spy_tree_calls(engine.backend)
+    tree_calls = spy_trees(engine.backend)
     first = engine.generate(prompt, max_new_tokens=MAX_NEW, chat=False)
     second = engine.generate(prompt, max_new_tokens=MAX_NEW, chat=False)  # the store knows it now
     assert first.token_ids == plain.token_ids
@@ -259,7 +246,7 @@ def test_greedy_equals_plain_and_learns_across_requests(target, tree, backend):
     assert second.stats.num_accepted_tokens >= MAX_NEW // 2
     assert second.stats.num_steps < plain.stats.num_steps // 2
     assert bool(tree_calls) == tree
-    assert all(size <= 8 + 1 for size in tree_calls)  # k = 8 nodes below the pending token, as a chain
+    assert all(len(tree) <= 8 + 1 for tree in tree_calls)  # k = 8 nodes below the pending token, as a chain
 
 
 def test_greedy_equals_plain_from_the_request_alone(target):
@@ -300,7 +287,7 @@ def test_sampling_with_tree_drafts(target):
         store.add(ids[:12] + [(t + 1) % 300 for t in ids[12:]])  # a second answer to branch to
         drafter = SuffixDrafter(store, depth=24, tree=True, branch_prob=0.1, eos_token_ids=target.eos_token_ids)
         engine = Engine(target=target, drafter=drafter, k=6)
-        tree_calls = spy_tree_calls(engine.backend)
+        tree_calls = spy_trees(engine.backend)
         result = engine.generate(prompt, max_new_tokens=MAX_NEW, temperature=0.3, seed=3, chat=False)
         return result, tree_calls
 
