@@ -1,6 +1,6 @@
 """How fast agent sessions could get with a drafter that already knows the answers.
 
-    python scripts/agent_ceiling.py [--methods none,suffix] [--k auto]
+    python scripts/agent_ceiling.py [--methods none,suffix] [--k auto] [--prefix-cache prompt]
 
 Runs the shipped agent sessions twice in one process, each pass the way `specdec bench`
 runs them (every session's turns in order, each turn after the runner's own answers). The
@@ -24,10 +24,11 @@ def main() -> None:
     p.add_argument("--methods", default="none,suffix", help="the first is the baseline")
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--k", default="auto", help="for the speculative methods: auto or a fixed k")
+    p.add_argument("--prefix-cache", default="prompt", choices=["prompt", "decoded", "off"])
     args = p.parse_args()
     target = load_model(args.target)
     questions = load_questions(categories=["agent_sessions"])
-    runners = make_engine_runners(target, args.methods.split(","), backend="native")
+    runners = make_engine_runners(target, args.methods.split(","), backend="native", prefix_cache=args.prefix_cache)
     if args.k != "auto":
         for runner in runners[1:]:
             runner.engine.k = int(args.k)
