@@ -466,3 +466,21 @@ def test_real_model_serves_lossless_chat(tmp_path):
         assert streamed == spec.choices[0].message.content
     finally:
         srv.close()
+
+
+def test_decoded_prefix_cache_serves_a_conversation_from_its_cache(model_dir):
+    """--prefix-cache decoded: a conversation's second turn finds its first prompt and answer
+    cached, not cut to a 128-token chunk (prompt-only caching keeps nothing of prompts this short)."""
+    srv = ServerProcess(model_dir, "--backend", "native", "--prefix-cache", "decoded", "--max-batch", "1")
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        name = client.models.list().data[0].id
+        messages = [{"role": "user", "content": PROMPTS[2]}]
+        first = client.chat.completions.create(model=name, messages=messages, max_tokens=12, temperature=0)
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": PROMPTS[1]}]
+        second = client.chat.completions.create(model=name, messages=messages, max_tokens=12, temperature=0)
+        assert second.usage.prompt_tokens > first.usage.prompt_tokens
+        assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+    finally:
+        srv.close()
