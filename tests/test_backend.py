@@ -131,25 +131,31 @@ def test_prefix_record_follows_rollback_reset_and_hidden_states(small_chunks, ki
 
 @pytest.mark.parametrize(("kind", "options"), PREFIX_BACKENDS[:2], ids=PREFIX_IDS[:2])
 @pytest.mark.parametrize(
-    ("reuse_decoded", "extra", "expect_keep"),
+    ("reuse_decoded", "extra", "shared", "expect_keep"),
     [
-        (False, 0, 8),  # prompt-only caching: the answer is not kept, the prompt to a chunk boundary
-        (True, 0, 17),  # decoded: prompt and answer, at any length
-        (True, 2, 10),  # the cache holds two tokens past what was marked: the mark is refused
+        (False, 0, 17, 8),  # prompt-only caching: the answer is not kept, the prompt to a chunk boundary
+        (True, 0, 17, 17),  # decoded: prompt and answer, at any length
+        (True, 0, 13, 13),  # ... or as much of the answer as the next prompt repeats
+        (True, 0, 7, 4),  # a prompt that leaves before the answer: cold bits, on the chunk grid
+        (True, 2, 17, 8),  # the cache holds two tokens past what was marked: the mark is refused
     ],
 )
-def test_mark_decoded_keeps_answers_only_when_asked(small_chunks, kind, options, reuse_decoded, extra, expect_keep):
+def test_mark_decoded_keeps_answers_only_when_asked(small_chunks, kind, options, reuse_decoded, extra, shared,
+                                                    expect_keep):
     backend = make_backend(kind, tiny_llama(seed=0), **options)
     backend.reuse_decoded = reuse_decoded
     prompt, answer = list(range(10, 20)), list(range(50, 57))
     backend.prefill(prompt)
     backend.forward(answer + [99] * extra)
     backend.mark_decoded(prompt + answer)
-    follow_up = prompt + answer + [5, 6, 7]
+    follow_up = (prompt + answer)[:shared] + [5, 6, 7]
     keep = backend.cached_prefix(follow_up)
     assert keep == expect_keep
     rows = backend.prefill(follow_up, keep=keep)
     assert rows.shape[0] == len(follow_up) - keep and backend.length == len(follow_up)
-    if reuse_decoded and not extra:
+    if expect_keep % 4 == 0:  # kept on the grid: a cold prefill's bits
+        cold = make_backend(kind, tiny_llama(seed=0), **options)
+        assert torch.equal(rows, cold.prefill(follow_up)[keep:])
+    if shared == 17 and reuse_decoded and not extra:
         backend.rollback(12)  # the record follows the cache
         assert backend.cached_prefix(follow_up) == 12

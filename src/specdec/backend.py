@@ -73,18 +73,21 @@ class PrefixCache:
     prefill whatever the cache held before.
 
     With `reuse_decoded` set (`--prefix-cache decoded`), a finished request's answer counts
-    too (`mark_decoded`), at any length: the next turn of a conversation skips re-reading the
-    answer, as vLLM's and SGLang's prefix caches do. Its keys are then those of decode steps,
-    so a warm conversation may differ from a cold one in the last bits. Speculative and plain
-    decoding still agree: the native backend writes a decoded token's keys with the same bits
-    whether it was scored alone, among drafts or in a tree, and a request ends with its cache
-    holding exactly the tokens plain decoding would have fed.
+    too (`mark_decoded`): the next turn of a conversation skips re-reading the answer, as
+    vLLM's and SGLang's prefix caches do. A prompt that shares only cold-prefilled tokens
+    with the cache is kept as above, bit-exact; one that reaches into the decoded answer keeps
+    all it shares, and then reads keys written by decode steps, so a warm conversation may
+    continue differently from a cold one. Speculative and plain decoding still agree: the
+    native backend writes a decoded token's keys with the same bits whether it was scored
+    alone, among drafts or in a tree, and a request ends with its cache holding exactly the
+    tokens plain decoding would have fed.
     """
 
     reuse_decoded = False
 
     def _init_prefix(self) -> None:
         self._prefilled: list[int] = []  # the cache's first tokens, written by prefills (or marked)
+        self._cold = 0  # how many of them hold the bits of a cold prefill
         self._prefilled_hidden = False  # whether their hidden states were kept too
 
     def cached_prefix(self, token_ids: list[int]) -> int:
@@ -95,7 +98,9 @@ class PrefixCache:
             if a != b:
                 break
             n += 1
-        return n if self.reuse_decoded else n - n % PREFILL_CHUNK
+        if self.reuse_decoded and n > self._cold:
+            return n  # it reaches into a decoded answer: keep all of it
+        return n - n % PREFILL_CHUNK
 
     def mark_decoded(self, token_ids: list[int]) -> None:
         """Record that the cache holds exactly `token_ids` (a finished request's prompt and
@@ -106,19 +111,24 @@ class PrefixCache:
     def _start_prefill(self, token_ids: list[int], keep: int) -> list[int]:
         """Roll back to `keep` cached tokens (or reset); return the tokens left to feed."""
         if keep:
-            off_chunk = keep % PREFILL_CHUNK and not self.reuse_decoded
-            if off_chunk or keep > len(self._prefilled) or self._prefilled[:keep] != list(token_ids[:keep]):
+            off_grid = keep % PREFILL_CHUNK and not (self.reuse_decoded and keep > self._cold)
+            if off_grid or keep > len(self._prefilled) or self._prefilled[:keep] != list(token_ids[:keep]):
                 self.reset()
                 raise ValueError(f"keep={keep}: the cache does not hold these tokens up to a chunk boundary")
+            cold = self._cold
             self.rollback(keep)
+            # the rest is prefilled on the chunk grid: cold bits too, if what it follows has them
+            self._cold = len(token_ids) if keep <= cold and keep % PREFILL_CHUNK == 0 else min(keep, cold)
         else:
             self.reset()
+            self._cold = len(token_ids)
         self._prefilled_hidden = self.keep_hidden and (self._prefilled_hidden or not keep)
         self._prefilled = list(token_ids)  # written once the caller's forward has run
         return list(token_ids[keep:])
 
     def _drop_prefix(self, length: int) -> None:  # after rollback(length) or reset()
         del self._prefilled[length:]
+        self._cold = min(self._cold, length)
 
     def prefill(self, token_ids: list[int], all_logits: bool = True, keep: int = 0) -> torch.Tensor:
         """Reset (or keep `keep` cached tokens) and feed the rest of `token_ids` chunk by chunk;
