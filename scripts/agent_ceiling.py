@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from specdec.bench import load_questions, make_engine_runners, run_benchmark, summarize
+from specdec.bench.run import load_questions, make_engine_runners, run_benchmark, summarize
 from specdec.models import load_model
 
 

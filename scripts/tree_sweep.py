@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 
 from specdec import controller
-from specdec.bench import load_questions
+from specdec.bench.run import load_questions
 from specdec.engine import Engine
 from specdec.models import load_model
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from specdec import backend as backend_mod
-from specdec.backend import HFBackend, make_backend
+from specdec.backends import make_backend
+from specdec.backends import prefix_cache as backend_mod
+from specdec.backends.hf import HFBackend
 from specdec.errors import SpecdecError
 
 BACKEND_KINDS = ["hf"]

@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import save_loaded, tiny_llama
-from specdec import bench
-from specdec.bench import BenchRun, Question, TurnRecord, load_questions, parse_methods, run_benchmark
-from specdec.bench_cli import finish
-from specdec.bench_peers import llamacpp_available, make_peers, parse_peers
-from specdec.bench_report import markdown, write_report
+from specdec.bench import run as bench
+from specdec.bench.cli import finish
+from specdec.bench.peers import llamacpp_available, make_peers, parse_peers
+from specdec.bench.report import markdown, write_report
+from specdec.bench.run import BenchRun, Question, TurnRecord, load_questions, parse_methods, run_benchmark
 from specdec.cli import main
 from specdec.errors import SpecdecError
 from specdec.verify import VerifyResult

@@ -112,7 +112,7 @@ def test_tree_nodes_fill_what_the_chain_costs(costs, k, nodes):
 @pytest.mark.parametrize("kind", ["hf", "native"])
 def test_calibrate_times_every_size_and_leaves_the_cache_as_it_was(kind):
     from conftest import tiny_llama
-    from specdec.backend import make_backend
+    from specdec.backends import make_backend
 
     backend = make_backend(kind, tiny_llama())
     backend.prefill([1, 2, 3])

@@ -9,12 +9,12 @@ import torch
 
 from conftest import CORPUS, save_loaded, tiny_llama
 from specdec.cli import main
-from specdec.distill import draft_layer_ids, init_draft, new_eagle_head, topk_kl
-from specdec.distill_data import load_sources, split_heldout
 from specdec.engine import Engine
 from specdec.errors import SpecdecError
 from specdec.models import load_model
-from specdec.traffic_log import TrafficLog, read_traffic
+from specdec.serve.traffic_log import TrafficLog, read_traffic
+from specdec.train.data import load_sources, split_heldout
+from specdec.train.distill import draft_layer_ids, init_draft, new_eagle_head, topk_kl
 
 PROMPT = "def add(a, b):"
 

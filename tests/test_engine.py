@@ -9,8 +9,8 @@ import torch
 
 from conftest import save_loaded, tiny_llama, tiny_tokenizer
 from specdec import Engine, SpecdecError
-from specdec import backend as backend_mod
-from specdec.backend import HFBackend
+from specdec.backends import prefix_cache as backend_mod
+from specdec.backends.hf import HFBackend
 from specdec.drafters.draft_model import ModelDrafter
 
 PROMPTS = ["def add(a, b):", '{"name": "search", "arguments": {"query": "weather', "The quick brown fox"]

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from conftest import save_loaded, tiny_llama
-from specdec.backend import HFBackend
+from specdec.backends.hf import HFBackend
 from specdec.drafters import make_drafter
 from specdec.drafters.eagle import EagleDrafter, EagleHead, LeanHead, head_config_from_target
 from specdec.drafters.layerskip import LayerSkipDrafter, LayerStack, load_choice, parse_layers, save_choice
 from specdec.engine import Engine
 from specdec.errors import SpecdecError
-from specdec.layerskip_search import simulate_tau
+from specdec.train.layerskip_search import simulate_tau
 
 PROMPT = "def add(a, b):"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from conftest import save_loaded, tiny_llama
-from specdec import loadbench
+from specdec.bench import load as loadbench
 
 
 def test_loadbench_runs_every_configuration_and_checks_greedy_replies(tmp_path, capsys):

@@ -12,9 +12,10 @@ import torch.nn.functional as F
 
 from conftest import tiny_llama
 from specdec import Engine, SpecdecError
-from specdec.backend import HFBackend, forward_batch, make_backend
-from specdec.native import NativeConfig, NativeModel, compile_seconds
-from specdec.quant import Int4Linear, make_linear
+from specdec.backends import forward_batch, make_backend
+from specdec.backends.hf import HFBackend
+from specdec.backends.native.model import NativeConfig, NativeModel, compile_seconds
+from specdec.backends.native.quant import Int4Linear, make_linear
 from specdec.tree import tree_path
 
 TOL = {"rtol": 1e-4, "atol": 1e-4}
@@ -471,7 +472,7 @@ def test_real_model_native_greedy_equals_transformers(smollm2):
 
 
 def test_compare_precisions_reports_fp32_as_its_own_reference(target):
-    from specdec.quant import compare_precisions
+    from specdec.backends.native.quant import compare_precisions
 
     report = compare_precisions(target, "The quick brown fox jumps over the lazy dog. " * 2, ("int8",))
     assert report["fp32"]["top1_agreement"] == 1.0 and report["fp32"]["kl"] == 0.0

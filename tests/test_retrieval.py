@@ -11,9 +11,9 @@ import pytest
 from conftest import save_loaded, tiny_llama
 from specdec import Engine, SpecdecError
 from specdec.cli import main
-from specdec.datastore import Datastore, build, read_corpus, tokenizer_fingerprint
 from specdec.drafters import make_drafter
 from specdec.drafters.retrieval import RetrievalDrafter
+from specdec.train.datastore import Datastore, build, read_corpus, tokenizer_fingerprint
 from specdec.tree import first_path
 
 

@@ -7,14 +7,14 @@ import threading
 
 import pytest
 
-import specdec.scheduler as scheduler_mod
+import specdec.serve.scheduler as scheduler_mod
 from conftest import tiny_llama
-from specdec import backend as backend_mod
-from specdec.backend import HFBackend
+from specdec.backends import prefix_cache as backend_mod
+from specdec.backends.hf import HFBackend
 from specdec.engine import Engine
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
-from specdec.scheduler import GenRequest, LoadPolicy, QueueFull, RequestTimeout, Scheduler
+from specdec.serve.scheduler import GenRequest, LoadPolicy, QueueFull, RequestTimeout, Scheduler
 
 PROMPTS = [
     "def add(a, b):\n    return a + b\ndef add(a, b):\n    return",
@@ -232,7 +232,7 @@ def test_worker_thread_serves_and_stops(target):
 
 def test_native_pool_is_batched_and_lossless(target):
     """With the native backend's cache pool, one packed forward scores every request."""
-    native = pytest.importorskip("specdec.native")
+    native = pytest.importorskip("specdec.backends.native.model")
     if not hasattr(native, "make_native_backend"):
         pytest.skip("no native backend")
     plain = Engine(target, drafter="none", k=0)

@@ -408,7 +408,7 @@ def test_metrics_and_traffic_log(server, client, log_dir):
     assert m["specdec:spec_decode_num_accepted_tokens_total"] > 0
     assert any(k.startswith('specdec:spec_decode_num_accepted_tokens_per_pos_total{position="0"}') for k in m)
 
-    from specdec.traffic_log import read_traffic
+    from specdec.serve.traffic_log import read_traffic
 
     records = list(read_traffic(log_dir))
     assert records and any(r["prompt"] == PROMPTS[3] for r in records)

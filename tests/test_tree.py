@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdec import tree
-from specdec.backend import HFBackend
+from specdec.backends.hf import HFBackend
 from specdec.drafters import Draft
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.tree import (

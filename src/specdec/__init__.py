@@ -1,10 +1,10 @@
 """specdec: lossless speculative decoding."""
 
-from .drafters import Draft, Drafter, make_drafter, register
-from .engine import Engine, GenerationResult
-from .errors import SpecdecError
-from .models import LoadedModel, load_model
-from .sampling import SamplingParams
+from specdec.drafters import Draft, Drafter, make_drafter, register
+from specdec.engine import Engine, GenerationResult
+from specdec.errors import SpecdecError
+from specdec.models import LoadedModel, load_model
+from specdec.sampling import SamplingParams
 
 __all__ = [
     "Draft",

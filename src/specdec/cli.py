@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
 
-from .errors import SpecdecError
+from specdec.errors import SpecdecError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -55,10 +56,10 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
 
 def backend_options(args: argparse.Namespace) -> dict:
     """--backend-option KEY=VALUE pairs as a dict, validated before any model is loaded."""
-    from .backend import BACKENDS
+    from specdec.backends import available
 
-    if args.backend not in BACKENDS:
-        raise SpecdecError(f"unknown backend {args.backend!r}; choose one of: {', '.join(BACKENDS)}", "backend")
+    if args.backend not in available():
+        raise SpecdecError(f"unknown backend {args.backend!r}; choose one of: {', '.join(available())}", "backend")
     options: dict = {}
     for item in args.backend_option:
         key, eq, value = item.partition("=")
@@ -92,19 +93,19 @@ def add_generate_parser(sub) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> None:
-    from .engine import Engine
-    from .sampling import SamplingParams
+    from specdec.engine import Engine
+    from specdec.sampling import SamplingParams
 
     SamplingParams(args.temperature, args.top_k, args.top_p).validate()  # fail before loading
     log = None
     if args.log_dir:
-        from .traffic_log import TrafficLog
+        from specdec.serve.traffic_log import TrafficLog
 
         log = TrafficLog(args.log_dir)
     options = backend_options(args)
     engine = Engine(target=args.target, drafter=args.drafter, k=args.k, backend=args.backend, backend_options=options,
                     draft_device=args.draft_device, prefix_cache=args.prefix_cache)
-    from .native import compile_seconds
+    from specdec.backends.native.model import compile_seconds
 
     if compile_seconds(engine.backend):
         print(f"[native] compiled the decode step in {compile_seconds(engine.backend):.1f}s", file=sys.stderr)
@@ -160,14 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="specdec", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     add_generate_parser(sub)
-    for module in ("bench_cli", "serve_cli", "datastore_cli", "distill_cli"):
-        try:
-            mod = __import__(f"specdec.{module}", fromlist=["add_parser"])
-        except ModuleNotFoundError as e:
-            if e.name != f"specdec.{module}":
-                raise
-            continue
-        mod.add_parser(sub)
+    for module in ("bench.cli", "serve.cli", "train.datastore_cli", "train.cli"):
+        importlib.import_module(f"specdec.{module}").add_parser(sub)
     return parser
 
 

@@ -196,7 +196,7 @@ class AdaptiveK:
 def make_controller(k: str | int, costs: ScoreCosts | None = None, prior_alpha: float | None = None) -> FixedK | AdaptiveK:
     """FixedK for an integer; AdaptiveK for "auto", starting from a shared cost model and
     the acceptance rate the drafter had on earlier requests, when given."""
-    from .errors import SpecdecError
+    from specdec.errors import SpecdecError
 
     if k in ("auto", None):
         alpha = 0.7 if prior_alpha is None else min(0.95, max(0.05, prior_alpha))

@@ -14,15 +14,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .backend import make_backend
-from .controller import AdaptiveK, ScoreCosts, make_controller
-from .drafters import Drafter, DrafterSpec, make_drafter
-from .errors import SpecdecError
-from .models import DEFAULT_TARGET, LoadedModel, load_model
-from .sampling import SamplingParams, logits_to_probs
-from .stats import SpecStats
-from .text import TextTracker
-from .verify import verify_greedy, verify_sampling
+from specdec.backends import make_backend
+from specdec.controller import AdaptiveK, ScoreCosts, make_controller
+from specdec.drafters import Drafter, DrafterSpec, make_drafter
+from specdec.errors import SpecdecError
+from specdec.models import DEFAULT_TARGET, LoadedModel, load_model
+from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.stats import SpecStats
+from specdec.text import TextTracker
+from specdec.verify import verify_greedy, verify_sampling
 
 
 @dataclass
@@ -272,7 +272,7 @@ class Sequence:
         t0 = time.perf_counter()
         draft = self.drafter.propose(self.context, k) if k > 0 else None
         if draft is not None and draft.parents is not None:  # a tree: cut to fit, or its best chain
-            from .tree import fit_tree, supports_tree
+            from specdec.tree import fit_tree, supports_tree
 
             # a tree may score as many tokens as cost what the controller priced for k, not more
             nodes = min(room, self.controller.tree_nodes(k))
@@ -295,7 +295,7 @@ class Sequence:
         params, backend = self.params, self.backend
         num_drafted = len(draft_tokens)
         if self.tree_parents is not None:
-            from .tree import keep_path, tree_depth, verify_tree
+            from specdec.tree import keep_path, tree_depth, verify_tree
 
             parents = [p - 1 for p in self.tree_parents[1:]]
             result = verify_tree(draft_tokens, parents, draft_probs, logits, params, self.generator)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import SpecdecError
+from specdec.errors import SpecdecError
 
 DEFAULT_TARGET = "smollm2-135m"
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import SpecdecError
+from specdec.errors import SpecdecError
 
 
 @dataclass(frozen=True)

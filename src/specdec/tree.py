@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import sample
-from .verify import residual_distribution
+from specdec.sampling import sample
+from specdec.verify import residual_distribution
 
 
 def check_tree(parents: list[int]) -> None:
@@ -254,7 +254,7 @@ def fit_tree(draft, max_depth: int, max_nodes: int, use_tree: bool):
     """Cut a drafter's tree to what this step may score (depth <= max_depth, at most max_nodes
     nodes); without tree scoring, keep its best chain (`first_path`). Returns a Draft whose
     `parents` is None when what is left is a chain."""
-    from .drafters import Draft
+    from specdec.drafters import Draft
 
     parents = draft.parents
     keep = prune_tree(parents, max_depth, max_nodes) if use_tree else first_path(parents)[:max_depth]
@@ -272,7 +272,7 @@ def tree_depth(parents: list[int]) -> int:
 
 def verify_tree(draft_tokens, parents, draft_probs, logits, params, generator) -> TreeVerifyResult:
     """Greedy or sampling tree verification from the target's logits [n+1, V]."""
-    from .sampling import logits_to_probs
+    from specdec.sampling import logits_to_probs
 
     if params.greedy:
         return verify_tree_greedy(draft_tokens, parents, logits.argmax(-1))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import sample
+from specdec.sampling import sample
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import SpecdecError
-from ..sampling import SamplingParams
+from specdec.errors import SpecdecError
+from specdec.sampling import SamplingParams
 
 
 @dataclass

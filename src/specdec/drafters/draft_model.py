@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import HFBackend, make_backend
-from ..errors import SpecdecError
-from ..models import LoadedModel, check_same_tokenizer, load_model
-from ..sampling import SamplingParams, logits_to_probs, sample
-from . import Draft, Drafter, DrafterSpec, register
+from specdec.backends import make_backend
+from specdec.backends.hf import HFBackend
+from specdec.drafters import Draft, Drafter, DrafterSpec, register
+from specdec.errors import SpecdecError
+from specdec.models import LoadedModel, check_same_tokenizer, load_model
+from specdec.sampling import SamplingParams, logits_to_probs, sample
 
 
 class ModelDrafter(Drafter):

@@ -26,12 +26,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import SpecdecError
-from ..quant import FusedLinear, make_linear
-from ..sampling import SamplingParams, logits_to_probs, sample
-from . import Draft, Drafter, DrafterSpec, register
-from .draft_model import _common_prefix
-from .layerskip import DecoderParts
+from specdec.backends.native.quant import FusedLinear, make_linear
+from specdec.drafters import Draft, Drafter, DrafterSpec, register
+from specdec.drafters.draft_model import _common_prefix
+from specdec.drafters.layerskip import DecoderParts
+from specdec.errors import SpecdecError
+from specdec.sampling import SamplingParams, logits_to_probs, sample
 
 FORMAT = "specdec-eagle"
 CONFIG_FILE = "eagle_config.json"
@@ -157,7 +157,7 @@ class LeanHead:
     """
 
     def __init__(self, head: EagleHead, precision: str, device: torch.device):
-        from ..native import NativeConfig, _Layer
+        from specdec.backends.native.model import NativeConfig, _Layer
 
         d = head.dims
         self.config = NativeConfig(
@@ -206,7 +206,7 @@ class LeanHead:
 
     @torch.no_grad()
     def forward(self, features: torch.Tensor, embeds: torch.Tensor, past: int) -> torch.Tensor:
-        from ..native import DECODE_ATTENTION_MAX, _Row
+        from specdec.backends.native.model import DECODE_ATTENTION_MAX, _Row
 
         t = features.shape[0]
         self._fit(past + t)
@@ -224,7 +224,7 @@ class LeanHead:
         """Draft-tree nodes [T, H] -> their predicted next features [T, H]. Node j is rotated
         for positions[j], its keys and values go to slot store + j, and it attends to the slots
         that visible [T, store + T] marks (the context, its ancestors' slots and its own)."""
-        from ..native import _Row
+        from specdec.backends.native.model import _Row
 
         t = features.shape[0]
         self._fit(store + t)

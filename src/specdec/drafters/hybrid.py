@@ -18,8 +18,8 @@ children's options stay in their own parts, `min_len=N` goes last.
 
 from __future__ import annotations
 
-from ..errors import SpecdecError
-from . import Draft, Drafter, DrafterSpec, make_drafter, register
+from specdec.drafters import Draft, Drafter, DrafterSpec, make_drafter, register
+from specdec.errors import SpecdecError
 
 
 class HybridDrafter(Drafter):

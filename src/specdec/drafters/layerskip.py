@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from ..errors import SpecdecError
-from . import Drafter, DrafterSpec, register
-from .draft_model import ModelDrafter
+from specdec.drafters import Drafter, DrafterSpec, register
+from specdec.drafters.draft_model import ModelDrafter
+from specdec.errors import SpecdecError
 
 CONFIG_FORMAT = "specdec-layerskip"
 

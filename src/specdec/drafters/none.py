@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import Draft, Drafter, DrafterSpec, register
+from specdec.drafters import Draft, Drafter, DrafterSpec, register
 
 
 class NoDrafter(Drafter):

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import threading
 
-from ..datastore import Datastore, tokenizer_fingerprint
-from ..errors import SpecdecError
-from ..tree import best_first_tree
-from . import Draft, Drafter, DrafterSpec, register
+from specdec.drafters import Draft, Drafter, DrafterSpec, register
+from specdec.errors import SpecdecError
+from specdec.train.datastore import Datastore, tokenizer_fingerprint
+from specdec.tree import best_first_tree
 
 Rows = tuple[list[list[int]], int]  # continuations that share a prefix, and its length
 

@@ -33,9 +33,9 @@ import math
 import threading
 from collections import deque
 
-from ..errors import SpecdecError
-from ..tree import best_first_tree
-from . import Draft, Drafter, DrafterSpec, register
+from specdec.drafters import Draft, Drafter, DrafterSpec, register
+from specdec.errors import SpecdecError
+from specdec.tree import best_first_tree
 
 ROOT = 0
 

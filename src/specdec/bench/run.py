@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import SpecdecError
+from specdec.errors import SpecdecError
 
 CATEGORIES = (
     "code_writing",
@@ -117,9 +117,9 @@ def load_questions(
 def parse_methods(text: str | Sequence[str], target_name: str | None = None) -> list[str]:
     """Split and validate method strings before any model is loaded; the baseline `none` is
     put first (added when missing)."""
-    from .controller import make_controller
-    from .drafters import DrafterSpec, available
-    from .models import resolve
+    from specdec.controller import make_controller
+    from specdec.drafters import DrafterSpec, available
+    from specdec.models import resolve
 
     items = [m.strip() for m in text.split(",")] if isinstance(text, str) else [m.strip() for m in text]
     if not items or any(not m for m in items):
@@ -196,8 +196,8 @@ class EngineRunner(Runner):
 def make_engine_runners(target, methods: Sequence[str], backend: str = "hf", draft_device: str | None = None,
                         backend_options: dict | None = None, prefix_cache: bool | str = True) -> list[EngineRunner]:
     """One Engine per method, all sharing the loaded target's weights."""
-    from .drafters import DrafterSpec
-    from .engine import Engine
+    from specdec.drafters import DrafterSpec
+    from specdec.engine import Engine
 
     runners = []
     for method in methods:
@@ -233,7 +233,7 @@ def run_benchmark(
     """Run every runner on every question, interleaved; runners[0] is the baseline."""
     from tqdm.auto import tqdm
 
-    from .engine import Engine
+    from specdec.engine import Engine
 
     tokenizer = target.tokenizer
     encoder = Engine(target=target, drafter="none", k=0)  # chat formatting and length checks only

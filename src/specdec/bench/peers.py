@@ -16,8 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .bench import Runner, TurnRecord
-from .errors import SpecdecError
+from specdec.bench.run import Runner, TurnRecord
+from specdec.errors import SpecdecError
 
 PEERS = ("hf", "hf-pld", "hf-assisted", "llamacpp")
 PLD_TOKENS = 10
@@ -29,7 +29,7 @@ def llamacpp_available() -> bool:
 
 def _gguf_path(target_name: str):
     """The GGUF file behind a built-in name or .gguf path, or None for an HF directory."""
-    from .models import resolve
+    from specdec.models import resolve
 
     try:
         kind, path = resolve(target_name)
@@ -40,7 +40,7 @@ def _gguf_path(target_name: str):
 
 def parse_peers(text: str | None, methods: Sequence[str], target_name: str) -> tuple[list[str], list[str]]:
     """Validate `--peers`; return (peers to run, notes about peers skipped). None = the default."""
-    from .drafters import DrafterSpec
+    from specdec.drafters import DrafterSpec
 
     has_model = any(DrafterSpec.parse(m).name == "model" for m in methods)
     notes: list[str] = []
@@ -134,7 +134,7 @@ class LlamaCppPeer(Runner):
 
 def make_peers(peers: Sequence[str], target, target_name: str, methods: Sequence[str], engines: dict) -> list[Runner]:
     """Build peer runners. `engines` maps method string -> Engine (for the assisted draft)."""
-    from .drafters import DrafterSpec
+    from specdec.drafters import DrafterSpec
 
     out: list[Runner] = []
     for name in peers:
@@ -151,8 +151,8 @@ def make_peers(peers: Sequence[str], target, target_name: str, methods: Sequence
 
 
 def _draft_model(method: str, engine, target) -> torch.nn.Module:
-    from .drafters import DrafterSpec
-    from .models import load_model
+    from specdec.drafters import DrafterSpec
+    from specdec.models import load_model
 
     backend = getattr(getattr(engine, "drafter", None), "backend", None)
     model = getattr(backend, "model", None)

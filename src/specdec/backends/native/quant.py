@@ -214,7 +214,7 @@ HELDOUT_TEXT = (
 def compare_precisions(target, text: str = HELDOUT_TEXT, precisions=("bf16", "int8", "int4")) -> dict:
     """Teacher-forced check of each native precision against native fp32 on `text`:
     perplexity, top-1 agreement with fp32 and mean KL(fp32 || precision) per token."""
-    from .native import native_model_for
+    from specdec.backends.native.model import native_model_for
 
     ids = target.tokenizer.encode(text)
 
@@ -259,7 +259,7 @@ def read_gguf(path, int4_blocks: bool = False) -> tuple[dict, dict]:
     from gguf import GGMLQuantizationType, GGUFReader
     from gguf.quants import dequantize
 
-    from .errors import SpecdecError
+    from specdec.errors import SpecdecError
 
     reader = GGUFReader(str(path))
 

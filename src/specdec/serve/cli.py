@@ -9,8 +9,8 @@ import os
 import socket
 import sys
 
-from .cli import _nonneg_int, _positive_int, add_backend_args, backend_options
-from .errors import SpecdecError
+from specdec.cli import _nonneg_int, _positive_int, add_backend_args, backend_options
+from specdec.errors import SpecdecError
 
 
 def _positive_float(text: str) -> float:
@@ -86,8 +86,8 @@ def _backend_options(args: argparse.Namespace) -> dict:
 
 
 def run_serve(args: argparse.Namespace) -> None:
-    from .controller import make_controller
-    from .drafters import DrafterSpec
+    from specdec.controller import make_controller
+    from specdec.drafters import DrafterSpec
 
     make_controller(args.k)
     DrafterSpec.parse(args.drafter)
@@ -100,7 +100,7 @@ def run_serve(args: argparse.Namespace) -> None:
     try:
         import uvicorn
 
-        from .server import ServeConfig, create_app
+        from specdec.serve.app import ServeConfig, create_app
     except ImportError as e:
         raise SpecdecError(f"specdec serve needs the server extras ({e.name} is missing): pip install 'specdec[serve]'") from None
     if args.log_dir:

@@ -7,8 +7,8 @@ and we report aggregate completion tokens/s, request latency p50/p99, time to fi
 p50/p99 and TPOT, plus acceptance from the responses' `spec_decode`. The last line of stdout
 is one JSON object.
 
-    python -m specdec.loadbench --target smollm2-135m --backend native --concurrency 1,4,8,16
-    python -m specdec.loadbench --url http://127.0.0.1:8000 --sessions 16
+    python -m specdec.bench.load --target smollm2-135m --backend native --concurrency 1,4,8,16
+    python -m specdec.bench.load --url http://127.0.0.1:8000 --sessions 16
 
 Speculation off means the request body carries `"drafter": "none"`; on uses the server's
 default drafter (or --drafter-on). "serial vs 8" is the ratio of aggregate tokens/s at
@@ -196,7 +196,7 @@ def wait_ready(url: str, proc: subprocess.Popen | None, timeout: float = 600) ->
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m specdec.loadbench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m specdec.bench.load", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="a running server; otherwise one is started with --target")
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--backend", default="hf")

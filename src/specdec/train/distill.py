@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .distill_data import Example
-from .drafters.eagle import EagleHead, head_config_from_target
-from .drafters.layerskip import DecoderParts, causal_mask
-from .errors import SpecdecError
+from specdec.drafters.eagle import EagleHead, head_config_from_target
+from specdec.drafters.layerskip import DecoderParts, causal_mask
+from specdec.errors import SpecdecError
+from specdec.train.data import Example
 
 
 @dataclass

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .drafters.layerskip import DecoderParts, LayerStack, default_layers
+from specdec.drafters.layerskip import DecoderParts, LayerStack, default_layers
 
 
 @dataclass
@@ -70,7 +70,7 @@ def _min_time(fn: Callable[[], object], repeats: int = 5) -> float:
 
 def measure_costs(target, max_k: int, context: list[int]) -> dict:
     """Seconds for: a target decode step, verifying k+1 tokens, and a draft step per layer count."""
-    from .backend import HFBackend
+    from specdec.backends.hf import HFBackend
 
     backend = HFBackend(target.model)
     backend.prefill(context)
@@ -112,7 +112,7 @@ def speedup(match: list[bool], num_kept: int, costs: dict, max_k: int) -> tuple[
 
 @torch.inference_mode()
 def calibrate(target, prompts, settings: SearchSettings) -> Calibration:
-    from .engine import Engine
+    from specdec.engine import Engine
 
     engine = Engine(target, drafter="ngram", k="auto")
     model = target.model
@@ -180,7 +180,7 @@ def search(target, prompts, settings: SearchSettings, say: Callable[[str], None]
     t0 = time.perf_counter()
     cal = calibrate(target, prompts, settings)
     if not cal.embeds:
-        from .errors import SpecdecError
+        from specdec.errors import SpecdecError
 
         raise SpecdecError("the calibration prompts produced no output to measure", "data")
     context = [int(t) for t in torch.cat([c for c in cal.target_next])[:64].tolist()] or [0]

@@ -10,13 +10,13 @@ import argparse
 import shlex
 import sys
 
-from .errors import SpecdecError
+from specdec.errors import SpecdecError
 
 DEFAULT_MAX_NEW_TOKENS = 64  # keeps a full run of the shipped set near 30 minutes on 2 CPU cores
 
 
 def add_parser(sub) -> None:
-    from .cli import _nonneg_int, _positive_int, add_backend_args, add_model_args
+    from specdec.cli import _nonneg_int, _positive_int, add_backend_args, add_model_args
 
     p = sub.add_parser("bench", help="benchmark methods and peers, Spec-Bench style")
     p.add_argument("--data", default=None, help="Spec-Bench question JSONL (default: the shipped set)")
@@ -36,9 +36,9 @@ def add_parser(sub) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> None:
-    from .bench import load_questions, make_engine_runners, parse_methods, run_benchmark
-    from .bench_peers import make_peers, parse_peers
-    from .cli import backend_options
+    from specdec.bench.peers import make_peers, parse_peers
+    from specdec.bench.run import load_questions, make_engine_runners, parse_methods, run_benchmark
+    from specdec.cli import backend_options
 
     # Everything that can be checked without the model is checked first.
     if args.temperature < 0:
@@ -53,8 +53,8 @@ def run_bench(args: argparse.Namespace) -> None:
     for note in notes:
         print(f"specdec bench: {note}", file=sys.stderr)
 
-    from .models import load_model
-    from .native import compile_seconds
+    from specdec.backends.native.model import compile_seconds
+    from specdec.models import load_model
 
     target = load_model(args.target)
     runners = make_engine_runners(target, methods, args.backend, args.draft_device, options, args.prefix_cache)
@@ -97,7 +97,7 @@ def run_bench(args: argparse.Namespace) -> None:
 
 def finish(run, out_dir, settings: dict, plots: bool = True) -> dict:
     """Write the report, print the table and the JSON summary line; exit 1 on a method mismatch."""
-    from .bench_report import print_table, summary_line, write_report
+    from specdec.bench.report import print_table, summary_line, write_report
 
     results = write_report(run, out_dir, settings, plots=plots)
     print_table(results)

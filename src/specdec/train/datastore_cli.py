@@ -7,7 +7,7 @@ import time
 
 
 def add_parser(sub) -> None:
-    from .cli import add_model_args
+    from specdec.cli import add_model_args
 
     p = sub.add_parser("datastore", help="build a retrieval datastore for the `retrieval:DIR` drafter")
     actions = p.add_subparsers(dest="datastore_command", required=True, parser_class=type(p))
@@ -19,7 +19,7 @@ def add_parser(sub) -> None:
 
 
 def run_build(args: argparse.Namespace) -> None:
-    from .datastore import build_from_texts, load_tokenizer, read_corpus
+    from specdec.train.datastore import build_from_texts, load_tokenizer, read_corpus
 
     start = time.perf_counter()
     texts, num_files = read_corpus(args.files)  # bad paths fail before the tokenizer loads

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .backend import PrefixCache
-from .errors import SpecdecError
-from .native import COMPILE_BUCKETS, DECODE_ATTENTION_MAX, DEFAULT_MAX_LENGTH, _Row
-from .tree import check_tree, depth_first, tree_depths
+from specdec.backends.native.model import COMPILE_BUCKETS, DECODE_ATTENTION_MAX, DEFAULT_MAX_LENGTH, _Row
+from specdec.backends.prefix_cache import PrefixCache
+from specdec.errors import SpecdecError
+from specdec.tree import check_tree, depth_first, tree_depths
 
 if TYPE_CHECKING:
-    from .native import NativeModel
+    from specdec.backends.native.model import NativeModel
 
 class CachePool:
     """A preallocated KV cache for `slots` sequences of up to `max_length` tokens each."""

@@ -8,7 +8,7 @@ import platform
 import sys
 from pathlib import Path
 
-from .bench import BenchRun, question_records, summarize
+from specdec.bench.run import BenchRun, question_records, summarize
 
 
 def machine_info() -> dict:

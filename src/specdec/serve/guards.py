@@ -8,7 +8,7 @@ import hashlib
 import hmac
 import json
 
-from .protocol import error_body
+from specdec.serve.protocol import error_body
 
 
 class _TooLarge(Exception):

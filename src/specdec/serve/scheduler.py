@@ -26,12 +26,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .backend import forward_batch, make_backend
-from .controller import ScoreCosts, make_controller
-from .drafters import Drafter, DrafterSpec, make_drafter
-from .engine import GenerationResult, Sequence, prefix_cache_mode
-from .errors import SpecdecError
-from .sampling import SamplingParams
+from specdec.backends import forward_batch, make_backend
+from specdec.controller import ScoreCosts, make_controller
+from specdec.drafters import Drafter, DrafterSpec, make_drafter
+from specdec.engine import GenerationResult, Sequence, prefix_cache_mode
+from specdec.errors import SpecdecError
+from specdec.sampling import SamplingParams
 
 log = logging.getLogger("specdec.scheduler")
 _ids = itertools.count()

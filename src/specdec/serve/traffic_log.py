@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from .errors import SpecdecError
+from specdec.errors import SpecdecError
 
 DEFAULT_MAX_BYTES = 256 * 2**20
 _SEGMENTS_PER_BOUND = 4

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import SpecdecError
+from specdec.errors import SpecdecError
 
 QUICK = {  # a minutes-long run, for tests and smoke checks
     "sources": 6, "heldout": 1, "max_new_tokens": 24, "eval_tokens": 24, "steps": 20, "seq_len": 256,
@@ -18,7 +18,7 @@ QUICK = {  # a minutes-long run, for tests and smoke checks
 
 
 def _positive(text: str) -> int:
-    from .cli import _positive_int
+    from specdec.cli import _positive_int
 
     return _positive_int(text)
 
@@ -81,8 +81,8 @@ def _say(text: str) -> None:
 
 
 def _sources(args, target_name: str):
-    from .distill_data import load_sources, sources_from_logs
-    from .distill_prompts import builtin_sources
+    from specdec.train.data import load_sources, sources_from_logs
+    from specdec.train.prompts import builtin_sources
 
     if getattr(args, "from_logs", None):
         sources, skipped = sources_from_logs(args.from_logs, target_name)
@@ -94,7 +94,7 @@ def _sources(args, target_name: str):
 
 def measure_tau(target, drafter, prompts, max_new_tokens: int, k: int) -> dict:
     """Greedy generation on `prompts` with `drafter`: pooled τ, acceptance, outputs."""
-    from .engine import Engine
+    from specdec.engine import Engine
 
     engine = Engine(target, drafter, k=k)
     steps = emitted = drafted = accepted = 0
@@ -117,9 +117,9 @@ def measure_tau(target, drafter, prompts, max_new_tokens: int, k: int) -> dict:
 def run_distill(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
-    from . import distill as D
-    from .distill_data import DataSettings, build_data, load_examples, split_heldout, token_ranking
-    from .models import load_model
+    from specdec.models import load_model
+    from specdec.train import distill as D
+    from specdec.train.data import DataSettings, build_data, load_examples, split_heldout, token_ranking
 
     if args.temperature < 0:
         raise SpecdecError(f"--temperature must be >= 0, got {args.temperature}", "temperature")
@@ -172,8 +172,8 @@ def run_distill(args: argparse.Namespace) -> None:
 
     eos = target.eos_token_ids
     if args.kind == "draft":
-        from .backend import HFBackend
-        from .drafters.draft_model import ModelDrafter
+        from specdec.backends.hf import HFBackend
+        from specdec.drafters.draft_model import ModelDrafter
 
         model = _initial_draft(args, target, settings)
         if args.lora:
@@ -185,7 +185,7 @@ def run_distill(args: argparse.Namespace) -> None:
         make_drafter = lambda: ModelDrafter(HFBackend(model), eos)  # noqa: E731
         vocab_ids = None
     else:
-        from .drafters.eagle import EagleDrafter
+        from specdec.drafters.eagle import EagleDrafter
 
         vocab_size = meta.vocab_size
         vocab_ids = token_ranking(examples, vocab_size)[: settings.vocab] if 0 < settings.vocab < vocab_size else None
@@ -219,7 +219,7 @@ def run_distill(args: argparse.Namespace) -> None:
 
 
 def _save_artifacts(kind: str, out: Path, model, target, vocab_ids, state: dict) -> None:
-    from .drafters.eagle import save_head
+    from specdec.drafters.eagle import save_head
 
     out.mkdir(parents=True, exist_ok=True)
     if kind == "draft":
@@ -233,8 +233,8 @@ def _save_artifacts(kind: str, out: Path, model, target, vocab_ids, state: dict)
 
 
 def _initial_draft(args, target, settings):
-    from . import distill as D
-    from .models import check_same_tokenizer, load_model
+    from specdec.models import check_same_tokenizer, load_model
+    from specdec.train import distill as D
 
     if not args.init:
         return D.init_draft(target.model, settings.layers)
@@ -271,9 +271,9 @@ def _report(args, state: dict, meta, t_data: float, t_total: float) -> dict:
 
 
 def run_layerskip_search(args: argparse.Namespace) -> None:
-    from .drafters.layerskip import save_choice
-    from .layerskip_search import SearchSettings, search
-    from .models import load_model
+    from specdec.drafters.layerskip import save_choice
+    from specdec.models import load_model
+    from specdec.train.layerskip_search import SearchSettings, search
 
     settings = SearchSettings(prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                               time_budget=args.time_budget, max_k=args.max_k)

@@ -27,10 +27,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .errors import SpecdecError
-from .guards import ApiKeyAuth, BodyLimit
-from .metrics import ServerMetrics
-from .protocol import (
+from specdec.errors import SpecdecError
+from specdec.serve.guards import ApiKeyAuth, BodyLimit
+from specdec.serve.metrics import ServerMetrics
+from specdec.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ResponseBuilder,
@@ -117,7 +117,7 @@ class _Events:
 
 
 def _error_for(exc: Exception) -> JSONResponse:
-    from .scheduler import QueueFull, RequestTimeout, ServerShutdown
+    from specdec.serve.scheduler import QueueFull, RequestTimeout, ServerShutdown
 
     if isinstance(exc, SpecdecError):
         return error_response(400, exc.message, exc.param)
@@ -138,7 +138,7 @@ class Gateway:
         self.metrics = ServerMetrics()
         self.traffic = None
         if config.log_dir:  # served prompts and completions, for `specdec distill --from-logs`
-            from .traffic_log import TrafficLog
+            from specdec.serve.traffic_log import TrafficLog
 
             self.traffic = TrafficLog(config.log_dir, config.log_max_bytes)
         self.scheduler = None
@@ -157,8 +157,8 @@ class Gateway:
             delay = float(os.environ.get("SPECDEC_SERVE_LOAD_DELAY", "0") or 0)  # for tests
             if delay > 0:
                 time.sleep(delay)
-            from .models import load_model
-            from .scheduler import LoadPolicy, Scheduler
+            from specdec.models import load_model
+            from specdec.serve.scheduler import LoadPolicy, Scheduler
 
             cfg = self.config
             target = load_model(cfg.target)
@@ -196,8 +196,8 @@ class Gateway:
     def check_drafter(self, text: str) -> str | None:
         """Clients may pick `none`, a bare registered drafter name, or a spec the server
         configured; specs with paths or options only come from the server's own flags."""
-        from .drafters import DrafterSpec, available
-        from .scheduler import Scheduler
+        from specdec.drafters import DrafterSpec, available
+        from specdec.serve.scheduler import Scheduler
 
         try:
             spec_text, spec_k = Scheduler.resolve_drafter(text)
@@ -214,8 +214,8 @@ class Gateway:
 
     @staticmethod
     def _check_k(k) -> None:
-        from .controller import make_controller
-        from .protocol import MAX_K
+        from specdec.controller import make_controller
+        from specdec.serve.protocol import MAX_K
 
         make_controller(k)
         if k != "auto" and int(k) > MAX_K:
@@ -251,8 +251,8 @@ class Gateway:
 
     def build_request(self, body, chat: bool, emit):
         """Validate everything that needs the tokenizer; return a GenRequest or raise SpecdecError."""
-        from .sampling import SamplingParams
-        from .scheduler import GenRequest
+        from specdec.sampling import SamplingParams
+        from specdec.serve.scheduler import GenRequest
 
         prompt_param = "messages" if chat else "prompt"
         prompt_ids = self.encode(body, chat)

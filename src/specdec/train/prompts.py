@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import random
 
-from .distill_data import Source
+from specdec.train.data import Source
 
 CODE_TASKS = [
     "checks whether a string is a palindrome", "merges two sorted lists", "counts the words in a text file",

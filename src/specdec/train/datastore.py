@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import SpecdecError
+from specdec.errors import SpecdecError
 
 FORMAT = "specdec-datastore"
 VERSION = 1
@@ -260,7 +260,7 @@ def load_tokenizer(name_or_path: str):
     """The tokenizer of a built-in model, GGUF file or HF directory, without its weights."""
     from transformers import AutoTokenizer
 
-    from . import models
+    from specdec import models
 
     kind, path = models.resolve(name_or_path)
     directory = path if kind == "hf" else models._converted_gguf_dir(path)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import SpecdecError
+from specdec.errors import SpecdecError
 
 DATA_FORMAT = "specdec-distill-data"
 
@@ -101,7 +101,7 @@ def _valid_messages(msgs) -> bool:
 
 def sources_from_logs(directory: str | os.PathLike, target_name: str) -> tuple[list[Source], int]:
     """Logged (prompt, output) pairs made by this target; returns (sources, records skipped)."""
-    from .traffic_log import read_traffic
+    from specdec.serve.traffic_log import read_traffic
 
     sources, skipped = [], 0
     for rec in read_traffic(directory):
@@ -242,7 +242,7 @@ def build_data(
     """Generate (or finish generating) the data for `sources` into `directory`."""
     from safetensors.torch import save_file
 
-    from .engine import Engine
+    from specdec.engine import Engine
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

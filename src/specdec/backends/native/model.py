@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from .errors import SpecdecError
-from .quant import PRECISIONS, FusedLinear, Linear, make_linear, read_gguf
+from specdec.backends.native.quant import PRECISIONS, FusedLinear, Linear, make_linear, read_gguf
+from specdec.errors import SpecdecError
 
 if TYPE_CHECKING:
-    from .native_cache import CachePool, NativeSequence
+    from specdec.backends.native.cache import CachePool, NativeSequence
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 DEFAULT_MAX_LENGTH = 4096
@@ -249,7 +249,7 @@ class NativeModel:
         return cls(NativeConfig(**meta), state, precision, device)
 
     def new_pool(self, slots: int = 1, max_length: int | None = None, kv_dtype=torch.float32) -> CachePool:
-        from .native_cache import CachePool  # it imports this module
+        from specdec.backends.native.cache import CachePool  # it imports this module
 
         return CachePool(self, slots, max_length, kv_dtype)
 

@@ -1,0 +1,165 @@
+"""The transformers backend: a causal LM over a DynamicCache; rollback is `DynamicCache.crop`."""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.backends import register
+from specdec.backends.prefix_cache import PrefixCache
+from specdec.errors import SpecdecError
+
+
+class HFBackend(PrefixCache):
+    """A transformers causal LM over a DynamicCache; rollback is `DynamicCache.crop`."""
+
+    def __init__(self, model: torch.nn.Module):
+        from transformers import DynamicCache
+
+        self._cache_cls = DynamicCache
+        self.model = model.eval()
+        config = model.config
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.max_length = int(getattr(config, "max_position_embeddings", 2048))
+        self.device = next(model.parameters()).device
+        self._length = 0
+        self._tree_base: int | None = None  # cache length before a forward_tree awaiting keep()
+        # Opt-in (set by the eagle drafter): keep the final post-norm hidden state of every
+        # cached token, in a buffer that rolls back with the cache.
+        self.keep_hidden = False
+        self._init_prefix()
+        self.reset()
+        self.last_hidden: torch.Tensor | None = None  # [T, H] of the last forward, for drafters
+        self._hidden: torch.Tensor | None = None  # [capacity, H]
+
+    @property
+    def hidden(self) -> torch.Tensor | None:
+        """[length, H] features of the cached tokens, when `keep_hidden` is set."""
+        return self._hidden[: self._length] if self.keep_hidden and self._hidden is not None else None
+
+    def _store_hidden(self, rows: torch.Tensor) -> None:  # rows: [T, H] for positions length..length+T-1
+        end = self._length + rows.shape[0]
+        if self._hidden is None or self._hidden.shape[0] < end:
+            grown = torch.empty(max(end, 2 * (0 if self._hidden is None else self._hidden.shape[0]), 256),
+                                rows.shape[1], dtype=rows.dtype, device=rows.device)
+            if self._hidden is not None:
+                grown[: self._length] = self._hidden[: self._length]
+            self._hidden = grown
+        self._hidden[self._length : end] = rows
+        self.last_hidden = rows
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def reset(self) -> None:
+        self._tree_base = None
+        self._cache = self._cache_cls(config=self.model.config)
+        # Sliding-window layers keep their full past until `crop`, so rollback stays possible.
+        if hasattr(self._cache, "activate_past_recording"):
+            self._cache.activate_past_recording()
+        self._length = 0
+        self._drop_prefix(0)
+
+    def _prefill_chunk(self, chunk: list[int], last_only: bool) -> torch.Tensor:
+        return self.forward(chunk, last_only=last_only)
+
+    @torch.inference_mode()
+    def forward(self, token_ids: list[int], last_only: bool = False) -> torch.Tensor:
+        if not token_ids:
+            return torch.empty(0, self.vocab_size)
+        if self._length + len(token_ids) > self.max_length:
+            raise ValueError(f"context overflow: {self._length} + {len(token_ids)} > {self.max_length}")
+        if self._tree_base is not None:
+            raise ValueError("call keep() or rollback() after forward_tree before appending")
+        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        positions = torch.arange(self._length, self._length + len(token_ids), device=self.device)
+        out = self.model(
+            input_ids=input_ids,
+            cache=self._cache,
+            use_cache=True,
+            cache_position=positions,
+            position_ids=positions.unsqueeze(0),
+            output_hidden_states=self.keep_hidden,
+            logits_to_keep=1 if last_only else 0,
+        )
+        if self.keep_hidden:
+            self._store_hidden(out.hidden_states[-1][0])
+        self._length += len(token_ids)
+        return out.logits[0].float().cpu()
+
+    def rollback(self, length: int) -> None:
+        if not 0 <= length <= self._length:
+            raise ValueError(f"cannot roll back to {length}; the cache holds {self._length}")
+        self._cache.crop(length - self._length)  # a negative count removes that many tokens
+        self._length = length
+        self._tree_base = None
+        self._drop_prefix(length)
+
+    @property
+    def supports_tree(self) -> bool:
+        """Tree attention needs a custom 4D mask: only full-attention DynamicLayers under
+        eager or SDPA attention accept one (sliding-window layers slice their keys)."""
+        from transformers.cache_utils import DynamicLayer
+
+        attn = getattr(self.model.config, "_attn_implementation", "eager")
+        layers = getattr(self._cache, "layers", [])
+        return attn in ("eager", "sdpa") and bool(layers) and all(type(x) is DynamicLayer for x in layers)
+
+    @torch.inference_mode()
+    def forward_tree(self, token_ids: list[int], parents: list[int]) -> torch.Tensor:
+        """Append a token tree; return logits [T, V]. Token i sits at position length + depth(i)
+        and attends to the whole cache, its ancestors and itself. Follow with `keep`."""
+        from specdec.tree import ancestor_mask, check_tree, tree_depths
+
+        check_tree(parents)
+        n = len(token_ids)
+        if n != len(parents) or n == 0:
+            raise ValueError("forward_tree needs one parent per token and at least one token")
+        if self._length + n > self.max_length:
+            raise ValueError(f"context overflow: {self._length} + {n} > {self.max_length}")
+        if self._tree_base is not None:
+            raise ValueError("call keep() or rollback() after forward_tree before appending")
+        dtype = self.model.get_input_embeddings().weight.dtype
+        allowed = torch.ones(n, self._length + n, dtype=torch.bool, device=self.device)  # [T, cache+T]
+        allowed[:, self._length :] = ancestor_mask(parents).to(self.device)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)  # additive: eager and SDPA both take it
+        depths = torch.tensor(tree_depths(parents), dtype=torch.long, device=self.device)
+        out = self.model(
+            input_ids=torch.tensor([token_ids], dtype=torch.long, device=self.device),
+            attention_mask=mask[None, None],  # [1, 1, T, cache+T]
+            position_ids=(self._length + depths).unsqueeze(0),
+            cache=self._cache,
+            use_cache=True,
+            output_hidden_states=self.keep_hidden,
+        )
+        if self.keep_hidden:
+            self._store_hidden(out.hidden_states[-1][0])  # rows for slots length..length+n-1
+        self._tree_base, self._length = self._length, self._length + n
+        return out.logits[0].float().cpu()
+
+    @torch.inference_mode()
+    def keep(self, indices: list[int]) -> None:
+        """After `forward_tree`, keep only the tree nodes `indices` (a root-to-leaf path)."""
+        base = self._tree_base
+        if base is None:
+            raise ValueError("keep() follows forward_tree()")
+        if any(not 0 <= i < self._length - base for i in indices) or indices != sorted(set(indices)):
+            raise ValueError(f"indices {indices} are not a root-to-leaf path of the tree")
+        rows = torch.tensor(indices, dtype=torch.long, device=self.device) + base
+        end = base + len(indices)
+        for layer in self._cache.layers:
+            for name in ("keys", "values"):
+                kv = getattr(layer, name)  # [B, H, length, D]
+                kv[:, :, base:end] = kv[:, :, rows]  # the gather copies first
+                setattr(layer, name, kv[:, :, :end])
+        if self.keep_hidden and self._hidden is not None:
+            self._hidden[base:end] = self._hidden[rows]  # [len(indices), H]
+        self._length, self._tree_base = end, None
+
+
+@register("hf")
+def make_hf_backend(target, **options) -> HFBackend:
+    if options:
+        raise SpecdecError(f"the hf backend takes no options, got {', '.join(options)}", "backend")
+    return HFBackend(target.model)
