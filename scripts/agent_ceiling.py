@@ -16,6 +16,7 @@ import argparse
 import json
 
 from specdec.bench.run import load_questions, make_engine_runners, run_benchmark, summarize
+from specdec.config import EngineConfig
 from specdec.models import load_model
 
 
@@ -28,10 +29,8 @@ def main() -> None:
     args = p.parse_args()
     target = load_model(args.target)
     questions = load_questions(categories=["agent_sessions"])
-    runners = make_engine_runners(target, args.methods.split(","), backend="native", prefix_cache=args.prefix_cache)
-    if args.k != "auto":
-        for runner in runners[1:]:
-            runner.engine.k = int(args.k)
+    config = EngineConfig(backend="native", k=args.k, prefix_cache=args.prefix_cache)
+    runners = make_engine_runners(target, args.methods.split(","), config)
     run_benchmark(target, questions, runners, max_new_tokens=128, progress=False)  # the teaching pass
     run = run_benchmark(target, questions, runners, max_new_tokens=128, progress=False)
     results = summarize(run)

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from specdec.backends import make_backend
+from specdec.backends import Backend, RollbackLM, available, make_backend
 from specdec.backends import prefix_cache as backend_mod
 from specdec.backends.hf import HFBackend
+from specdec.backends.prefix_cache import PrefixCache
 from specdec.errors import SpecdecError
 
 BACKEND_KINDS = ["hf"]
@@ -66,6 +67,63 @@ def test_unknown_backend():
         make_backend("tpu", tiny_llama(seed=0))
 
 
+# ---- the contract: every registered backend implements all of `Backend` ---------------------
+
+CONTRACT_OPTIONS = {"hf": {}, "native": {"precision": "fp32"}}  # a new backend adds its row here
+
+
+def protocol_members(*protocols) -> set[str]:
+    names = set()
+    for proto in protocols:
+        names |= set(proto.__annotations__)
+        names |= {n for n in vars(proto) if not n.startswith("_")}
+    return names
+
+
+def test_the_contract_table_lists_every_registered_backend():
+    assert set(CONTRACT_OPTIONS) == set(available())
+    assert {"forward_tree", "keep", "supports_tree", "pool", "enable_hidden_states", "hidden",
+            "compile_seconds", "prefix_cache", "prefill", "reset"} <= protocol_members(Backend)
+
+
+@pytest.mark.parametrize("kind", sorted(CONTRACT_OPTIONS))
+def test_every_backend_implements_the_whole_protocol(kind):
+    backend = make_backend(kind, tiny_llama(seed=0), **CONTRACT_OPTIONS[kind])
+    missing = sorted(m for m in protocol_members(Backend, RollbackLM) if not hasattr(backend, m))
+    assert not missing, f"{kind} lacks {missing}"
+    assert isinstance(backend, Backend) and isinstance(backend.prefix_cache, PrefixCache)
+    assert isinstance(backend.supports_tree, bool) and backend.compile_seconds == 0.0
+    assert backend.pool is None or backend.pool.free_slots >= 0
+    assert backend.hidden is None
+    backend.enable_hidden_states()
+    backend.prefill([5, 6, 7])
+    assert backend.length == 3 and backend.hidden.shape[0] == 3  # [length, H]
+    if backend.supports_tree:
+        assert backend.forward_tree([8, 9, 10], [-1, 0, -1]).shape[0] == 3  # [T, V]
+        backend.keep([0, 1])
+        assert backend.length == 5 and backend.hidden.shape[0] == 5
+    backend.reset()
+    assert backend.length == 0
+
+
+@pytest.mark.parametrize("kind", sorted(CONTRACT_OPTIONS))
+def test_unknown_options_are_one_line_errors(kind):
+    target = tiny_llama(seed=0)
+    with pytest.raises(SpecdecError, match="colour") as info:
+        make_backend(kind, target, colour="blue")
+    assert "\n" not in str(info.value)
+    with pytest.raises(SpecdecError, match="prefix_cache must be one of"):
+        make_backend(kind, target, prefix_cache="everything")
+
+
+@pytest.mark.parametrize("kind", sorted(CONTRACT_OPTIONS))
+def test_prefix_cache_off_keeps_nothing(kind):
+    backend = make_backend(kind, tiny_llama(seed=0), prefix_cache="off", **CONTRACT_OPTIONS[kind])
+    prompt = list(range(10, 200))  # past one PREFILL_CHUNK
+    backend.prefill(prompt)
+    assert backend.prefix_cache.mode == "off" and backend.prefix_cache.cached_prefix(prompt) == 0
+
+
 # ---- prefix caching: a prompt that starts like the last one keeps the cached part --------
 
 PREFIX_BACKENDS = [("hf", {}), ("native", {"precision": "fp32"}), ("native", {"precision": "int4"})]
@@ -94,7 +152,7 @@ def test_prefill_keeping_a_cached_prefix_changes_no_bits(small_chunks, kind, opt
     backend = make_backend(kind, target, **options)
     backend.prefill(first)
     backend.forward(list(range(40, 40 + decoded)))  # a decoded answer
-    keep = backend.cached_prefix(second)
+    keep = backend.prefix_cache.cached_prefix(second)
     assert keep == expect_keep
     rows = backend.prefill(second, keep=keep)  # [len(second) - keep, V]
     assert backend.length == len(second) and rows.shape[0] == len(second) - keep
@@ -114,20 +172,20 @@ def test_prefix_record_follows_rollback_reset_and_hidden_states(small_chunks, ki
     backend = make_backend(kind, tiny_llama(seed=0), **options)
     prompt = list(range(10, 30))
     backend.prefill(prompt)
-    assert backend.cached_prefix(prompt + [1]) == 20
+    assert backend.prefix_cache.cached_prefix(prompt + [1]) == 20
     backend.rollback(15)  # below the prefilled length: those tokens are gone
-    assert backend.cached_prefix(prompt) == 12
+    assert backend.prefix_cache.cached_prefix(prompt) == 12
     with pytest.raises(ValueError, match="does not hold"):
         backend.prefill([99, *prompt[1:]], keep=4)
-    assert backend.cached_prefix(prompt) == 0  # a refused prefill resets
+    assert backend.prefix_cache.cached_prefix(prompt) == 0  # a refused prefill resets
     backend.prefill(prompt)
-    backend.keep_hidden = True  # a drafter now reads hidden states the prefix did not keep
-    assert backend.cached_prefix(prompt) == 0
+    backend.enable_hidden_states()  # a drafter now reads hidden states the prefix did not keep
+    assert backend.prefix_cache.cached_prefix(prompt) == 0
     backend.prefill(prompt)
-    assert backend.cached_prefix(prompt) == 20
+    assert backend.prefix_cache.cached_prefix(prompt) == 20
     assert backend.hidden.shape[0] == 20
     backend.reset()
-    assert backend.cached_prefix(prompt) == 0
+    assert backend.prefix_cache.cached_prefix(prompt) == 0
 
 
 @pytest.mark.parametrize(("kind", "options"), PREFIX_BACKENDS[:2], ids=PREFIX_IDS[:2])
@@ -143,14 +201,13 @@ def test_prefix_record_follows_rollback_reset_and_hidden_states(small_chunks, ki
 )
 def test_mark_decoded_keeps_answers_only_when_asked(small_chunks, kind, options, reuse_decoded, extra, shared,
                                                     expect_keep):
-    backend = make_backend(kind, tiny_llama(seed=0), **options)
-    backend.reuse_decoded = reuse_decoded
+    backend = make_backend(kind, tiny_llama(seed=0), prefix_cache="decoded" if reuse_decoded else "prompt", **options)
     prompt, answer = list(range(10, 20)), list(range(50, 57))
     backend.prefill(prompt)
     backend.forward(answer + [99] * extra)
-    backend.mark_decoded(prompt + answer)
+    backend.prefix_cache.mark_decoded(prompt + answer, backend.length)
     follow_up = (prompt + answer)[:shared] + [5, 6, 7]
-    keep = backend.cached_prefix(follow_up)
+    keep = backend.prefix_cache.cached_prefix(follow_up)
     assert keep == expect_keep
     rows = backend.prefill(follow_up, keep=keep)
     assert rows.shape[0] == len(follow_up) - keep and backend.length == len(follow_up)
@@ -159,4 +216,4 @@ def test_mark_decoded_keeps_answers_only_when_asked(small_chunks, kind, options,
         assert torch.equal(rows, cold.prefill(follow_up)[keep:])
     if shared == 17 and reuse_decoded and not extra:
         backend.rollback(12)  # the record follows the cache
-        assert backend.cached_prefix(follow_up) == 12
+        assert backend.prefix_cache.cached_prefix(follow_up) == 12

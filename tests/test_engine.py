@@ -303,7 +303,7 @@ def test_decoded_prefix_cache_reuses_answers_and_speculation_stays_exact(target,
     assert got == want and accepted > 0
     assert cached_spec == cached_plain  # the same keys kept, so the same bits read
     assert all(d > p for d, p in zip(cached_plain[1:], cached_prompt_only[1:], strict=True))
-    with pytest.raises(SpecdecError, match="prefix cache"):
+    with pytest.raises(SpecdecError, match="prefix.cache must be one of"):
         Engine(target, "none", k=0, prefix_cache="everything")
 
 

@@ -83,8 +83,8 @@ def test_suffix_then_eagle_is_lossless_and_uses_both(target):
     eagle = EagleDrafter(target.model, head, None, target.eos_token_ids)
     hybrid = HybridDrafter([SuffixDrafter(None, depth=16, eos_token_ids=target.eos_token_ids), eagle])
     engine = Engine(target, hybrid, k=3)
-    assert engine.backend.keep_hidden  # eagle, inside the hybrid, was bound to the target
     out = engine.generate(PROMPT, max_new_tokens=32, chat=False)
+    assert engine.backend.hidden is not None  # eagle, inside the hybrid, was bound to the target
     assert out.token_ids == plain.token_ids
     assert out.stats.num_draft_tokens > 0
     assert all(n > 0 for n in hybrid.used), hybrid.used  # the prompt repeats itself; the head fills in

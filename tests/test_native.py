@@ -14,7 +14,7 @@ from conftest import tiny_llama
 from specdec import Engine, SpecdecError
 from specdec.backends import forward_batch, make_backend
 from specdec.backends.hf import HFBackend
-from specdec.backends.native.model import NativeConfig, NativeModel, compile_seconds
+from specdec.backends.native.model import NativeConfig, NativeModel
 from specdec.backends.native.quant import Int4Linear, make_linear
 from specdec.tree import tree_path
 
@@ -229,7 +229,7 @@ def test_tree_keep_nothing_and_bad_paths(model):
 def test_hidden_states_follow_rollback_and_keep(target, model):
     tokens = random_tokens(12, seed=5)
     seq = model.new_pool().new_sequence()
-    seq.keep_hidden = True
+    seq.enable_hidden_states()
     seq.prefill(tokens[:8])
     seq.forward(tokens[8:])
     seq.rollback(6)
@@ -472,7 +472,7 @@ def test_real_model_native_greedy_equals_transformers(smollm2):
 
 
 def test_compare_precisions_reports_fp32_as_its_own_reference(target):
-    from specdec.backends.native.quant import compare_precisions
+    from specdec.backends.native.model import compare_precisions
 
     report = compare_precisions(target, "The quick brown fox jumps over the lazy dog. " * 2, ("int8",))
     assert report["fp32"]["top1_agreement"] == 1.0 and report["fp32"]["kl"] == 0.0
@@ -507,7 +507,7 @@ def test_compiled_model_is_close_to_eager_and_consistent_with_itself():
     assert torch.equal(batched[0], chain)
     other.rollback(5)
     assert torch.equal(batched[1], other.forward(tokens[5:7]))
-    assert compile_seconds(b) > 0 and compile_seconds(a) == 0.0  # reported by generate and bench
+    assert b.compile_seconds > 0 and a.compile_seconds == 0.0  # reported by generate and bench
     assert not b.supports_tree
     with pytest.raises(ValueError, match="chains only"):
         b.forward_tree(tokens[14:16], [-1, -1])

@@ -11,6 +11,7 @@ import specdec.serve.scheduler as scheduler_mod
 from conftest import tiny_llama
 from specdec.backends import prefix_cache as backend_mod
 from specdec.backends.hf import HFBackend
+from specdec.config import EngineConfig
 from specdec.engine import Engine
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
@@ -75,7 +76,7 @@ def test_batched_greedy_equals_engine_with_continuous_batching(target):
     that waited joined while the first ones were still decoding."""
     plain = Engine(target, drafter="none", k=0)
     expected = [plain.generate(target.tokenizer.encode(p), max_new_tokens=24).token_ids for p in PROMPTS]
-    sched = Scheduler(target, "hf", "ngram:min=1", "auto", max_batch=4, max_queue=8)
+    sched = Scheduler(target, EngineConfig(drafter="ngram:min=1"), max_batch=4, max_queue=8)
     settings = [{}, {"k": 3}, {"drafter": "none"}, {"drafter": "ngram:k=5"}, {"k": 1}, {"drafter": "ngram"}]
     recorders = [Recorder(sched) for _ in PROMPTS]
     for prompt, rec, extra in zip(PROMPTS, recorders, settings, strict=True):
@@ -100,7 +101,7 @@ def test_seeded_sampling_in_a_batch_equals_engine(target):
     params = SamplingParams(temperature=0.9, top_k=50)
     ids = target.tokenizer.encode(PROMPTS[0])
     want = Engine(target, drafter="ngram:min=1", k=3).generate(ids, max_new_tokens=30, temperature=0.9, top_k=50, seed=11)
-    sched = Scheduler(target, "hf", "ngram:min=1", 3, max_batch=4)
+    sched = Scheduler(target, EngineConfig(drafter="ngram:min=1", k=3), max_batch=4)
     recs = [Recorder() for _ in range(3)]
     sched.submit(make_request(target, PROMPTS[0], recs[0], 30, params=params, seed=11))
     sched.submit(make_request(target, PROMPTS[1], recs[1], 30, params=params, seed=5))
@@ -110,8 +111,20 @@ def test_seeded_sampling_in_a_batch_equals_engine(target):
     assert recs[0].result.stats.num_draft_tokens == want.stats.num_draft_tokens
 
 
+class PooledHF(HFBackend):
+    """An HF backend that says it belongs to a FakePool."""
+
+    def __init__(self, model, pool):
+        super().__init__(model)
+        self._pool = pool
+
+    @property
+    def pool(self):
+        return self._pool
+
+
 class FakePool:
-    """The batched-pool interface of a native backend, over HF backends; records each call."""
+    """The SlotPool interface of a native backend, over HF backends; records each call."""
 
     def __init__(self, target):
         self.target = target
@@ -119,9 +132,7 @@ class FakePool:
         self.free_slots = 99
 
     def new_sequence(self):
-        seq = HFBackend(self.target.model)
-        seq.pool = self
-        return seq
+        return PooledHF(self.target.model, self)
 
     def forward_batch(self, sequences, token_lists):
         self.batch_sizes.append(len(sequences))
@@ -131,7 +142,7 @@ class FakePool:
 def test_pooled_backend_gets_one_forward_per_step_and_slots_back(target, monkeypatch):
     pool = FakePool(target)
     monkeypatch.setattr(scheduler_mod, "make_backend", lambda kind, t, **o: pool.new_sequence())
-    sched = Scheduler(target, "fake", "ngram:min=1", "auto", max_batch=3)
+    sched = Scheduler(target, EngineConfig(backend="fake", drafter="ngram:min=1"), max_batch=3)
     assert sched.batched
     plain = Engine(target, drafter="none", k=0)
     recs = [Recorder() for _ in range(3)]
@@ -146,7 +157,7 @@ def test_pooled_backend_gets_one_forward_per_step_and_slots_back(target, monkeyp
 
 
 def test_cancel_frees_the_slot_and_others_continue(target):
-    sched = Scheduler(target, "hf", "ngram", "auto", max_batch=4)
+    sched = Scheduler(target, EngineConfig(), max_batch=4)
     gone, stay = Recorder(), Recorder()
     req = make_request(target, PROMPTS[1], gone, 200)
     sched.submit(req)
@@ -171,7 +182,7 @@ def test_cancel_frees_the_slot_and_others_continue(target):
 
 
 def test_bounded_queue_timeouts_and_bad_requests(target):
-    sched = Scheduler(target, "hf", "ngram", "auto", max_batch=1, max_queue=1)
+    sched = Scheduler(target, EngineConfig(), max_batch=1, max_queue=1)
     sched.submit(make_request(target, PROMPTS[0], Recorder(), 10))
     sched.submit(make_request(target, PROMPTS[1], Recorder(), 10))
     with pytest.raises(QueueFull) as info:
@@ -179,7 +190,7 @@ def test_bounded_queue_timeouts_and_bad_requests(target):
     assert info.value.retry_after >= 1
     run_until_idle(sched)
 
-    sched = Scheduler(target, "hf", "ngram", "auto", max_batch=2, max_queue=4)
+    sched = Scheduler(target, EngineConfig(), max_batch=2, max_queue=4)
     late = Recorder()
     sched.submit(make_request(target, PROMPTS[0], late, 10, timeout_s=0.0))
     bad, good = Recorder(), Recorder()
@@ -201,7 +212,7 @@ def test_load_policy_shrinks_k_and_turns_speculation_off():
 
 def test_speculation_off_under_load_but_on_when_alone(target):
     ids = target.tokenizer.encode(PROMPTS[1])
-    busy = Scheduler(target, "hf", "ngram:min=1", 4, max_batch=4, policy=LoadPolicy(max_batch_tokens=4))
+    busy = Scheduler(target, EngineConfig(drafter="ngram:min=1", k=4), max_batch=4, policy=LoadPolicy(max_batch_tokens=4))
     recs = [Recorder() for _ in range(4)]
     for rec in recs:
         busy.submit(GenRequest(list(ids), SamplingParams(), 20, rec))
@@ -215,7 +226,7 @@ def test_speculation_off_under_load_but_on_when_alone(target):
 
 
 def test_worker_thread_serves_and_stops(target):
-    sched = Scheduler(target, "hf", "ngram", "auto", max_batch=2)
+    sched = Scheduler(target, EngineConfig(), max_batch=2)
     sched.start()
     try:
         recs = [Recorder() for _ in range(3)]
@@ -237,7 +248,8 @@ def test_native_pool_is_batched_and_lossless(target):
         pytest.skip("no native backend")
     plain = Engine(target, drafter="none", k=0)
     sched = Scheduler(
-        target, "native", "ngram:min=1", "auto", max_batch=3, backend_options={"slots": 3, "precision": "fp32"}
+        target, EngineConfig(drafter="ngram:min=1", backend="native", backend_options={"slots": 3, "precision": "fp32"}),
+        max_batch=3,
     )
     assert sched.batched
     recs = [Recorder() for _ in PROMPTS[:4]]
@@ -270,7 +282,7 @@ def test_tree_drafts_are_scored_with_tree_attention(target, monkeypatch):
     trees = []
     original = HFBackend.forward_tree
     monkeypatch.setattr(HFBackend, "forward_tree", lambda self, *a: trees.append(1) or original(self, *a))
-    sched = Scheduler(target, "hf", "test-oracle-tree", 4, max_batch=2)
+    sched = Scheduler(target, EngineConfig(drafter="test-oracle-tree", k=4), max_batch=2)
     recs = [Recorder() for _ in prompts]
     for ids, rec in zip(prompts, recs, strict=True):
         sched.submit(GenRequest(list(ids), SamplingParams(), 20, rec))
@@ -289,7 +301,7 @@ def test_a_request_gets_the_slot_that_caches_its_prompt_prefix(target, monkeypat
     plain decoding through the same conversation."""
     monkeypatch.setattr(backend_mod, "PREFILL_CHUNK", 4)
     plain = Engine(target, drafter="none", k=0, prefix_cache=False if mode == "prompt" else "decoded")
-    sched = Scheduler(target, "hf", "ngram:min=1", "auto", max_batch=2, prefix_cache=mode)
+    sched = Scheduler(target, EngineConfig(drafter="ngram:min=1", prefix_cache=mode), max_batch=2)
     first, other = target.tokenizer.encode(PROMPTS[0]), target.tokenizer.encode(PROMPTS[2])
     recs = [Recorder(), Recorder()]
     sched.submit(make_request(target, PROMPTS[0], recs[0], 12))
@@ -312,7 +324,7 @@ def test_a_request_gets_the_slot_that_caches_its_prompt_prefix(target, monkeypat
 def test_requests_share_a_calibrated_cost_model_fed_by_solo_steps_only(target, monkeypatch):
     """The scheduler times the target's forwards once at start; a step that scored a batch
     must not teach the shared cost model (its time is the batch's), a step scored alone does."""
-    sched = Scheduler(target, "hf", "ngram:min=1", "auto", max_batch=4)
+    sched = Scheduler(target, EngineConfig(drafter="ngram:min=1"), max_batch=4)
     assert sched.costs.calibrated and sched.slots.in_use == 0
     seen: list[tuple[int, float]] = []
     monkeypatch.setattr(sched.costs, "observe", lambda n, s: seen.append((n, s)))

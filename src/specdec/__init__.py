@@ -1,5 +1,6 @@
 """specdec: lossless speculative decoding."""
 
+from specdec.config import EngineConfig
 from specdec.drafters import Draft, Drafter, make_drafter, register
 from specdec.engine import Engine, GenerationResult
 from specdec.errors import SpecdecError
@@ -10,6 +11,7 @@ __all__ = [
     "Draft",
     "Drafter",
     "Engine",
+    "EngineConfig",
     "GenerationResult",
     "LoadedModel",
     "SamplingParams",

@@ -8,7 +8,14 @@ import json
 import os
 import sys
 
+from specdec.backends import available as available_backends
+from specdec.backends.prefix_cache import PREFIX_CACHE_MODES
+from specdec.config import VERIFY_STRATEGIES, EngineConfig, read_config
+from specdec.engine import Engine
 from specdec.errors import SpecdecError
+from specdec.models import DEFAULT_TARGET
+from specdec.sampling import SamplingParams
+from specdec.serve.traffic_log import TrafficLog
 
 
 class _Parser(argparse.ArgumentParser):
@@ -37,47 +44,65 @@ def _nonneg_int(text: str) -> int:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default="smollm2-135m", help="built-in name, .gguf file or HF model directory")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="built-in name, .gguf file or HF model directory")
+
+
+def add_engine_args(p: argparse.ArgumentParser, drafter: str | None = None) -> None:
+    """--config and the EngineConfig flags. A flag left out keeps the file's value, else
+    EngineConfig's default; `drafter` is the --drafter help (None: no --drafter flag)."""
+    p.add_argument("--config", metavar="FILE", help="YAML engine settings (see README, Configuration); flags override it")
+    p.add_argument("--target", help=f"built-in name, .gguf file or HF model directory (default {DEFAULT_TARGET})")
+    if drafter is not None:
+        p.add_argument("--drafter", help=drafter)
+    p.add_argument("--k", help="draft length: auto (adaptive, the default) or an integer")
+    p.add_argument("--verify-strategy", choices=VERIFY_STRATEGIES,
+                   help="rejection: lossless speculative sampling, exact greedy matching at temperature 0 "
+                        "(default); greedy: verify by argmax match, so every request decodes greedily")
+    add_backend_args(p)
 
 
 def add_backend_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", default="hf", help="model backend: hf (transformers) or native (lean PyTorch)")
+    p.add_argument("--backend", help="model backend: hf (transformers, the default) or native (lean PyTorch)")
     p.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE",
                    help="backend option, repeatable (native: precision=fp32|bf16|int8|int4, device=cuda, "
                         "max_length=N, compile=1: torch.compile the decode step, for faster single streams; "
                         "no token trees, and a batch runs one sequence at a time)")
-    p.add_argument("--draft-device", default=None, metavar="DEVICE",
+    p.add_argument("--draft-device", metavar="DEVICE",
                    help="where a model drafter runs, e.g. cpu while the target is on cuda (default: the target's)")
-    p.add_argument("--prefix-cache", default="prompt", choices=["prompt", "decoded", "off"],
+    p.add_argument("--prefix-cache", choices=PREFIX_CACHE_MODES,
                    help="reuse the cached start of a prompt: prompt tokens only, bit-exact against a cold start "
                         "(default); decoded: the previous answers too, so a conversation's next turn skips "
                         "re-reading them (a warm conversation may then differ from a cold one in the last bits)")
 
 
-def backend_options(args: argparse.Namespace) -> dict:
-    """--backend-option KEY=VALUE pairs as a dict, validated before any model is loaded."""
-    from specdec.backends import available
+ENGINE_FLAGS = ("target", "drafter", "k", "backend", "prefix_cache", "draft_device", "verify_strategy")
 
-    if args.backend not in available():
-        raise SpecdecError(f"unknown backend {args.backend!r}; choose one of: {', '.join(available())}", "backend")
-    options: dict = {}
-    for item in args.backend_option:
+
+def engine_config(args: argparse.Namespace, data: dict | None = None) -> EngineConfig:
+    """The --config file's settings (`data`: the file already read), then the flags given on
+    the command line, which win. Checked before any model is loaded."""
+    source = getattr(args, "config", None)
+    if data is None:
+        data = read_config(source) if source else {}
+    config = EngineConfig.from_dict(data, source=source)
+    options = dict(config.backend_options)
+    for item in getattr(args, "backend_option", None) or []:
         key, eq, value = item.partition("=")
         if not eq or not key.isidentifier():
             raise SpecdecError(f"--backend-option expects KEY=VALUE, got {item!r}", "backend_option")
         options[key] = value
-    return options
+    config = config.override(**{name: getattr(args, name, None) for name in ENGINE_FLAGS}, backend_options=options)
+    if config.backend not in available_backends():
+        raise SpecdecError(f"unknown backend {config.backend!r}; choose one of: {', '.join(available_backends())}",
+                           "backend")
+    return config
 
 
 def add_generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text for one prompt")
     p.add_argument("--prompt", required=True, help="a user chat message (plain text with --raw)")
-    add_model_args(p)
-    add_backend_args(p)
-    p.add_argument("--drafter", default="ngram",
-                   help="none | ngram[:min=N][:max=N] | suffix[:tree=1] | retrieval:DIR | model:PATH_OR_NAME | "
-                        "layerskip[:FILE] | eagle:DIR")
-    p.add_argument("--k", default="auto", help="draft length: auto (adaptive) or an integer")
+    add_engine_args(p, drafter="none | ngram[:min=N][:max=N] | suffix[:tree=1] | retrieval:DIR | model:PATH_OR_NAME | "
+                               "layerskip[:FILE] | eagle:DIR (default ngram)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -93,29 +118,19 @@ def add_generate_parser(sub) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> None:
-    from specdec.engine import Engine
-    from specdec.sampling import SamplingParams
-
     SamplingParams(args.temperature, args.top_k, args.top_p).validate()  # fail before loading
-    log = None
-    if args.log_dir:
-        from specdec.serve.traffic_log import TrafficLog
-
-        log = TrafficLog(args.log_dir)
-    options = backend_options(args)
-    engine = Engine(target=args.target, drafter=args.drafter, k=args.k, backend=args.backend, backend_options=options,
-                    draft_device=args.draft_device, prefix_cache=args.prefix_cache)
-    from specdec.backends.native.model import compile_seconds
-
-    if compile_seconds(engine.backend):
-        print(f"[native] compiled the decode step in {compile_seconds(engine.backend):.1f}s", file=sys.stderr)
+    config = engine_config(args)
+    log = TrafficLog(args.log_dir) if args.log_dir else None
+    engine = Engine(config=config)
+    if engine.backend.compile_seconds:
+        print(f"[native] compiled the decode step in {engine.backend.compile_seconds:.1f}s", file=sys.stderr)
     kwargs = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, stop=args.stop, seed=args.seed, chat=not args.raw,
     )
     plain = None
     if args.compare_plain:
-        baseline = Engine(target=engine.target, drafter="none", k=0, backend=args.backend, backend_options=options)
+        baseline = Engine(engine.target, "none", config=config, k=0)
         baseline.generate(args.prompt, **{**kwargs, "max_new_tokens": 8})  # warm-up
         plain = baseline.generate(args.prompt, **kwargs)
     if args.stream and not args.json:
@@ -133,6 +148,10 @@ def run_generate(args: argparse.Namespace) -> None:
         meta = {"target": engine.target.name, "chat": not args.raw, "finish_reason": result.finish_reason,
                 "temperature": args.temperature, "drafter": engine.drafter_name}
         log.record(prompt, result.text, meta)
+    _print_result(args, engine, result, plain)
+
+
+def _print_result(args: argparse.Namespace, engine: Engine, result, plain) -> None:
     summary = result.stats.summary()
     if plain is not None:
         summary["plain_tokens_per_second"] = plain.stats.summary()["tokens_per_second"]
@@ -144,7 +163,7 @@ def run_generate(args: argparse.Namespace) -> None:
         return
     s = summary
     print(
-        f"\n[{engine.drafter_name}, k={args.k}] {s['generated_tokens']} tokens in {s['wall_time_s']:.2f}s "
+        f"\n[{engine.drafter_name}, k={engine.k}] {s['generated_tokens']} tokens in {s['wall_time_s']:.2f}s "
         f"= {s['tokens_per_second']:.1f} tok/s | steps {s['steps']}, tau {s['mean_accepted_length']:.2f}, "
         f"drafted {s['drafted_tokens']}, accepted {s['accepted_tokens']} "
         f"({100 * s['acceptance_rate']:.0f}%), finish {result.finish_reason}",

@@ -18,6 +18,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from specdec.backends import RollbackLM
+from specdec.config import parse_k
+
 
 class FixedK:
     def __init__(self, k: int):
@@ -45,7 +48,7 @@ class ScoreCosts:
     token.
 
     Kernels make t(n) a staircase rather than a line: PyTorch's int4 CPU GEMM works in
-    blocks of 4 rows (scoring 4 tokens costs ~1.4x one, 5 tokens ~2.4x), and a compiled
+    blocks of 4 rows (a fifth token starts a new block; docs/performance-notes.md), and a compiled
     forward pads to shape buckets. So each n keeps its own time (`calibrate` times them at
     start-up, `observe` tracks the steps as an EMA), and an n never timed falls back to the
     line t(n) = t1 * (1 + slope * (n - 1)) fitted by least squares through the timed ones.
@@ -61,7 +64,7 @@ class ScoreCosts:
         self._fit: tuple[float, float] | None = None  # (t1, slope), refitted lazily
         self.calibrated = False
 
-    def calibrate(self, backend, sizes: tuple[int, ...] = CALIBRATION_SIZES, repeats: int = 3) -> None:
+    def calibrate(self, backend: RollbackLM, sizes: tuple[int, ...] = CALIBRATION_SIZES, repeats: int = 3) -> None:
         """Time target forwards of each size on `backend` (median of `repeats`, interleaved so
         that a noisy moment does not hit one size only) and roll the cache back after each."""
         start = backend.length
@@ -196,15 +199,8 @@ class AdaptiveK:
 def make_controller(k: str | int, costs: ScoreCosts | None = None, prior_alpha: float | None = None) -> FixedK | AdaptiveK:
     """FixedK for an integer; AdaptiveK for "auto", starting from a shared cost model and
     the acceptance rate the drafter had on earlier requests, when given."""
-    from specdec.errors import SpecdecError
-
-    if k in ("auto", None):
+    k = "auto" if k is None else parse_k(k)
+    if k == "auto":
         alpha = 0.7 if prior_alpha is None else min(0.95, max(0.05, prior_alpha))
         return AdaptiveK(costs=costs, prior_alpha=alpha)
-    try:
-        value = int(k)
-    except (TypeError, ValueError):
-        raise SpecdecError(f"k must be 'auto' or an integer >= 0, got {k!r}", "k") from None
-    if value < 0:
-        raise SpecdecError(f"k must be 'auto' or an integer >= 0, got {k!r}", "k")
-    return FixedK(value)
+    return FixedK(k)

@@ -14,14 +14,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.backends import make_backend
+from specdec.backends import Backend, make_backend
+from specdec.config import EngineConfig
 from specdec.controller import AdaptiveK, ScoreCosts, make_controller
-from specdec.drafters import Drafter, DrafterSpec, make_drafter
+from specdec.drafters import Drafter, make_drafter
 from specdec.errors import SpecdecError
-from specdec.models import DEFAULT_TARGET, LoadedModel, load_model
+from specdec.grammar import MAX_FORCED, ConstrainedDraft, Constraint, GrammarMatcher, request_constraint
+from specdec.models import LoadedModel, load_model
+from specdec.prompts import Prompt, encode
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.stats import SpecStats
 from specdec.text import TextTracker
+from specdec.tools import DEFAULT_PARSER, ToolPlan, tool_plan
+from specdec.tree import fit_tree, keep_path, tree_depth, verify_tree
 from specdec.verify import verify_greedy, verify_sampling
 
 
@@ -29,30 +34,24 @@ from specdec.verify import verify_greedy, verify_sampling
 class GenerationResult:
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    finish_reason: str  # "stop" (EOS or a stop string), "length", or "tool_calls" (tools.py)
     stats: SpecStats
     prompt_ids: list[int] = field(default_factory=list)
+    # With tools: the calls the reply made ({id, type, function: {name, arguments}}) and the
+    # text around them (None when the reply only called); `text` stays the raw reply.
+    tool_calls: list[dict] = field(default_factory=list)
+    content: str | None = None
 
     def to_dict(self) -> dict:
-        return {
+        out = {
             "text": self.text,
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
             "stats": self.stats.summary(),
         }
-
-
-PREFIX_CACHE_MODES = ("prompt", "decoded", "off")
-
-
-def prefix_cache_mode(value: bool | str) -> str:
-    """prompt: reuse prefilled prompt tokens, bit-exact against a cold start (the default);
-    decoded: also the previous answers of a conversation; off: prefill every prompt whole."""
-    mode = {True: "prompt", False: "off"}.get(value, value) if isinstance(value, bool) else value
-    if mode not in PREFIX_CACHE_MODES:
-        raise SpecdecError(f"prefix cache must be one of {', '.join(PREFIX_CACHE_MODES)}, got {value!r}",
-                           "prefix_cache")
-    return mode
+        if self.tool_calls:
+            out.update(content=self.content, tool_calls=self.tool_calls)
+        return out
 
 
 class GenerationStream:
@@ -75,30 +74,33 @@ class Engine:
 
     def __init__(
         self,
-        target: str | LoadedModel = DEFAULT_TARGET,
-        drafter: str | Drafter = "ngram",
-        k: str | int = "auto",
-        backend: str = "hf",
-        backend_options: dict | None = None,  # e.g. {"precision": "int8"} for the native backend
-        prefix_cache: bool | str = True,  # True/"prompt", "decoded", or False/"off" (see PrefixCache)
-        draft_device: str | None = None,  # where the `model` drafter runs (the target stays put)
+        target: str | LoadedModel | EngineConfig | None = None,
+        drafter: str | Drafter | None = None,
+        *,
+        config: EngineConfig | None = None,
+        **settings,  # EngineConfig fields: k, backend, backend_options, prefix_cache, draft_device, ...
     ):
-        self.target = target if isinstance(target, LoadedModel) else load_model(target)
+        """Settings come from `config` (default EngineConfig()), then from the arguments, as
+        `EngineConfig.override` applies them. `target` may also be a loaded model (its weights
+        are shared) or the EngineConfig itself; `drafter` may be a Drafter instance."""
+        if isinstance(target, EngineConfig):
+            config, target = target, None
+        loaded = target if isinstance(target, LoadedModel) else None
+        instance = drafter if isinstance(drafter, Drafter) else None
+        self.config = (config or EngineConfig()).override(
+            target=loaded.name if loaded else target, drafter=instance.name if instance else drafter, **settings
+        )
+        cfg = self.config
+        self.target = loaded or load_model(cfg.target)
         self.tokenizer = self.target.tokenizer
-        self.backend = make_backend(backend, self.target, **(backend_options or {}))
-        if isinstance(drafter, Drafter):
-            self.drafter, self.drafter_name = drafter, drafter.name
+        self.backend = make_backend(cfg.backend, self.target, prefix_cache=cfg.prefix_cache, **cfg.backend_options)
+        if instance is not None:
+            self.drafter, self.drafter_name = instance, instance.name
         else:
-            spec = DrafterSpec.parse(drafter)
-            k = spec.options.pop("k", k)
-            self.drafter, self.drafter_name = make_drafter(spec, self.target, draft_device), spec.text
+            self.drafter, self.drafter_name = make_drafter(cfg.drafter, self.target, cfg.draft_device), cfg.drafter
         self.drafter.bind_target(self.backend)  # drafters that read the target's states keep it
-        make_controller(k)  # validate now rather than at the first request
-        self.k = k
+        self.k = cfg.k
         self.eos_token_ids = self.target.eos_token_ids
-        mode = prefix_cache_mode(prefix_cache)
-        self.prefix_cache = mode != "off"  # keep the cached part of a prompt that repeats the last one's start
-        self.backend.reuse_decoded = mode == "decoded"  # ... including the last answer
         # What the adaptive controller learns that outlives a request: the target's cost of
         # scoring n tokens on this machine, and how often this drafter's tokens are accepted.
         self.costs = ScoreCosts()
@@ -106,33 +108,9 @@ class Engine:
 
     # ---- prompts -------------------------------------------------------------------------
 
-    def encode_prompt(self, prompt: str | list[dict] | list[int], chat: bool = True) -> list[int]:
-        """A user message (chat-formatted), a list of chat messages, raw text, or token ids."""
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            ids = list(prompt)
-        elif isinstance(prompt, list):
-            ids = self._apply_chat(prompt)
-        elif not isinstance(prompt, str) or not prompt.strip():
-            raise SpecdecError("the prompt is empty", "prompt")
-        elif chat and getattr(self.tokenizer, "chat_template", None):
-            ids = self._apply_chat([{"role": "user", "content": prompt}])
-        else:
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-        if not ids:
-            raise SpecdecError("the prompt is empty", "prompt")
-        if len(ids) >= self.backend.max_length:
-            raise SpecdecError(
-                f"the prompt has {len(ids)} tokens; the maximum context length is "
-                f"{self.backend.max_length}, with room for at least one new token",
-                "prompt",
-            )
-        return ids
-
-    def _apply_chat(self, messages: list[dict]) -> list[int]:
-        if not messages:
-            raise SpecdecError("the prompt is empty", "messages")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+    def encode_prompt(self, prompt: Prompt, chat: bool = True, tools: ToolPlan | None = None) -> list[int]:
+        """`prompts.encode` with this engine's context length."""
+        return encode(self.tokenizer, prompt, chat=chat, max_length=self.backend.max_length, tools=tools)
 
     # ---- generation ----------------------------------------------------------------------
 
@@ -146,8 +124,15 @@ class Engine:
         stop: list[str] | None = None,
         seed: int | None = None,
         chat: bool = True,
+        *,
+        response_format: dict | Constraint | None = None,
+        json_schema: dict | None = None,
+        **tool_args,  # tools, tool_choice, parallel_tool_calls, tool_parser: see stream()
     ) -> GenerationResult:
-        stream = self.stream(prompt, max_new_tokens, temperature, top_k, top_p, stop, seed, chat, _text=bool(stop))
+        """The whole reply. `response_format` (OpenAI's shape, or a grammar.Constraint) or
+        `json_schema` (a schema, enforced strictly) constrain it: see grammar.py."""
+        stream = self.stream(prompt, max_new_tokens, temperature, top_k, top_p, stop, seed, chat, _text=bool(stop),
+                             response_format=response_format, json_schema=json_schema, **tool_args)
         for _ in stream:
             pass
         assert stream.result is not None
@@ -164,26 +149,43 @@ class Engine:
         seed: int | None = None,
         chat: bool = True,
         _text: bool = True,
+        *,
+        response_format: dict | Constraint | None = None,
+        json_schema: dict | None = None,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool | None = None,
+        tool_parser: str = DEFAULT_PARSER,
     ) -> GenerationStream:
-        """Validate now (so bad input fails before the first delta), generate lazily."""
+        """Validate now (so bad input fails before the first delta), generate lazily.
+        `tools` (OpenAI function tools), `tool_choice` and `parallel_tool_calls` as in the
+        OpenAI API (see tools.py): the result then has `tool_calls`; the deltas stay raw text
+        (`tools.ToolStream` turns them into OpenAI deltas)."""
+        plan = tool_plan(tools, tool_choice, parallel_tool_calls, tool_parser)
         params = SamplingParams(float(temperature), int(top_k), float(top_p))
         params.validate()
+        params = self.config.decode_params(params)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise SpecdecError(f"max_new_tokens must be >= 1, got {max_new_tokens}", "max_new_tokens")
-        prompt_ids = self.encode_prompt(prompt, chat)
+        prompt_ids = self.encode_prompt(prompt, chat, plan)
+        constraint = request_constraint(response_format, json_schema)
+        if plan is not None:
+            constraint = plan.constraint(constraint)
+        grammar = GrammarMatcher(constraint, self.tokenizer, self.eos_token_ids) if constraint else None
         stream = GenerationStream(iter(()))
-        stream._deltas = self._run(stream, prompt_ids, params, max_new_tokens, stop, seed, _text)
+        stream._deltas = self._run(stream, prompt_ids, params, max_new_tokens, stop, seed, _text, grammar, plan)
         return stream
 
-    def _run(self, stream, prompt_ids, params, max_new_tokens, stop, seed, track_text) -> Iterator[str]:
+    def _run(self, stream, prompt_ids, params, max_new_tokens, stop, seed, track_text, grammar=None,
+             plan: ToolPlan | None = None) -> Iterator[str]:
         if self.k in ("auto", None) and self.drafter_name != "none" and not self.costs.calibrated:
             self.costs.calibrate(self.backend)  # once per engine, before the first prompt fills the cache
         seq = Sequence(
             self.backend, self.drafter, prompt_ids, params, max_new_tokens, self.k,
             self.tokenizer, self.eos_token_ids, stop, seed, track_text,
-            costs=self.costs, prior_alpha=self.alpha_prior,
+            costs=self.costs, prior_alpha=self.alpha_prior, grammar=grammar,
         )
-        seq.start(reuse_prefix=self.prefix_cache)
+        seq.start()
         while (tokens := seq.plan(tree=True)) is not None:
             t0 = time.perf_counter()
             if seq.tree_parents is not None:  # a token tree: one forward with tree attention
@@ -196,7 +198,7 @@ class Engine:
         final = seq.finish()
         if isinstance(seq.controller, AdaptiveK) and seq.controller.drafted:
             self.alpha_prior = seq.controller.alpha  # the next request starts from it
-        stream.result = seq.result
+        stream.result = plan.finish(seq.result) if plan is not None else seq.result
         if final:
             yield final
 
@@ -212,7 +214,7 @@ class Sequence:
 
     def __init__(
         self,
-        backend,
+        backend: Backend,
         drafter: Drafter,
         prompt_ids: list[int],
         params: SamplingParams,
@@ -225,6 +227,7 @@ class Sequence:
         track_text: bool = True,
         costs: ScoreCosts | None = None,
         prior_alpha: float | None = None,
+        grammar: GrammarMatcher | None = None,  # a structured-output constraint (grammar.py)
     ):
         self.start_time = time.perf_counter()
         self.backend, self.drafter = backend, drafter
@@ -241,13 +244,15 @@ class Sequence:
         self.result: GenerationResult | None = None
         self._step: tuple | None = None  # (k, draft_tokens, draft_probs, cache_len, propose_s) between plan and advance
         self.tree_parents: list[int] | None = None  # parents of the planned tokens when they form a tree
+        self.grammar = grammar
+        self._constrained: ConstrainedDraft | None = None  # the grammar's view of the planned draft
 
-    def start(self, reuse_prefix: bool = True) -> None:
+    def start(self) -> None:
         """Prefill every prompt token but the last, which becomes the pending token; keep the
-        part the backend's cache holds from an earlier prompt (`PrefixCache`)."""
+        part the backend's cache holds from an earlier prompt (its `PrefixCache`)."""
         self.drafter.begin(self.prompt_ids, self.params, self.generator)
         prefix = self.prompt_ids[:-1]
-        keep = self.backend.cached_prefix(prefix) if reuse_prefix else 0
+        keep = self.backend.prefix_cache.cached_prefix(prefix)
         self.backend.prefill(prefix, all_logits=False, keep=keep)  # nobody reads the prompt's logits
         self.stats.cached_prompt_tokens = keep
         self.stats.prefill_s = time.perf_counter() - self.start_time
@@ -270,19 +275,36 @@ class Sequence:
         if k_cap is not None:
             k = min(k, max(0, k_cap))
         t0 = time.perf_counter()
+        if self.grammar is not None:
+            return self._plan_constrained(k, k_cap, remaining, room, t0)
         draft = self.drafter.propose(self.context, k) if k > 0 else None
         if draft is not None and draft.parents is not None:  # a tree: cut to fit, or its best chain
-            from specdec.tree import fit_tree, supports_tree
-
             # a tree may score as many tokens as cost what the controller priced for k, not more
             nodes = min(room, self.controller.tree_nodes(k))
-            draft = fit_tree(draft, k, nodes, use_tree=tree and supports_tree(self.backend))
+            draft = fit_tree(draft, k, nodes, use_tree=tree and self.backend.supports_tree)
             if draft.parents is not None:
                 self.tree_parents = [-1, *[p + 1 for p in draft.parents]]  # the pending token is the root
         draft_tokens = draft.tokens[: k if self.tree_parents is None else room] if draft else []
         draft_probs = draft.probs[: len(draft_tokens)] if draft and draft.probs is not None else None
         self._step = (k, draft_tokens, draft_probs, self.backend.length, time.perf_counter() - t0)
         return [self.context[-1], *draft_tokens]
+
+    def _plan_constrained(self, k: int, k_cap: int | None, remaining: int, room: int, t0: float) -> list[int]:
+        """plan() under a grammar: the forced tokens, then the drafter's chain after them, cut
+        where the grammar rejects it. Forced tokens are certain, so they are scored even past
+        k (up to MAX_FORCED, and k_cap); the drafter gets what k leaves. Trees become chains:
+        the masks follow one path."""
+        limit = min(remaining - 1, room, MAX_FORCED if k_cap is None else k_cap)
+        forced = self.grammar.forced()[: max(0, limit)]
+        budget = k - len(forced)
+        draft = self.drafter.propose(self.context + forced, budget) if budget > 0 else None
+        if draft is not None and draft.parents is not None:
+            draft = fit_tree(draft, budget, budget, use_tree=False)
+        tokens = draft.tokens[:budget] if draft else []
+        probs = draft.probs[: len(tokens)] if draft and draft.probs is not None else None
+        planned = self._constrained = self.grammar.draft(forced, tokens, probs)
+        self._step = (k, planned.tokens, planned.probs, self.backend.length, time.perf_counter() - t0)
+        return [self.context[-1], *planned.tokens]
 
     def advance(self, logits: torch.Tensor, score_s: float = 0.0, solo: bool = True) -> str:
         """logits: [k+1, V] for the planned tokens. Verify, roll back, emit; return a text delta.
@@ -291,12 +313,15 @@ class Sequence:
         assert self._step is not None, "advance() needs a plan() first"
         k, draft_tokens, draft_probs, cache_len, propose_s = self._step
         self._step = None
+        constrained, self._constrained = self._constrained, None
+        if constrained is not None:  # mask every scored row; the grammar-rejected token joins unscored
+            logits = self.grammar.mask_logits(logits, [self.context[-1], *draft_tokens])  # [k+1, V]
+            draft_tokens, draft_probs = constrained.for_verification()
+        num_forced = constrained.num_forced if constrained is not None else 0
         t2 = time.perf_counter()
         params, backend = self.params, self.backend
         num_drafted = len(draft_tokens)
         if self.tree_parents is not None:
-            from specdec.tree import keep_path, tree_depth, verify_tree
-
             parents = [p - 1 for p in self.tree_parents[1:]]
             result = verify_tree(draft_tokens, parents, draft_probs, logits, params, self.generator)
             keep_path(backend, result.accepted)
@@ -313,6 +338,8 @@ class Sequence:
         remaining = self.max_new_tokens - len(self.generated)
         new = result.emitted(draft_tokens)
         done = False
+        if self.grammar is not None and (end := self.grammar.advance(new)) is not None:  # the grammar stopped
+            new, done, self.finish_reason = new[:end], True, "stop"  # the reply ends there, without an EOS
         for i, token in enumerate(new):
             if token in self.eos_token_ids:
                 new, done, self.finish_reason = new[: i + 1], True, "stop"
@@ -326,26 +353,28 @@ class Sequence:
         self.context.extend(new)
         self.generated.extend(new)
         stats = self.stats
-        stats.observe_step(num_drafted, result.num_accepted, len(new), k)
+        forced = min(num_forced, result.num_accepted)  # the drafter's counts leave forced tokens out
+        stats.observe_step(num_drafted - num_forced, result.num_accepted - forced, len(new), k, forced)
         stats.propose_s += propose_s
         stats.score_s += score_s
         stats.verify_s += t3 - t2
-        self.controller.observe(num_drafted, result.num_accepted, len(draft_tokens) + 1, score_s if solo else 0.0,
-                                propose_s)
+        self.controller.observe(num_drafted - num_forced, result.num_accepted - forced, logits.shape[0],
+                                score_s if solo else 0.0, propose_s)
         if done:
             self.done = True
             return ""
-        self.drafter.on_verified(self.context, result.num_accepted)
+        self.drafter.on_verified(self.context, result.num_accepted - forced)
         return self.tracker.delta() if self.track_text else ""
 
     def finish(self) -> str:
         """End the request: set `result`; return the last text delta."""
         self.done = True
-        if getattr(self.backend, "reuse_decoded", False) and self.backend.length >= len(self.context) - 1:
+        backend = self.backend
+        if backend.prefix_cache.reuse_decoded and backend.length >= len(self.context) - 1:
             # keep what plain decoding would have fed (not drafts accepted past the end), and
             # let the next turn of the conversation reuse it
-            self.backend.rollback(len(self.context) - 1)
-            self.backend.mark_decoded(self.context[:-1])
+            backend.rollback(len(self.context) - 1)
+            backend.prefix_cache.mark_decoded(self.context[:-1], backend.length)
         self.drafter.end(self.context)
         if not self.track_text:
             self.tracker.add(self.generated)

@@ -114,14 +114,26 @@ def load_model(name_or_path: str = DEFAULT_TARGET, dtype: torch.dtype = torch.fl
     return _load_hf_dir(name_or_path, directory, dtype)
 
 
-def _load_hf_dir(name: str, directory: Path, dtype: torch.dtype) -> LoadedModel:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_tokenizer(name_or_path: str):
+    """The tokenizer of a built-in model, GGUF file or HF directory, without its weights."""
+    kind, path = resolve(name_or_path)
+    return _load_tokenizer(name_or_path, path if kind == "hf" else _converted_gguf_dir(path))
+
+
+def _load_tokenizer(name: str, directory: Path):
+    from transformers import AutoTokenizer
 
     _quiet_transformers()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
+        return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise SpecdecError(f"model {name!r} has no usable tokenizer: {e}", "target") from e
+
+
+def _load_hf_dir(name: str, directory: Path, dtype: torch.dtype) -> LoadedModel:
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = _load_tokenizer(name, directory)
     model = AutoModelForCausalLM.from_pretrained(
         str(directory), dtype=dtype, trust_remote_code=False, use_safetensors=True
     )

@@ -3,6 +3,10 @@
 A step is one target forward during decoding. It emits its accepted draft tokens plus one
 recovered or bonus token. τ (mean_accepted_length) is tokens emitted per step, bonus
 included, as Spec-Bench counts it: plain decoding has τ = 1.
+
+Forced tokens are the tokens a grammar forces (structured output, grammar.py). They lead
+the draft and are always accepted; they count in τ and in the emitted tokens, but not in
+the drafter's drafted / accepted tokens, its acceptance rate or its per-position counts.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0
+    num_forced_tokens: int = 0  # accepted tokens a grammar forced; not in num_draft/accepted_tokens
     accepted_per_pos: list[int] = field(default_factory=list)  # [i]: drafts whose token i was accepted
     drafted_per_pos: list[int] = field(default_factory=list)  # [i]: drafts that had a token i
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted by each step
@@ -29,8 +34,10 @@ class SpecStats:
     verify_s: float = 0.0
     wall_s: float = 0.0
 
-    def observe_step(self, num_drafted: int, num_accepted: int, num_emitted: int, k: int) -> None:
+    def observe_step(self, num_drafted: int, num_accepted: int, num_emitted: int, k: int, forced: int = 0) -> None:
+        """num_drafted / num_accepted: the drafter's tokens; forced: grammar-forced ones."""
         self.num_steps += 1
+        self.num_forced_tokens += forced
         self.k_history.append(k)
         self.accept_lengths.append(num_emitted)
         self.num_emitted_tokens += num_emitted
@@ -67,6 +74,7 @@ class SpecStats:
             "drafts": self.num_drafts,
             "drafted_tokens": self.num_draft_tokens,
             "accepted_tokens": self.num_accepted_tokens,
+            "forced_tokens": self.num_forced_tokens,
             "generated_tokens": self.num_emitted_tokens,
             "prompt_tokens": self.prompt_tokens,
             "cached_prompt_tokens": self.cached_prompt_tokens,

@@ -22,11 +22,12 @@ whose chains are [5, 6], [5, 9] and [7].
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from specdec.sampling import sample
+from specdec.backends import Backend
+from specdec.sampling import logits_to_probs, sample
 from specdec.verify import residual_distribution
 
 
@@ -196,13 +197,9 @@ def verify_tree_sampling(
 # ---- the tree step: the engine feeds [pending, *tokens] with parents [-1, *(p + 1)] -------
 
 
-def keep_path(backend, accepted: list[int]) -> None:
+def keep_path(backend: Backend, accepted: list[int]) -> None:
     """Keep the pending token and the accepted nodes in the backend's cache."""
     backend.keep([0, *[i + 1 for i in accepted]])
-
-
-def supports_tree(backend) -> bool:
-    return callable(getattr(backend, "forward_tree", None)) and bool(getattr(backend, "supports_tree", True))
 
 
 def best_first_tree(
@@ -254,15 +251,14 @@ def fit_tree(draft, max_depth: int, max_nodes: int, use_tree: bool):
     """Cut a drafter's tree to what this step may score (depth <= max_depth, at most max_nodes
     nodes); without tree scoring, keep its best chain (`first_path`). Returns a Draft whose
     `parents` is None when what is left is a chain."""
-    from specdec.drafters import Draft
-
     parents = draft.parents
     keep = prune_tree(parents, max_depth, max_nodes) if use_tree else first_path(parents)[:max_depth]
     tokens, parents = subtree(draft.tokens, parents, keep)
     probs = draft.probs[keep] if draft.probs is not None and keep else None
     if all(p == i - 1 for i, p in enumerate(parents)):
-        return Draft(tokens, probs)
-    return Draft(tokens, probs, parents)
+        parents = None
+    # a copy of the drafter's Draft: this module stays below the drafters, which import it
+    return replace(draft, tokens=tokens, probs=probs, parents=parents)
 
 
 def tree_depth(parents: list[int]) -> int:
@@ -272,8 +268,6 @@ def tree_depth(parents: list[int]) -> int:
 
 def verify_tree(draft_tokens, parents, draft_probs, logits, params, generator) -> TreeVerifyResult:
     """Greedy or sampling tree verification from the target's logits [n+1, V]."""
-    from specdec.sampling import logits_to_probs
-
     if params.greedy:
         return verify_tree_greedy(draft_tokens, parents, logits.argmax(-1))
     return verify_tree_sampling(draft_tokens, parents, draft_probs, logits_to_probs(logits, params), generator)

@@ -22,10 +22,6 @@ class VerifyResult:
     next_token: int  # the recovered token, or the bonus token when every draft was accepted
     num_drafted: int
 
-    @property
-    def is_bonus(self) -> bool:
-        return self.num_accepted == self.num_drafted
-
     def emitted(self, draft_tokens: list[int]) -> list[int]:
         return list(draft_tokens[: self.num_accepted]) + [self.next_token]
 

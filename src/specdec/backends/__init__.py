@@ -3,38 +3,35 @@
 A backend holds one sequence. `forward` appends tokens to the cache and returns one
 next-token logit row per input token; `rollback` truncates the cache to an earlier length.
 Speculative decoding relies on rollback, so every backend must implement and test it.
+
+`Backend` is the whole contract the engine, the server's scheduler, the drafters and the
+benchmarks use; both built-in backends (hf.py, native/) implement every member. Adding a
+backend is one module with a class that satisfies `Backend` and a factory registered with
+`@register("name")` that validates the backend's own options.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
+from specdec.backends.prefix_cache import PrefixCache, prefix_cache_mode
 from specdec.errors import SpecdecError
 
 
-class ModelBackend(Protocol):
+@runtime_checkable
+class RollbackLM(Protocol):
+    """A causal LM over a KV cache that rolls back: what a draft model needs."""
+
     vocab_size: int
     max_length: int  # context window in tokens
 
     @property
     def length(self) -> int:
         """Number of tokens held in the KV cache."""
-        ...
-
-    def prefill(self, token_ids: list[int], all_logits: bool = True, keep: int = 0) -> torch.Tensor:
-        """Reset the cache, feed `token_ids`; return logits [len(token_ids) - keep, V], or only
-        the last row [1, V] with all_logits=False (skips the LM head over a long prompt).
-        With keep > 0 the first `keep` tokens stay cached from an earlier prefill (see
-        `cached_prefix`) and only the rest is fed."""
-        ...
-
-    def cached_prefix(self, token_ids: list[int]) -> int:
-        """How many leading `token_ids` this cache holds from earlier prefills: the `keep`
-        a prefill of `token_ids` may pass."""
         ...
 
     def forward(self, token_ids: list[int]) -> torch.Tensor:
@@ -50,21 +47,91 @@ class ModelBackend(Protocol):
         ...
 
 
-def forward_batch(sequences: list[ModelBackend], token_lists: list[list[int]]) -> list[torch.Tensor]:
+@runtime_checkable
+class Backend(RollbackLM, Protocol):
+    """A target model's backend: a RollbackLM plus prompts, token trees, batching and features."""
+
+    prefix_cache: PrefixCache  # what the cache holds from prefills; `cached_prefix` gives a prefill's keep
+
+    def reset(self) -> None:
+        """Empty the cache."""
+        ...
+
+    def prefill(self, token_ids: list[int], all_logits: bool = True, keep: int = 0) -> torch.Tensor:
+        """Reset the cache, feed `token_ids`; return logits [len(token_ids) - keep, V], or only
+        the last row [1, V] with all_logits=False (skips the LM head over a long prompt).
+        With keep > 0 the first `keep` tokens stay cached from an earlier prefill (see
+        `prefix_cache.cached_prefix`) and only the rest is fed."""
+        ...
+
+    @property
+    def supports_tree(self) -> bool:
+        """Whether `forward_tree` can score token trees; when False it raises ValueError."""
+        ...
+
+    def forward_tree(self, token_ids: list[int], parents: list[int]) -> torch.Tensor:
+        """Append a token tree (parents[i] < i, or -1 below the last cached token); return
+        logits [T, V]. Token i sits at position length + depth(i) and attends to the cache,
+        its ancestors and itself. Follow with `keep` or `rollback` before appending."""
+        ...
+
+    def keep(self, indices: list[int]) -> None:
+        """After `forward_tree`, keep only the tree nodes `indices` (a root-to-leaf path)."""
+        ...
+
+    @property
+    def pool(self) -> SlotPool | None:
+        """The pool whose batched forward scores this sequence with its siblings, or None."""
+        ...
+
+    def enable_hidden_states(self) -> None:
+        """Keep the final post-norm hidden state of every cached token from now on (for
+        drafters that read the target's features); they roll back with the cache."""
+        ...
+
+    @property
+    def hidden(self) -> torch.Tensor | None:
+        """[length, H] hidden states of the cached tokens; None until enable_hidden_states()."""
+        ...
+
+    @property
+    def compile_seconds(self) -> float:
+        """Seconds spent compiling the model behind this backend; 0.0 when it is not compiled."""
+        ...
+
+
+class SlotPool(Protocol):
+    """Sequences over one shared KV cache, scored together by one batched forward."""
+
+    @property
+    def free_slots(self) -> int:
+        """How many more sequences `new_sequence` can hand out."""
+        ...
+
+    def new_sequence(self) -> Backend:
+        """A fresh sequence in a free slot."""
+        ...
+
+    def forward_batch(self, sequences: list[Backend], token_lists: list[list[int]]) -> list[torch.Tensor]:
+        """Append token_lists[i] to sequences[i] (all of this pool); logits [len_i, V] each."""
+        ...
+
+
+def forward_batch(sequences: list[Backend], token_lists: list[list[int]]) -> list[torch.Tensor]:
     """One scoring pass for several sequences: returns logits [len(tokens_i), V] for each.
 
-    Backends whose sequences share a batched pool (attribute `pool` with `forward_batch`)
-    run one batched forward; others fall back to one forward per sequence.
+    Sequences of one pool run one batched forward; others fall back to one forward each.
     """
-    pool = getattr(sequences[0], "pool", None) if sequences else None
-    if pool is not None and all(getattr(s, "pool", None) is pool for s in sequences):
+    pool = sequences[0].pool if sequences else None
+    if pool is not None and all(s.pool is pool for s in sequences):
         return pool.forward_batch(sequences, token_lists)
     return [seq.forward(tokens) for seq, tokens in zip(sequences, token_lists, strict=True)]
 
 
-# A factory builds a fresh backend (its own KV cache) over a loaded target's weights from
-# the options a user gave (None values already dropped); it rejects options it does not know.
-BackendFactory = Callable[..., ModelBackend]
+# A factory builds a fresh backend (its own KV cache) over a loaded target's weights, with a
+# PrefixCache in the given mode, from the options a user gave (None values already dropped);
+# it raises a one-line SpecdecError for an option it does not know.
+BackendFactory = Callable[..., Backend]
 REGISTRY: dict[str, BackendFactory] = {}
 _BUILTIN_MODULES = ("hf", "native")
 
@@ -87,14 +154,17 @@ def available() -> list[str]:
     return sorted(REGISTRY)
 
 
-def make_backend(kind: str, target, **options) -> ModelBackend:
+def make_backend(kind: str, target, prefix_cache: bool | str = "prompt", **options) -> Backend:
     """A fresh backend (its own KV cache) over the loaded target's weights.
 
-    Options (None values are ignored) are the backend's own: `specdec generate --help` lists
-    them; native takes precision (fp32|bf16|int8|int4), device, max_length, slots and compile.
+    `prefix_cache` is the PrefixCache mode (prompt|decoded|off; True and False stand for prompt
+    and off). Options (None values are ignored) are the backend's own: `specdec generate
+    --help` lists them; native takes precision (fp32|bf16|int8|int4), device, max_length,
+    slots and compile.
     """
     _load_builtins()
     factory = REGISTRY.get(kind)
     if factory is None:
         raise SpecdecError(f"unknown backend {kind!r}; choose one of: {', '.join(available())}", "backend")
-    return factory(target, **{key: value for key, value in options.items() if value is not None})
+    mode = prefix_cache_mode(prefix_cache)
+    return factory(target, mode, **{key: value for key, value in options.items() if value is not None})

@@ -3,38 +3,49 @@
 from __future__ import annotations
 
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
-from specdec.backends import register
-from specdec.backends.prefix_cache import PrefixCache
+from specdec.backends import SlotPool, register
+from specdec.backends.prefix_cache import PrefixCache, chunked_prefill
 from specdec.errors import SpecdecError
+from specdec.tree import ancestor_mask, check_tree, tree_depths
 
 
-class HFBackend(PrefixCache):
-    """A transformers causal LM over a DynamicCache; rollback is `DynamicCache.crop`."""
+class HFBackend:
+    """A transformers causal LM over a DynamicCache; rollback is `DynamicCache.crop`.
+    Implements `Backend`; sequences are scored one forward each (no pool)."""
 
-    def __init__(self, model: torch.nn.Module):
-        from transformers import DynamicCache
-
-        self._cache_cls = DynamicCache
+    def __init__(self, model: torch.nn.Module, prefix_cache: str = "prompt"):
         self.model = model.eval()
         config = model.config
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.max_length = int(getattr(config, "max_position_embeddings", 2048))
         self.device = next(model.parameters()).device
+        self.prefix_cache = PrefixCache(prefix_cache)
         self._length = 0
         self._tree_base: int | None = None  # cache length before a forward_tree awaiting keep()
-        # Opt-in (set by the eagle drafter): keep the final post-norm hidden state of every
-        # cached token, in a buffer that rolls back with the cache.
-        self.keep_hidden = False
-        self._init_prefix()
-        self.reset()
-        self.last_hidden: torch.Tensor | None = None  # [T, H] of the last forward, for drafters
+        # Off until enable_hidden_states: the final post-norm hidden state of every cached
+        # token, in a buffer that rolls back with the cache.
+        self._keep_hidden = False
         self._hidden: torch.Tensor | None = None  # [capacity, H]
+        self.reset()
+
+    @property
+    def pool(self) -> SlotPool | None:
+        return None
+
+    @property
+    def compile_seconds(self) -> float:
+        return 0.0
+
+    def enable_hidden_states(self) -> None:
+        self._keep_hidden = True
+        self.prefix_cache.require_hidden()
 
     @property
     def hidden(self) -> torch.Tensor | None:
-        """[length, H] features of the cached tokens, when `keep_hidden` is set."""
-        return self._hidden[: self._length] if self.keep_hidden and self._hidden is not None else None
+        return self._hidden[: self._length] if self._keep_hidden and self._hidden is not None else None
 
     def _store_hidden(self, rows: torch.Tensor) -> None:  # rows: [T, H] for positions length..length+T-1
         end = self._length + rows.shape[0]
@@ -45,7 +56,6 @@ class HFBackend(PrefixCache):
                 grown[: self._length] = self._hidden[: self._length]
             self._hidden = grown
         self._hidden[self._length : end] = rows
-        self.last_hidden = rows
 
     @property
     def length(self) -> int:
@@ -53,12 +63,15 @@ class HFBackend(PrefixCache):
 
     def reset(self) -> None:
         self._tree_base = None
-        self._cache = self._cache_cls(config=self.model.config)
+        self._cache = DynamicCache(config=self.model.config)
         # Sliding-window layers keep their full past until `crop`, so rollback stays possible.
         if hasattr(self._cache, "activate_past_recording"):
             self._cache.activate_past_recording()
         self._length = 0
-        self._drop_prefix(0)
+        self.prefix_cache.truncate(0)
+
+    def prefill(self, token_ids: list[int], all_logits: bool = True, keep: int = 0) -> torch.Tensor:
+        return chunked_prefill(self, self._prefill_chunk, token_ids, all_logits, keep)
 
     def _prefill_chunk(self, chunk: list[int], last_only: bool) -> torch.Tensor:
         return self.forward(chunk, last_only=last_only)
@@ -79,10 +92,10 @@ class HFBackend(PrefixCache):
             use_cache=True,
             cache_position=positions,
             position_ids=positions.unsqueeze(0),
-            output_hidden_states=self.keep_hidden,
+            output_hidden_states=self._keep_hidden,
             logits_to_keep=1 if last_only else 0,
         )
-        if self.keep_hidden:
+        if self._keep_hidden:
             self._store_hidden(out.hidden_states[-1][0])
         self._length += len(token_ids)
         return out.logits[0].float().cpu()
@@ -93,14 +106,12 @@ class HFBackend(PrefixCache):
         self._cache.crop(length - self._length)  # a negative count removes that many tokens
         self._length = length
         self._tree_base = None
-        self._drop_prefix(length)
+        self.prefix_cache.truncate(length)
 
     @property
     def supports_tree(self) -> bool:
         """Tree attention needs a custom 4D mask: only full-attention DynamicLayers under
         eager or SDPA attention accept one (sliding-window layers slice their keys)."""
-        from transformers.cache_utils import DynamicLayer
-
         attn = getattr(self.model.config, "_attn_implementation", "eager")
         layers = getattr(self._cache, "layers", [])
         return attn in ("eager", "sdpa") and bool(layers) and all(type(x) is DynamicLayer for x in layers)
@@ -109,14 +120,14 @@ class HFBackend(PrefixCache):
     def forward_tree(self, token_ids: list[int], parents: list[int]) -> torch.Tensor:
         """Append a token tree; return logits [T, V]. Token i sits at position length + depth(i)
         and attends to the whole cache, its ancestors and itself. Follow with `keep`."""
-        from specdec.tree import ancestor_mask, check_tree, tree_depths
-
         check_tree(parents)
         n = len(token_ids)
         if n != len(parents) or n == 0:
             raise ValueError("forward_tree needs one parent per token and at least one token")
         if self._length + n > self.max_length:
             raise ValueError(f"context overflow: {self._length} + {n} > {self.max_length}")
+        if not self.supports_tree:
+            raise ValueError("this model's cache or attention takes no tree mask; token trees need full attention")
         if self._tree_base is not None:
             raise ValueError("call keep() or rollback() after forward_tree before appending")
         dtype = self.model.get_input_embeddings().weight.dtype
@@ -131,9 +142,9 @@ class HFBackend(PrefixCache):
             position_ids=(self._length + depths).unsqueeze(0),
             cache=self._cache,
             use_cache=True,
-            output_hidden_states=self.keep_hidden,
+            output_hidden_states=self._keep_hidden,
         )
-        if self.keep_hidden:
+        if self._keep_hidden:
             self._store_hidden(out.hidden_states[-1][0])  # rows for slots length..length+n-1
         self._tree_base, self._length = self._length, self._length + n
         return out.logits[0].float().cpu()
@@ -153,13 +164,13 @@ class HFBackend(PrefixCache):
                 kv = getattr(layer, name)  # [B, H, length, D]
                 kv[:, :, base:end] = kv[:, :, rows]  # the gather copies first
                 setattr(layer, name, kv[:, :, :end])
-        if self.keep_hidden and self._hidden is not None:
+        if self._keep_hidden and self._hidden is not None:
             self._hidden[base:end] = self._hidden[rows]  # [len(indices), H]
         self._length, self._tree_base = end, None
 
 
 @register("hf")
-def make_hf_backend(target, **options) -> HFBackend:
+def make_hf_backend(target, prefix_cache: str = "prompt", **options) -> HFBackend:
     if options:
-        raise SpecdecError(f"the hf backend takes no options, got {', '.join(options)}", "backend")
-    return HFBackend(target.model)
+        raise SpecdecError(f"the hf backend takes no options, got {', '.join(sorted(options))}", "backend")
+    return HFBackend(target.model, prefix_cache)

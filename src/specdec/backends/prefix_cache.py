@@ -1,10 +1,34 @@
-"""Prefix caching: a later prompt that starts with what a KV cache already holds keeps it."""
+"""Prefix caching: a later prompt that starts with what a KV cache already holds keeps it.
+
+Every backend owns a `PrefixCache`, the record of what its KV cache holds from prefills, and
+runs its `prefill` through `chunked_prefill`, which consults and updates that record.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 
+from specdec.errors import SpecdecError
+
+if TYPE_CHECKING:
+    from specdec.backends import Backend
+
 PREFILL_CHUNK = 128  # prompts are fed in chunks that start at multiples of this position
+PREFIX_CACHE_MODES = ("prompt", "decoded", "off")
+
+
+def prefix_cache_mode(value: bool | str) -> str:
+    """prompt: reuse prefilled prompt tokens, bit-exact against a cold start (the default);
+    decoded: also the previous answers of a conversation; off: prefill every prompt whole.
+    True and False stand for prompt and off."""
+    mode = {True: "prompt", False: "off"}[value] if isinstance(value, bool) else value
+    if mode not in PREFIX_CACHE_MODES:
+        raise SpecdecError(f"prefix_cache must be one of {', '.join(PREFIX_CACHE_MODES)}, got {value!r}",
+                           "prefix_cache")
+    return mode
 
 
 def prefill_chunks(token_ids: list[int], start: int) -> list[list[int]]:
@@ -30,29 +54,40 @@ class PrefixCache:
     at fixed positions (`prefill_chunks`), so a prompt's keys and values are those of a cold
     prefill whatever the cache held before.
 
-    With `reuse_decoded` set (`--prefix-cache decoded`), a finished request's answer counts
-    too (`mark_decoded`): the next turn of a conversation skips re-reading the answer, as
-    vLLM's and SGLang's prefix caches do. A prompt that shares only cold-prefilled tokens
-    with the cache is kept as above, bit-exact; one that reaches into the decoded answer keeps
-    all it shares, and then reads keys written by decode steps, so a warm conversation may
-    continue differently from a cold one. Speculative and plain decoding still agree: the
-    native backend writes a decoded token's keys with the same bits whether it was scored
-    alone, among drafts or in a tree, and a request ends with its cache holding exactly the
-    tokens plain decoding would have fed.
+    In mode "decoded" (`--prefix-cache decoded`), a finished request's answer counts too
+    (`mark_decoded`): the next turn of a conversation skips re-reading the answer, as vLLM's
+    and SGLang's prefix caches do. A prompt that shares only cold-prefilled tokens with the
+    cache is kept as above, bit-exact; one that reaches into the decoded answer keeps all it
+    shares, and then reads keys written by decode steps, so a warm conversation may continue
+    differently from a cold one. Speculative and plain decoding still agree: the native
+    backend writes a decoded token's keys with the same bits whether it was scored alone,
+    among drafts or in a tree, and a request ends with its cache holding exactly the tokens
+    plain decoding would have fed. In mode "off" nothing is kept.
+
+    The owning backend tells the record what happens to its cache: `truncate` after every
+    rollback or reset, `start_prefill` before it feeds a prompt, `require_hidden` once it
+    keeps hidden states.
     """
 
-    reuse_decoded = False
-
-    def _init_prefix(self) -> None:
-        self._prefilled: list[int] = []  # the cache's first tokens, written by prefills (or marked)
+    def __init__(self, mode: str = "prompt"):
+        self.mode = prefix_cache_mode(mode)
+        self._tokens: list[int] = []  # the cache's first tokens, written by prefills (or marked)
         self._cold = 0  # how many of them hold the bits of a cold prefill
-        self._prefilled_hidden = False  # whether their hidden states were kept too
+        self._tokens_hidden = False  # whether their hidden states were kept too
+        self._need_hidden = False  # the backend keeps hidden states: a kept prefix must have them
+
+    @property
+    def reuse_decoded(self) -> bool:
+        """Whether finished answers count as cached (mode "decoded")."""
+        return self.mode == "decoded"
 
     def cached_prefix(self, token_ids: list[int]) -> int:
-        if self.keep_hidden and not self._prefilled_hidden:
-            return 0  # a drafter needs features that the cached prefix did not keep
-        n, cached = 0, self._prefilled
-        for a, b in zip(cached, token_ids, strict=False):
+        """How many leading `token_ids` the cache holds from earlier prefills: the `keep` a
+        prefill of `token_ids` may pass (0 in mode "off")."""
+        if self.mode == "off" or (self._need_hidden and not self._tokens_hidden):
+            return 0  # off, or a drafter needs features that the cached prefix did not keep
+        n = 0
+        for a, b in zip(self._tokens, token_ids, strict=False):
             if a != b:
                 break
             n += 1
@@ -60,47 +95,63 @@ class PrefixCache:
             return n  # it reaches into a decoded answer: keep all of it
         return n - n % PREFILL_CHUNK
 
-    def mark_decoded(self, token_ids: list[int]) -> None:
-        """Record that the cache holds exactly `token_ids` (a finished request's prompt and
-        answer, all but its last token); with `reuse_decoded`, later prompts may keep them."""
-        if self.reuse_decoded and self.length == len(token_ids) and self._prefilled == list(token_ids[: len(self._prefilled)]):
-            self._prefilled = list(token_ids)
+    def mark_decoded(self, token_ids: list[int], cache_length: int) -> None:
+        """Record that the cache, `cache_length` tokens long, holds exactly `token_ids` (a
+        finished request's prompt and answer, all but its last token); in mode "decoded"
+        later prompts may keep them. Refused when the lengths differ."""
+        if (self.reuse_decoded and cache_length == len(token_ids)
+                and self._tokens == list(token_ids[: len(self._tokens)])):
+            self._tokens = list(token_ids)
 
-    def _start_prefill(self, token_ids: list[int], keep: int) -> list[int]:
-        """Roll back to `keep` cached tokens (or reset); return the tokens left to feed."""
-        if keep:
-            off_grid = keep % PREFILL_CHUNK and not (self.reuse_decoded and keep > self._cold)
-            if off_grid or keep > len(self._prefilled) or self._prefilled[:keep] != list(token_ids[:keep]):
-                self.reset()
-                raise ValueError(f"keep={keep}: the cache does not hold these tokens up to a chunk boundary")
-            cold = self._cold
-            self.rollback(keep)
-            # the rest is prefilled on the chunk grid: cold bits too, if what it follows has them
-            self._cold = len(token_ids) if keep <= cold and keep % PREFILL_CHUNK == 0 else min(keep, cold)
-        else:
-            self.reset()
+    def require_hidden(self) -> None:
+        """The backend keeps hidden states from now on: only a prefix prefilled with them counts."""
+        self._need_hidden = True
+
+    def check_keep(self, token_ids: list[int], keep: int) -> None:
+        """Raise ValueError unless the cache holds the first `keep` of `token_ids` on the chunk
+        grid (or, in mode "decoded", reaching into a marked answer)."""
+        off_grid = keep % PREFILL_CHUNK and not (self.reuse_decoded and keep > self._cold)
+        if off_grid or keep > len(self._tokens) or self._tokens[:keep] != list(token_ids[:keep]):
+            raise ValueError(f"keep={keep}: the cache does not hold these tokens up to a chunk boundary")
+
+    def start_prefill(self, token_ids: list[int], keep: int) -> None:
+        """Record a prefill of `token_ids` that keeps `keep` cached tokens; the backend has
+        already rolled back to them (or reset, for keep 0)."""
+        # the rest is prefilled on the chunk grid: cold bits too, if what it follows has them
+        # (after the rollback, _cold == keep exactly when the kept tokens are all cold)
+        if self._cold == keep and keep % PREFILL_CHUNK == 0:
             self._cold = len(token_ids)
-        self._prefilled_hidden = self.keep_hidden and (self._prefilled_hidden or not keep)
-        self._prefilled = list(token_ids)  # written once the caller's forward has run
-        return list(token_ids[keep:])
+        self._tokens_hidden = self._need_hidden and (self._tokens_hidden or not keep)
+        self._tokens = list(token_ids)  # written once the backend's forward has run
 
-    def _drop_prefix(self, length: int) -> None:  # after rollback(length) or reset()
-        del self._prefilled[length:]
+    def truncate(self, length: int) -> None:
+        """The cache now holds only its first `length` tokens (a rollback or a reset)."""
+        del self._tokens[length:]
         self._cold = min(self._cold, length)
 
-    def prefill(self, token_ids: list[int], all_logits: bool = True, keep: int = 0) -> torch.Tensor:
-        """Reset (or keep `keep` cached tokens) and feed the rest of `token_ids` chunk by chunk;
-        logits [T, V], or with all_logits=False only [1, V] of the last token, which skips the
-        LM head for the rest of a long prompt."""
-        rest = self._start_prefill(token_ids, keep)
-        try:
-            logits = [self._prefill_chunk(chunk, not all_logits) for chunk in prefill_chunks(rest, keep)]
-        except BaseException:
-            self.reset()  # a half-written prefix must not be reused
-            raise
-        if not logits:
-            return torch.empty(0, self.vocab_size)
-        return torch.cat(logits) if all_logits else logits[-1]
 
-    def _prefill_chunk(self, chunk: list[int], last_only: bool) -> torch.Tensor:
-        raise NotImplementedError
+def chunked_prefill(backend: Backend, feed: Callable[[list[int], bool], torch.Tensor], token_ids: list[int],
+                    all_logits: bool, keep: int) -> torch.Tensor:
+    """A backend's `prefill`: reset (or roll back to `keep` cached tokens, as its prefix cache
+    allows) and feed the rest of `token_ids` chunk by chunk with feed(chunk, last_only).
+    Returns logits [T - keep, V], or with all_logits=False only [1, V] of the last token,
+    which skips the LM head for the rest of a long prompt."""
+    record = backend.prefix_cache
+    if keep:
+        try:
+            record.check_keep(token_ids, keep)
+        except ValueError:
+            backend.reset()
+            raise
+        backend.rollback(keep)
+    else:
+        backend.reset()
+    record.start_prefill(token_ids, keep)
+    try:
+        logits = [feed(chunk, not all_logits) for chunk in prefill_chunks(list(token_ids[keep:]), keep)]
+    except BaseException:
+        backend.reset()  # a half-written prefix must not be reused
+        raise
+    if not logits:
+        return torch.empty(0, backend.vocab_size)
+    return torch.cat(logits) if all_logits else logits[-1]

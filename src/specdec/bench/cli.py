@@ -10,23 +10,26 @@ import argparse
 import shlex
 import sys
 
+from specdec.bench.peers import make_peers, parse_peers
+from specdec.bench.report import print_table, summary_line, write_report
+from specdec.bench.run import load_questions, make_engine_runners, parse_methods, run_benchmark
+from specdec.cli import _nonneg_int, _positive_int, add_engine_args, engine_config
 from specdec.errors import SpecdecError
+from specdec.models import load_model
 
-DEFAULT_MAX_NEW_TOKENS = 64  # keeps a full run of the shipped set near 30 minutes on 2 CPU cores
+DEFAULT_MAX_NEW_TOKENS = 64  # short enough for a full run of the shipped set on a CPU (docs/performance-notes.md)
 
 
 def add_parser(sub) -> None:
-    from specdec.cli import _nonneg_int, _positive_int, add_backend_args, add_model_args
-
     p = sub.add_parser("bench", help="benchmark methods and peers, Spec-Bench style")
     p.add_argument("--data", default=None, help="Spec-Bench question JSONL (default: the shipped set)")
     p.add_argument("--categories", default=None, help="comma-separated categories to keep")
     p.add_argument("--limit", type=_positive_int, default=None, help="at most N questions per category")
-    p.add_argument("--methods", required=True, help="comma-separated drafters, e.g. none,ngram,ngram:k=8,model:PATH")
+    p.add_argument("--methods", help="comma-separated drafters, e.g. none,ngram,ngram:k=8,model:PATH "
+                                     "(default: the --config file's drafter)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=DEFAULT_MAX_NEW_TOKENS)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (and checks exact matches)")
-    add_model_args(p)
-    add_backend_args(p)
+    add_engine_args(p)  # k applies to the methods without a `k=` of their own
     p.add_argument("--peers", default=None, help="hf,hf-pld,hf-assisted,llamacpp or none (default: all that apply)")
     p.add_argument("--out", default="out/bench", help="output directory")
     p.add_argument("--warmup", type=_nonneg_int, default=1, help="warm-up generations per runner")
@@ -36,33 +39,26 @@ def add_parser(sub) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> None:
-    from specdec.bench.peers import make_peers, parse_peers
-    from specdec.bench.run import load_questions, make_engine_runners, parse_methods, run_benchmark
-    from specdec.cli import backend_options
-
     # Everything that can be checked without the model is checked first.
     if args.temperature < 0:
         raise SpecdecError(f"--temperature must be >= 0, got {args.temperature}", "temperature")
-    options = backend_options(args)  # also checks the backend name
-    methods = parse_methods(args.methods, args.target)
+    config = engine_config(args)
+    methods = parse_methods(args.methods or config.drafter, config.target)
     categories = [c.strip() for c in args.categories.split(",")] if args.categories else None
     if categories is not None and not all(categories):
         raise SpecdecError(f"--categories has an empty entry: {args.categories!r}", "categories")
     questions = load_questions(args.data, categories, args.limit)
-    peers, notes = parse_peers(args.peers, methods, args.target)
+    peers, notes = parse_peers(args.peers, methods, config.target)
     for note in notes:
         print(f"specdec bench: {note}", file=sys.stderr)
 
-    from specdec.backends.native.model import compile_seconds
-    from specdec.models import load_model
-
-    target = load_model(args.target)
-    runners = make_engine_runners(target, methods, args.backend, args.draft_device, options, args.prefix_cache)
+    target = load_model(config.target)
+    runners = make_engine_runners(target, methods, config)
     engines = {r.name: r.engine for r in runners}
-    compile_s = max(compile_seconds(e.backend) for e in engines.values())
+    compile_s = max(e.backend.compile_seconds for e in engines.values())
     if compile_s:
         print(f"specdec bench: compiled the native decode step in {compile_s:.1f}s", file=sys.stderr)
-    runners += make_peers(peers, target, args.target, methods, engines)
+    runners += make_peers(peers, target, config.target, methods, engines)
     print(
         f"specdec bench: {len(questions)} questions, {sum(len(q.turns) for q in questions)} turns, "
         f"runners: {', '.join(r.name for r in runners)}",
@@ -79,12 +75,14 @@ def run_bench(args: argparse.Namespace) -> None:
         "limit_per_category": args.limit,
         "methods": methods,
         "peers": [r.name for r in runners if r.kind == "peer"],
-        "target": args.target,
-        "backend": args.backend,
-        "backend_options": options,
+        "target": config.target,
+        "k": config.k,
+        "backend": config.backend,
+        "backend_options": config.backend_options,
         "compile_seconds": round(compile_s, 1) if compile_s else None,
-        "draft_device": args.draft_device,
-        "prefix_cache": args.prefix_cache,
+        "draft_device": config.draft_device,
+        "prefix_cache": config.prefix_cache,
+        "verify_strategy": config.verify_strategy,
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
         "warmup": args.warmup,
@@ -97,8 +95,6 @@ def run_bench(args: argparse.Namespace) -> None:
 
 def finish(run, out_dir, settings: dict, plots: bool = True) -> dict:
     """Write the report, print the table and the JSON summary line; exit 1 on a method mismatch."""
-    from specdec.bench.report import print_table, summary_line, write_report
-
     results = write_report(run, out_dir, settings, plots=plots)
     print_table(results)
     method_mismatches = [m for m in results["mismatches"] if m["kind"] == "method"]

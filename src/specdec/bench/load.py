@@ -195,7 +195,7 @@ def wait_ready(url: str, proc: subprocess.Popen | None, timeout: float = 600) ->
     raise SystemExit("loadbench: the server did not become ready")
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m specdec.bench.load", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="a running server; otherwise one is started with --target")
     p.add_argument("--target", default="smollm2-135m")
@@ -214,8 +214,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--out", default=None, help="write the results as JSON here")
-    args = p.parse_args(argv)
+    return p
 
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
     proc = None
     url = args.url
     if url is None:
@@ -225,23 +228,40 @@ def main(argv: list[str] | None = None) -> None:
     headers = {"Authorization": f"Bearer {os.environ[args.api_key_env]}"} if args.api_key_env else {}
     try:
         wait_ready(url, proc)
-        levels = [int(c) for c in args.concurrency.split(",")]
-        modes = [m.strip() for m in args.modes.split(",")]
-        sessions = make_sessions(args.sessions, args.turns)
-        asyncio.run(run_config(url, make_sessions(2, 1, seed=99), 2, None, args, headers))  # warm-up
-        rows = []
-        for mode in modes:
-            drafter = "none" if mode == "off" else args.drafter_on
-            for c in levels:
-                row = asyncio.run(run_config(url, sessions, c, drafter, args, headers))
-                rows.append(row)
-                print(f"spec {mode:3} c={c:<3} {row['tok_per_s']:8.1f} tok/s  latency p50 {row['latency_p50_s']:.3f}s "
-                      f"p99 {row['latency_p99_s']:.3f}s  ttft p50 {row['ttft_p50_s']:.3f}s p99 {row['ttft_p99_s']:.3f}s  "
-                      f"accept {row['acceptance_rate']:.2f} tau {row['tau']}", file=sys.stderr, flush=True)
+        rows = _run_configs(url, args, headers)
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(30)
+    summary = _report(rows, args)
+    summary = {"url": url, "target": args.target if proc else None, "backend": args.backend if proc else None,
+               **summary}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(summary, f, indent=2)
+    print(json.dumps(summary))
+
+
+def _run_configs(url: str, args: argparse.Namespace, headers: dict) -> list[dict]:
+    """Every (speculation mode, concurrency) pair over the same sessions, after a warm-up."""
+    levels = [int(c) for c in args.concurrency.split(",")]
+    modes = [m.strip() for m in args.modes.split(",")]
+    sessions = make_sessions(args.sessions, args.turns)
+    asyncio.run(run_config(url, make_sessions(2, 1, seed=99), 2, None, args, headers))  # warm-up
+    rows = []
+    for mode in modes:
+        drafter = "none" if mode == "off" else args.drafter_on
+        for c in levels:
+            row = asyncio.run(run_config(url, sessions, c, drafter, args, headers))
+            rows.append(row)
+            print(f"spec {mode:3} c={c:<3} {row['tok_per_s']:8.1f} tok/s  latency p50 {row['latency_p50_s']:.3f}s "
+                  f"p99 {row['latency_p99_s']:.3f}s  ttft p50 {row['ttft_p50_s']:.3f}s p99 {row['ttft_p99_s']:.3f}s  "
+                  f"accept {row['acceptance_rate']:.2f} tau {row['tau']}", file=sys.stderr, flush=True)
+    return rows
+
+
+def _report(rows: list[dict], args: argparse.Namespace) -> dict:
+    """Print the exact-match check and the table; return the summary (without the texts)."""
     if args.temperature == 0 and rows:
         # Greedy: every configuration must reproduce the first one's replies exactly.
         reference = rows[0]["texts"]
@@ -260,17 +280,13 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['latency_p99_s']} | {r['ttft_p50_s']} | {r['ttft_p99_s']} | {r['tpot_mean_s']} | "
               f"{r['acceptance_rate']} | {r['tau']} | {r.get('exact_match', '–')} |")
     by = {(r["speculation"], r["concurrency"]): r["tok_per_s"] for r in rows}
-    summary = {"url": url, "target": args.target if proc else None, "backend": args.backend if proc else None,
-               "sessions": args.sessions, "turns": args.turns, "max_tokens": args.max_tokens, "results": rows}
+    summary = {"sessions": args.sessions, "turns": args.turns, "max_tokens": args.max_tokens, "results": rows}
     for spec in (True, False):
         if (spec, 1) in by and (spec, 8) in by:
             key = "concurrent8_vs_serial_" + ("spec_on" if spec else "spec_off")
             summary[key] = round(by[(spec, 8)] / by[(spec, 1)], 3)
             print(f"\n8 concurrent vs serial (speculation {'on' if spec else 'off'}): {summary[key]}x aggregate tok/s")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(summary, f, indent=2)
-    print(json.dumps(summary))
+    return summary
 
 
 if __name__ == "__main__":

@@ -16,8 +16,12 @@ from collections.abc import Sequence
 
 import torch
 
+from specdec.backends.hf import HFBackend
 from specdec.bench.run import Runner, TurnRecord
+from specdec.drafters import DrafterSpec
+from specdec.drafters.draft_model import ModelDrafter
 from specdec.errors import SpecdecError
+from specdec.models import load_model, resolve
 
 PEERS = ("hf", "hf-pld", "hf-assisted", "llamacpp")
 PLD_TOKENS = 10
@@ -29,8 +33,6 @@ def llamacpp_available() -> bool:
 
 def _gguf_path(target_name: str):
     """The GGUF file behind a built-in name or .gguf path, or None for an HF directory."""
-    from specdec.models import resolve
-
     try:
         kind, path = resolve(target_name)
     except SpecdecError:
@@ -40,8 +42,6 @@ def _gguf_path(target_name: str):
 
 def parse_peers(text: str | None, methods: Sequence[str], target_name: str) -> tuple[list[str], list[str]]:
     """Validate `--peers`; return (peers to run, notes about peers skipped). None = the default."""
-    from specdec.drafters import DrafterSpec
-
     has_model = any(DrafterSpec.parse(m).name == "model" for m in methods)
     notes: list[str] = []
     if text is None or text.strip() == "auto":
@@ -134,8 +134,6 @@ class LlamaCppPeer(Runner):
 
 def make_peers(peers: Sequence[str], target, target_name: str, methods: Sequence[str], engines: dict) -> list[Runner]:
     """Build peer runners. `engines` maps method string -> Engine (for the assisted draft)."""
-    from specdec.drafters import DrafterSpec
-
     out: list[Runner] = []
     for name in peers:
         if name == "hf":
@@ -151,12 +149,10 @@ def make_peers(peers: Sequence[str], target, target_name: str, methods: Sequence
 
 
 def _draft_model(method: str, engine, target) -> torch.nn.Module:
-    from specdec.drafters import DrafterSpec
-    from specdec.models import load_model
-
-    backend = getattr(getattr(engine, "drafter", None), "backend", None)
-    model = getattr(backend, "model", None)
-    if isinstance(model, torch.nn.Module):
-        return model
+    """The transformers model behind `method` (model:NAME): the one its engine's drafter
+    already runs on the hf backend, else the target's own or a freshly loaded one."""
+    drafter = engine.drafter if engine is not None else None
+    if isinstance(drafter, ModelDrafter) and isinstance(drafter.backend, HFBackend):
+        return drafter.backend.model
     arg = DrafterSpec.parse(method).arg
     return target.model if arg == target.name else load_model(arg).model

@@ -24,19 +24,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specdec.config import EngineConfig, split_k
+from specdec.drafters import DrafterSpec, available
+from specdec.engine import Engine
 from specdec.errors import SpecdecError
+from specdec.models import resolve
+from specdec.prompts import encode
 
-CATEGORIES = (
-    "code_writing",
-    "code_editing",
-    "tool_calls",
-    "agent_sessions",
-    "translation",
-    "summarization",
-    "rag",
-    "math",
-    "writing",
-)
 DEFAULT_DATA = Path(__file__).parent / "data" / "bench.jsonl"
 # Warm-up prompts, outside the set: a short one, and a long one so that prefill shapes of the
 # size of the long-document categories have run once before anything is timed.
@@ -117,10 +111,6 @@ def load_questions(
 def parse_methods(text: str | Sequence[str], target_name: str | None = None) -> list[str]:
     """Split and validate method strings before any model is loaded; the baseline `none` is
     put first (added when missing)."""
-    from specdec.controller import make_controller
-    from specdec.drafters import DrafterSpec, available
-    from specdec.models import resolve
-
     items = [m.strip() for m in text.split(",")] if isinstance(text, str) else [m.strip() for m in text]
     if not items or any(not m for m in items):
         raise SpecdecError(f"--methods has an empty entry: {text!r}", "methods")
@@ -132,8 +122,7 @@ def parse_methods(text: str | Sequence[str], target_name: str | None = None) -> 
         spec = DrafterSpec.parse(method)
         if spec.name not in names:
             raise SpecdecError(f"unknown method {method!r}; drafters: {', '.join(names)}", "methods")
-        if "k" in spec.options:
-            make_controller(spec.options["k"])
+        split_k(method)  # checks a `k=` in it
         if spec.name == "model" and spec.arg and spec.arg != target_name:
             resolve(spec.arg)  # a wrong path fails now, not after the target has loaded
     baseline = next((m for m in items if DrafterSpec.parse(m).name == "none"), None)
@@ -193,18 +182,13 @@ class EngineRunner(Runner):
         )
 
 
-def make_engine_runners(target, methods: Sequence[str], backend: str = "hf", draft_device: str | None = None,
-                        backend_options: dict | None = None, prefix_cache: bool | str = True) -> list[EngineRunner]:
-    """One Engine per method, all sharing the loaded target's weights."""
-    from specdec.drafters import DrafterSpec
-    from specdec.engine import Engine
-
+def make_engine_runners(target, methods: Sequence[str], config: EngineConfig | None = None) -> list[EngineRunner]:
+    """One Engine per method, all sharing the loaded target's weights: `config` with the
+    method as its drafter (a `k=` in the method wins; the baseline `none` runs with k = 0)."""
     runners = []
     for method in methods:
-        k = 0 if DrafterSpec.parse(method).name == "none" else "auto"
-        engine = Engine(target=target, drafter=method, k=k, backend=backend, draft_device=draft_device,
-                        backend_options=backend_options, prefix_cache=prefix_cache)
-        runners.append(EngineRunner(method, engine))
+        k = 0 if DrafterSpec.parse(method).name == "none" else None
+        runners.append(EngineRunner(method, Engine(target, method, config=config, k=k)))
     return runners
 
 
@@ -233,10 +217,6 @@ def run_benchmark(
     """Run every runner on every question, interleaved; runners[0] is the baseline."""
     from tqdm.auto import tqdm
 
-    from specdec.engine import Engine
-
-    tokenizer = target.tokenizer
-    encoder = Engine(target=target, drafter="none", k=0)  # chat formatting and length checks only
     greedy = temperature == 0.0
     baseline = runners[0].name
     records: dict[str, dict[int, list[TurnRecord]]] = {r.name: {} for r in runners}
@@ -244,45 +224,58 @@ def run_benchmark(
     bar = tqdm(total=len(questions) * len(runners), desc="bench", unit="run", file=sys.stderr, disable=not progress)
     say = log or (lambda msg: bar.write(msg, file=sys.stderr))
 
-    warm_ids = [encoder.encode_prompt(p) for p in WARMUP_PROMPTS[:1]]
-    long_ids = tokenizer.encode(WARMUP_PROMPTS[1], add_special_tokens=False)
-    if len(long_ids) + 64 < encoder.backend.max_length:  # tiny test models have short windows
-        warm_ids.append(encoder.encode_prompt(WARMUP_PROMPTS[1]))
     bar.set_description("warm-up")
-    for runner in runners:
-        for _ in range(warmup):
-            for ids in warm_ids:
-                runner.run(ids, min(16, max_new_tokens), temperature, seed)
+    _warm_up(target, runners, warmup, min(16, max_new_tokens), temperature, seed)
     bar.set_description("bench")
-
     for qi, question in enumerate(questions):
         # Rotate the order each question, so no runner always follows the same one (a runner
         # can leave spinning threads or a cold cache behind for the next).
         shift = qi % len(runners)
         for runner in [*runners[shift:], *runners[:shift]]:
             bar.set_postfix_str(f"{question.question_id} {runner.name}", refresh=False)
-            messages: list[dict] = []
-            turns = []
-            for ti, turn in enumerate(question.turns):
-                messages.append({"role": "user", "content": turn})
-                try:
-                    prompt_ids = encoder.encode_prompt(messages)
-                except SpecdecError as e:
-                    raise SpecdecError(f"question {question.question_id!r} turn {ti + 1}: {e.message}", "data") from e
-                turn_seed = seed * 1_000_003 + qi * 64 + ti
-                t0 = time.perf_counter()
-                record = runner.run(prompt_ids, max_new_tokens, temperature, turn_seed)
-                record.wall_s = time.perf_counter() - t0
-                record.text = tokenizer.decode(record.token_ids, skip_special_tokens=True)
-                messages.append({"role": "assistant", "content": record.text})
-                turns.append(record)
-            records[runner.name][qi] = turns
+            turn_seeds = [seed * 1_000_003 + qi * 64 + ti for ti in range(len(question.turns))]
+            records[runner.name][qi] = _run_turns(target, runner, question, max_new_tokens, temperature, turn_seeds)
             bar.update(1)
         if greedy:
             for runner in runners[1:]:
-                mismatches += _compare(question, runner, records[baseline][qi], records[runner.name][qi], tokenizer, say)
+                base, turns = records[baseline][qi], records[runner.name][qi]
+                mismatches += _compare(question, runner, base, turns, target.tokenizer, say)
     bar.close()
     return BenchRun(list(questions), list(runners), baseline, records, mismatches, greedy)
+
+
+def _warm_up(target, runners: Sequence[Runner], rounds: int, max_new_tokens: int, temperature: float,
+             seed: int) -> None:
+    tokenizer = target.tokenizer
+    warm_ids = [encode(tokenizer, WARMUP_PROMPTS[0], max_length=target.max_length)]
+    long_ids = tokenizer.encode(WARMUP_PROMPTS[1], add_special_tokens=False)
+    if len(long_ids) + 64 < target.max_length:  # tiny test models have short windows
+        warm_ids.append(encode(tokenizer, WARMUP_PROMPTS[1], max_length=target.max_length))
+    for runner in runners:
+        for _ in range(rounds):
+            for ids in warm_ids:
+                runner.run(ids, max_new_tokens, temperature, seed)
+
+
+def _run_turns(target, runner: Runner, question: Question, max_new_tokens: int, temperature: float,
+               seeds: list[int]) -> list[TurnRecord]:
+    """One runner on one question: turn n+1 follows the runner's own answer to turn n."""
+    tokenizer = target.tokenizer
+    messages: list[dict] = []
+    turns = []
+    for ti, (turn, seed) in enumerate(zip(question.turns, seeds, strict=True)):
+        messages.append({"role": "user", "content": turn})
+        try:
+            prompt_ids = encode(tokenizer, messages, max_length=target.max_length)
+        except SpecdecError as e:
+            raise SpecdecError(f"question {question.question_id!r} turn {ti + 1}: {e.message}", "data") from e
+        t0 = time.perf_counter()
+        record = runner.run(prompt_ids, max_new_tokens, temperature, seed)
+        record.wall_s = time.perf_counter() - t0
+        record.text = tokenizer.decode(record.token_ids, skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": record.text})
+        turns.append(record)
+    return turns
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from specdec.backends import make_backend
-from specdec.backends.hf import HFBackend
+from specdec.backends import RollbackLM, make_backend
 from specdec.drafters import Draft, Drafter, DrafterSpec, register
+from specdec.drafters.common import common_prefix
 from specdec.errors import SpecdecError
 from specdec.models import LoadedModel, check_same_tokenizer, load_model
 from specdec.sampling import SamplingParams, logits_to_probs, sample
@@ -19,7 +19,7 @@ from specdec.sampling import SamplingParams, logits_to_probs, sample
 class ModelDrafter(Drafter):
     name = "model"
 
-    def __init__(self, backend: HFBackend, eos_token_ids: set[int]):
+    def __init__(self, backend: RollbackLM, eos_token_ids: set[int]):
         self.backend = backend
         self.eos_token_ids = eos_token_ids
         self._cached: list[int] = []  # tokens whose keys/values sit in the draft cache
@@ -35,7 +35,7 @@ class ModelDrafter(Drafter):
         k = min(k, room)
         if k <= 0:
             return Draft([])
-        shared = _common_prefix(self._cached, context_ids, limit=len(context_ids) - 1)
+        shared = common_prefix(self._cached, context_ids, limit=len(context_ids) - 1)
         self._cached = []  # unknown until the forward below has run
         self.backend.rollback(shared)
         logits = self.backend.forward(context_ids[shared:])[-1]  # [V]
@@ -57,14 +57,6 @@ class ModelDrafter(Drafter):
         return Draft(tokens, torch.stack(rows) if rows else None)
 
 
-def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    n = min(len(a), len(b), limit)
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
 @register("model")
 def _make(spec: DrafterSpec, target: LoadedModel) -> Drafter:
     if not spec.arg:
@@ -83,5 +75,5 @@ def _make(spec: DrafterSpec, target: LoadedModel) -> Drafter:
         options["device"] = spec.device
     # only the native backend places weights on another device than the loaded model's
     kind = spec.options.get("backend", "native" if "device" in options else "hf")
-    backend = make_backend(kind, draft, **options)
+    backend = make_backend(kind, draft, prefix_cache="off", **options)  # it never prefills
     return ModelDrafter(backend, target.eos_token_ids)

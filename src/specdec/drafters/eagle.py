@@ -15,7 +15,7 @@ The head can score only a frequency-ranked subset of the vocabulary (FR-Spec, Zh
 drafted tokens are checked by the target as usual.
 
 The head reads the target's features from the engine's backend, which the engine hands over
-through `Drafter.bind_target`; the backend keeps them when `keep_hidden` is set.
+through `Drafter.bind_target`, which turns on the backend's `enable_hidden_states`.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specdec.backends import Backend
+from specdec.backends.native.layer import DECODE_ATTENTION_MAX, DecoderLayer, KVRow, NativeConfig
 from specdec.backends.native.quant import FusedLinear, make_linear
 from specdec.drafters import Draft, Drafter, DrafterSpec, register
-from specdec.drafters.draft_model import _common_prefix
-from specdec.drafters.layerskip import DecoderParts
+from specdec.drafters.common import DecoderParts, common_prefix
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams, logits_to_probs, sample
 
@@ -147,7 +148,7 @@ def load_head(directory: str | Path) -> tuple[EagleHead, torch.Tensor | None, di
 
 
 class LeanHead:
-    """The trained head for drafting: its decoder layer as the native backend's `_Layer`
+    """The trained head for drafting: its decoder layer as the native backend's `DecoderLayer`
     (weight-only int8 on a cpu) over a static KV cache, so rollback is a position and a
     drafted token costs a few small GEMMs instead of a transformers layer call. Its
     predictions only need to be close to the trained module's: verification is exact anyway.
@@ -157,8 +158,6 @@ class LeanHead:
     """
 
     def __init__(self, head: EagleHead, precision: str, device: torch.device):
-        from specdec.backends.native.model import NativeConfig, _Layer
-
         d = head.dims
         self.config = NativeConfig(
             model_type="llama", vocab_size=1, hidden_size=d["hidden_size"], num_layers=1,
@@ -174,7 +173,7 @@ class LeanHead:
             return None if module.bias is None else module.bias.detach().to(device, torch.float32)
 
         qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
-        self.layer = _Layer(
+        self.layer = DecoderLayer(
             self.config, w(layer.input_layernorm),
             FusedLinear([w(m) for m in qkv], [b(m) for m in qkv], precision), make_linear(w(attn.o_proj), b(attn.o_proj), precision),
             w(layer.post_attention_layernorm),
@@ -206,15 +205,13 @@ class LeanHead:
 
     @torch.no_grad()
     def forward(self, features: torch.Tensor, embeds: torch.Tensor, past: int) -> torch.Tensor:
-        from specdec.backends.native.model import DECODE_ATTENTION_MAX, _Row
-
         t = features.shape[0]
         self._fit(past + t)
         x = self.fc(torch.cat([embeds, features], dim=-1))  # [T, H]
         mask = None  # a few tokens attend query by query; a long first call takes one causal pass
         if t > DECODE_ATTENTION_MAX:
             mask = torch.ones(t, past + t, dtype=torch.bool, device=self.device).tril(past)
-        rows = [_Row(0, 0, t, past, past + t, mask)]
+        rows = [KVRow(0, 0, t, past, past + t, mask)]
         cos, sin = self.cos[past : past + t].unsqueeze(1), self.sin[past : past + t].unsqueeze(1)  # [T, 1, dim]
         return self.layer.forward(x, cos, sin, self.k, self.v, rows)
 
@@ -224,14 +221,12 @@ class LeanHead:
         """Draft-tree nodes [T, H] -> their predicted next features [T, H]. Node j is rotated
         for positions[j], its keys and values go to slot store + j, and it attends to the slots
         that visible [T, store + T] marks (the context, its ancestors' slots and its own)."""
-        from specdec.backends.native.model import _Row
-
         t = features.shape[0]
         self._fit(store + t)
         x = self.fc(torch.cat([embeds, features], dim=-1))  # [T, H]
         at = torch.tensor(positions, device=self.device)
         cos, sin = self.cos[at].unsqueeze(1), self.sin[at].unsqueeze(1)  # [T, 1, dim]
-        return self.layer.forward(x, cos, sin, self.k, self.v, [_Row(0, 0, t, store, store + t, visible)])
+        return self.layer.forward(x, cos, sin, self.k, self.v, [KVRow(0, 0, t, store, store + t, visible)])
 
 
 class EagleDrafter(Drafter):
@@ -253,8 +248,8 @@ class EagleDrafter(Drafter):
         self.vocab_size = int(self.parts.lm_head.weight.shape[0])
         self.vocab_ids = None if vocab_ids is None else vocab_ids.to(device)
         # FR-Spec: only the frequent rows of the LM head (a copy, small by design). On a cpu
-        # they are int8 (bf16 activations): a 16k x 576 fp32 GEMV takes 2.6 ms here, most of a
-        # drafted token's cost, and 0.8 ms in int8. Draft logits need not match the target's:
+        # they are int8 (bf16 activations): an fp32 GEMV over them is most of a drafted token's
+        # cost, and int8 cuts it (docs/performance-notes.md). Draft logits need not match the target's:
         # verification compares against the target, and sampling uses these very probabilities.
         self._head_rows = None
         if vocab_ids is not None:
@@ -264,14 +259,12 @@ class EagleDrafter(Drafter):
         # EAGLE-2 trees: each level expands the `width` likeliest open nodes by their `width`
         # likeliest children; the `max_nodes` likeliest nodes of all levels are proposed.
         self.tree, self.width, self.max_nodes = tree, width, max_nodes
-        self.backend = None
+        self.backend: Backend | None = None  # the target backend, from bind_target
         self._params, self._generator = SamplingParams(), None
         self._reset()
 
-    def bind_target(self, backend) -> None:
-        if not hasattr(backend, "keep_hidden"):
-            raise SpecdecError("the eagle drafter needs a backend that keeps hidden states (--backend hf)", "drafter")
-        backend.keep_hidden = True
+    def bind_target(self, backend: Backend) -> None:
+        backend.enable_hidden_states()
         self.backend = backend
 
     def _reset(self) -> None:
@@ -307,7 +300,7 @@ class EagleDrafter(Drafter):
             return Draft([])
         # The head's cache holds positions computed from real features up to `exact`; later
         # ones (its own guesses, or another context's) are overwritten in place.
-        exact = min(self._exact, max(0, _common_prefix(self._tokens, context_ids, n) - 1))
+        exact = min(self._exact, max(0, common_prefix(self._tokens, context_ids, n) - 1))
         # New exact positions i = exact..n-2 read f_i and x_{i+1}.
         new_ids = torch.tensor(context_ids[exact + 1 : n], device=features.device)
         out = self._step(features[exact : n - 1], new_ids, exact)  # [T, H]

@@ -13,6 +13,7 @@ step costs O(max) dict operations however long the context is.
 from __future__ import annotations
 
 from specdec.drafters import Draft, Drafter, DrafterSpec, register
+from specdec.errors import SpecdecError
 
 
 class NgramDrafter(Drafter):
@@ -68,6 +69,4 @@ def _make(spec: DrafterSpec, target) -> Drafter:
         max_n = int(spec.options.get("max", 8))
         return NgramDrafter(min_n, max_n, getattr(target, "eos_token_ids", set()))
     except ValueError as e:
-        from specdec.errors import SpecdecError
-
         raise SpecdecError(f"bad ngram options in {spec.text!r}: {e}", "drafter") from e

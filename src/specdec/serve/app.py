@@ -27,7 +27,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specdec.config import EngineConfig, split_k
+from specdec.drafters import DrafterSpec, available
 from specdec.errors import SpecdecError
+from specdec.grammar import GrammarMatcher, constraint_from_response_format
+from specdec.models import load_model
+from specdec.prompts import encode
+from specdec.sampling import SamplingParams
 from specdec.serve.guards import ApiKeyAuth, BodyLimit
 from specdec.serve.metrics import ServerMetrics
 from specdec.serve.protocol import (
@@ -43,19 +49,23 @@ from specdec.serve.protocol import (
     usage,
     validation_error,
 )
+from specdec.serve.scheduler import (
+    GenRequest,
+    LoadPolicy,
+    QueueFull,
+    RequestTimeout,
+    Scheduler,
+    ServerShutdown,
+)
+from specdec.serve.traffic_log import TrafficLog
+from specdec.tools import DEFAULT_PARSER, ToolPlan, finish_reason, tool_plan
 
 log = logging.getLogger("specdec.server")
 
 
 @dataclass
 class ServeConfig:
-    target: str = "smollm2-135m"
-    drafter: str = "ngram"
-    k: str | int = "auto"
-    backend: str = "hf"
-    backend_options: dict = field(default_factory=dict)  # passed to make_backend (native: precision, ...)
-    draft_device: str | None = None  # where a `model` drafter runs
-    prefix_cache: str = "prompt"  # or "decoded": a conversation's next turn reuses its answers (see PrefixCache)
+    engine: EngineConfig = field(default_factory=EngineConfig)  # target, default drafter and k, backend, ...
     served_model_name: str | None = None
     api_key: str | None = None  # the key itself (read from the environment by the CLI)
     max_batch: int = 16
@@ -65,6 +75,7 @@ class ServeConfig:
     request_timeout: float = 600.0
     max_body_bytes: int = 8 * 1024 * 1024
     allow_drafters: list[str] = field(default_factory=list)  # extra specs clients may ask for
+    tool_parser: str = DEFAULT_PARSER  # the model's tool-call format (tool_parsers/)
     log_dir: str | None = None
     log_max_bytes: int = 256 * 1024 * 1024
     on_load_error: object = None  # callable(message) run when loading fails
@@ -72,11 +83,27 @@ class ServeConfig:
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or self.target
+        return self.served_model_name or self.engine.target
 
 
 def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+def chat_message(i: int, m) -> dict:
+    """A request message as prompts.encode takes it: text content, calls and results kept."""
+    try:
+        content = None if m.content is None else message_text(m.content)
+    except ValueError as e:
+        raise SpecdecError(str(e), f"messages[{i}].content") from None
+    msg = {"role": m.role, "content": content}
+    if m.tool_calls is not None:
+        msg["tool_calls"] = m.tool_calls
+    if m.tool_call_id is not None:
+        msg["tool_call_id"] = m.tool_call_id
+    if m.role == "tool" and m.name is not None:
+        msg["name"] = m.name
+    return msg
 
 
 # ---- request plumbing -------------------------------------------------------------------------
@@ -117,8 +144,6 @@ class _Events:
 
 
 def _error_for(exc: Exception) -> JSONResponse:
-    from specdec.serve.scheduler import QueueFull, RequestTimeout, ServerShutdown
-
     if isinstance(exc, SpecdecError):
         return error_response(400, exc.message, exc.param)
     if isinstance(exc, QueueFull):
@@ -138,8 +163,6 @@ class Gateway:
         self.metrics = ServerMetrics()
         self.traffic = None
         if config.log_dir:  # served prompts and completions, for `specdec distill --from-logs`
-            from specdec.serve.traffic_log import TrafficLog
-
             self.traffic = TrafficLog(config.log_dir, config.log_max_bytes)
         self.scheduler = None
         self.tokenizer = None
@@ -157,19 +180,14 @@ class Gateway:
             delay = float(os.environ.get("SPECDEC_SERVE_LOAD_DELAY", "0") or 0)  # for tests
             if delay > 0:
                 time.sleep(delay)
-            from specdec.models import load_model
-            from specdec.serve.scheduler import LoadPolicy, Scheduler
-
             cfg = self.config
-            target = load_model(cfg.target)
-            scheduler = Scheduler(
-                target, cfg.backend, cfg.drafter, cfg.k, cfg.max_batch, cfg.max_queue,
-                LoadPolicy(cfg.max_batch_tokens, cfg.spec_off_above), self.metrics, cfg.backend_options,
-                cfg.draft_device, cfg.prefix_cache,
-            )
-            self._allowed = {Scheduler.resolve_drafter(s)[0] for s in [cfg.drafter, "none", *cfg.allow_drafters]}
+            target = load_model(cfg.engine.target)
+            policy = LoadPolicy(cfg.max_batch_tokens, cfg.spec_off_above)
+            scheduler = Scheduler(target, cfg.engine, cfg.max_batch, cfg.max_queue, policy, self.metrics)
+            self._allowed = {split_k(s)[0] for s in [cfg.engine.drafter, "none", *cfg.allow_drafters]}
             self.metrics.bind_scheduler(scheduler)
             self.tokenizer, self.max_length = target.tokenizer, scheduler.max_length
+            self.eos_token_ids = target.eos_token_ids
             self.vocab_size = int(target.model.get_input_embeddings().num_embeddings)
             scheduler.start()
             self.scheduler = scheduler  # last: from here on the server is ready
@@ -196,14 +214,9 @@ class Gateway:
     def check_drafter(self, text: str) -> str | None:
         """Clients may pick `none`, a bare registered drafter name, or a spec the server
         configured; specs with paths or options only come from the server's own flags."""
-        from specdec.drafters import DrafterSpec, available
-        from specdec.serve.scheduler import Scheduler
-
         try:
-            spec_text, spec_k = Scheduler.resolve_drafter(text)
+            spec_text, _ = split_k(text)  # also checks the k
             name = DrafterSpec.parse(spec_text).name
-            if spec_k is not None:
-                self._check_k(spec_k)
         except SpecdecError as e:
             return e.message
         if spec_text in self._allowed or (spec_text == name and name in available()):
@@ -212,52 +225,39 @@ class Gateway:
             return f"unknown drafter {name!r}; choose one of: {', '.join(available())}"
         return f"drafter {spec_text!r} is not enabled on this server (see specdec serve --allow-drafter)"
 
-    @staticmethod
-    def _check_k(k) -> None:
-        from specdec.controller import make_controller
-        from specdec.serve.protocol import MAX_K
-
-        make_controller(k)
-        if k != "auto" and int(k) > MAX_K:
-            raise SpecdecError(f"k must be 'auto' or an integer in [0, {MAX_K}], got {k}", "k")
-
-    def encode(self, body, chat: bool) -> list[int]:
-        tok = self.tokenizer
-        with self._encode_lock:
-            if chat:
-                messages = []
-                for i, m in enumerate(body.messages):
-                    try:
-                        messages.append({"role": m.role, "content": message_text(m.content)})
-                    except ValueError as e:
-                        raise SpecdecError(str(e), f"messages[{i}].content") from None
-                try:
-                    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-                except Exception as e:  # templates raise on role orders they do not support
-                    raise SpecdecError(f"the chat template rejected the messages: {str(e)[:200]}", "messages") from None
-                return tok.encode(text, add_special_tokens=False)
+    def encode(self, body, chat: bool, tools: ToolPlan | None = None) -> list[int]:
+        """The request's prompt as token ids (`prompts.encode`), its tools shown to the model.
+        The context-length check is build_request's, in OpenAI's words."""
+        if chat:
+            prompt = [chat_message(i, m) for i, m in enumerate(body.messages)]
+        else:
             prompt = body.prompt
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
                 prompt = prompt[0]  # a batch of one
-            if isinstance(prompt, str):
-                return tok.encode(prompt, add_special_tokens=True) if prompt else []
-            if prompt and all(isinstance(t, int) for t in prompt):
-                if not all(0 <= t < self.vocab_size for t in prompt):
+            if isinstance(prompt, list):
+                if not all(isinstance(t, int) for t in prompt):
+                    raise SpecdecError("only one prompt per request is supported", "prompt")
+                if not all(0 <= t < self.vocab_size for t in prompt):  # ids from the client
                     raise SpecdecError(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
-                return list(prompt)
-            if not prompt:
-                return []
-            raise SpecdecError("only one prompt per request is supported", "prompt")
+        with self._encode_lock:
+            return encode(self.tokenizer, prompt, chat=chat, tools=tools)
 
-    def build_request(self, body, chat: bool, emit):
-        """Validate everything that needs the tokenizer; return a GenRequest or raise SpecdecError."""
-        from specdec.sampling import SamplingParams
-        from specdec.serve.scheduler import GenRequest
+    def grammar(self, body, tools: ToolPlan | None) -> GrammarMatcher | None:
+        """The reply's constraint: the response_format, or the tool calls (tools.py)."""
+        constraint = constraint_from_response_format(body.response_format)
+        if tools is not None:
+            constraint = tools.constraint(constraint)
+        if constraint is None:
+            return None
+        with self._encode_lock:  # the first one per tokenizer reads its vocabulary
+            return GrammarMatcher(constraint, self.tokenizer, self.eos_token_ids)
 
+    def build_request(self, body, chat: bool, emit) -> tuple[GenRequest, ToolPlan | None]:
+        """Validate everything that needs the tokenizer; return a GenRequest and the request's
+        tools, or raise SpecdecError."""
         prompt_param = "messages" if chat else "prompt"
-        prompt_ids = self.encode(body, chat)
-        if not prompt_ids:
-            raise SpecdecError("the prompt is empty", prompt_param)
+        tools = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, self.config.tool_parser) if chat else None
+        prompt_ids = self.encode(body, chat, tools)
         n_prompt, context = len(prompt_ids), self.max_length
         if n_prompt >= context:
             raise SpecdecError(
@@ -286,14 +286,14 @@ class Gateway:
             1.0 if body.top_p is None else float(body.top_p),
         )
         params.validate()
-        if body.k is not None:
-            self._check_k(body.k)
         if body.drafter is not None and (problem := self.check_drafter(body.drafter)):
             raise SpecdecError(problem, "drafter")
-        return GenRequest(
+        req = GenRequest(
             prompt_ids, params, max_tokens, emit, stop=stop, seed=body.seed, drafter=body.drafter,
             k=body.k, stream=bool(body.stream), timeout_s=self.config.request_timeout,
+            grammar=self.grammar(body, tools) if chat else None,
         )
+        return req, tools
 
     # ---- handlers ------------------------------------------------------------------------
 
@@ -307,7 +307,7 @@ class Gateway:
             return self.not_ready()
         events = _Events(request)
         try:  # tokenizing a long prompt must not stall the event loop
-            req = await asyncio.to_thread(self.build_request, body, chat, events.emit)
+            req, tools = await asyncio.to_thread(self.build_request, body, chat, events.emit)
             self.scheduler.submit(req)
         except Exception as e:
             events.stop_watching()
@@ -328,7 +328,7 @@ class Gateway:
                 streaming = True
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 return StreamingResponse(
-                    self._stream(req, events, builder, body, chat, include_usage),
+                    self._stream(req, events, builder, body, chat, include_usage, tools),
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                 )
@@ -340,7 +340,8 @@ class Gateway:
                     self._record(body, chat, payload)
                     use = usage(len(payload.prompt_ids), len(payload.token_ids), payload.stats.cached_prompt_tokens)
                     spec = spec_decode(payload.stats, req.drafter or self.scheduler.default_drafter)
-                    return JSONResponse(builder.full(payload.text, payload.finish_reason, use, spec))
+                    text = tools.finish(payload).content if tools is not None else payload.text
+                    return JSONResponse(builder.full(text, payload.finish_reason, use, spec, payload.tool_calls))
             req.cancel()  # the client disconnected: stop generating, free the cache slot
             return Response(status_code=499)
         finally:
@@ -348,17 +349,27 @@ class Gateway:
             if not streaming:
                 req.cancel()  # the client left or the handler failed; a no-op once finished
 
-    async def _stream(self, req, events: _Events, builder: ResponseBuilder, body, chat: bool, include_usage: bool):
+    async def _stream(self, req, events: _Events, builder: ResponseBuilder, body, chat: bool, include_usage: bool,
+                      tools: ToolPlan | None = None):
+        calls = tools.stream() if tools is not None else None  # text deltas -> content and tool_calls deltas
         try:
             if chat:  # the first delta carries the role
                 yield sse(builder.chunk("", role=True))
             while True:
                 kind, payload = await events.queue.get()
-                if kind == "delta":
+                if kind == "delta" and calls is not None:
+                    for delta in calls.feed(payload):
+                        yield sse(builder.chunk(delta=delta))
+                elif kind == "delta":
                     yield sse(builder.chunk(payload))
                 elif kind == "done":
                     self._record(body, chat, payload)
-                    final = builder.chunk(None, payload.finish_reason)
+                    reason = payload.finish_reason
+                    if calls is not None:
+                        for delta in calls.finish():
+                            yield sse(builder.chunk(delta=delta))
+                        reason = finish_reason(calls.calls, reason)
+                    final = builder.chunk(None, reason)
                     final["spec_decode"] = spec_decode(payload.stats, req.drafter or self.scheduler.default_drafter)
                     yield sse(final)
                     if include_usage:
@@ -375,16 +386,18 @@ class Gateway:
         if self.traffic is None:
             return
         if chat:
-            prompt = [{"role": m.role, "content": message_text(m.content)} for m in body.messages]
+            prompt = [chat_message(i, m) for i, m in enumerate(body.messages)]
         else:
             prompt = body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(result.prompt_ids)
         drafter = body.drafter or self.scheduler.default_drafter
         meta = {
-            "target": self.config.target, "chat": chat, "finish_reason": result.finish_reason,
+            "target": self.config.engine.target, "chat": chat, "finish_reason": result.finish_reason,
             "temperature": 1.0 if body.temperature is None else body.temperature, "drafter": drafter,
             "prompt_tokens": len(result.prompt_ids), "completion_tokens": len(result.token_ids),
             "spec_decode": spec_decode(result.stats, drafter),
         }
+        if chat and body.tools:  # what the prompt showed, for whoever re-renders it
+            meta["tools"] = body.tools
         try:
             self.traffic.record(prompt, result.text, meta)
         except OSError as e:  # a full disk must not fail the request

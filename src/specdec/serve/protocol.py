@@ -15,10 +15,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from specdec.config import MAX_K, parse_k
+from specdec.errors import SpecdecError
+
 MAX_ERROR_MESSAGE = 1024  # characters; error bodies never echo unbounded input
 MAX_STOP = 16
 MAX_STOP_CHARS = 256
-MAX_K = 64
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -82,6 +84,9 @@ class ChatMessage(_Open):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = Field(default=None, max_length=256)
+    # An assistant's past calls and a tool's result; checked by tools.py, which names the field.
+    tool_calls: list[Any] | None = Field(default=None, max_length=128)
+    tool_call_id: str | None = Field(default=None, max_length=256)
 
 
 class StreamOptions(_Open):
@@ -114,6 +119,11 @@ class _Sampling(_Open):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    # Function calling and structured output, checked by tools.py and grammar.py.
+    tools: list[Any] | None = Field(default=None, max_length=128)
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
@@ -148,8 +158,11 @@ def unsupported(req: _Sampling) -> tuple[str, str] | None:
             return "best_of", "only best_of=1 is supported"
         if req.suffix:
             return "suffix", "suffix is not supported"
-    if isinstance(req.k, int) and not 0 <= req.k <= MAX_K:
-        return "k", f"k must be 'auto' or an integer in [0, {MAX_K}], got {req.k}"
+    if req.k is not None:
+        try:
+            parse_k(req.k)
+        except SpecdecError as e:
+            return "k", e.message
     return None
 
 
@@ -214,18 +227,24 @@ class ResponseBuilder:
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def full(self, text: str, finish_reason: str, usage_: dict, spec: dict) -> dict:
+    def full(self, text: str | None, finish_reason: str, usage_: dict, spec: dict,
+             tool_calls: list[dict] | None = None) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
+            message = {"role": "assistant", "content": text}
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            choice = {"index": 0, "message": message, "logprobs": None}
         else:
             choice = {"index": 0, "text": text, "logprobs": None}
         choice["finish_reason"] = finish_reason
         body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
         return {**body, "usage": usage_, "spec_decode": spec}
 
-    def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False) -> dict:
+    def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False,
+              delta: dict | None = None) -> dict:
+        """A stream chunk: a text delta, or a chat `delta` as tools.ToolStream makes them."""
         if self.chat:
-            delta: dict[str, Any] = {}
+            delta = dict(delta or {})
             if role:
                 delta["role"] = "assistant"
             if text is not None:

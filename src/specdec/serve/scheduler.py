@@ -4,8 +4,8 @@ Every scheduler step:
 1. admits waiting requests (prefill) while fewer than `max_batch` are active;
 2. drops cancelled and timed-out requests, returning their cache slot;
 3. lets every active request draft (`engine.Sequence.plan`), with k capped by the load policy;
-4. scores all drafts in one `backend.forward_batch` (a true batched forward when the backend
-   has a pool, one forward per sequence otherwise);
+4. scores all drafts in one `backends.forward_batch` (a true batched forward when the
+   backend has a pool, one forward per sequence otherwise);
 5. verifies, rolls back and emits per request (`engine.Sequence.advance`).
 Requests join between steps and finish independently. Each request has its own drafter,
 controller, generator and k, so the step logic is exactly Engine's.
@@ -26,11 +26,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specdec.backends import forward_batch, make_backend
-from specdec.controller import ScoreCosts, make_controller
-from specdec.drafters import Drafter, DrafterSpec, make_drafter
-from specdec.engine import GenerationResult, Sequence, prefix_cache_mode
+from specdec.backends import Backend, forward_batch, make_backend
+from specdec.config import EngineConfig, split_k
+from specdec.controller import ScoreCosts
+from specdec.drafters import Drafter, make_drafter
+from specdec.engine import GenerationResult, Sequence
 from specdec.errors import SpecdecError
+from specdec.grammar import GrammarMatcher
 from specdec.sampling import SamplingParams
 
 log = logging.getLogger("specdec.scheduler")
@@ -65,6 +67,7 @@ class GenRequest:
     k: str | int | None = None  # None means the drafter spec's or the server's k
     stream: bool = False  # emit text deltas
     timeout_s: float | None = None
+    grammar: GrammarMatcher | None = None  # the reply's constraint (response_format, tool calls); fresh per request
     id: int = field(default_factory=lambda: next(_ids))
     submitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -101,47 +104,47 @@ class LoadPolicy:
 class BackendSlots:
     """Per-request KV caches over the shared target weights.
 
-    With a pooled backend (`backend.pool` has new_sequence / forward_batch / release) a slot
-    is a sequence of the pool; otherwise it is a fresh backend from `make_backend`. A slot
-    whose request ended keeps its cache: the next request goes to the free slot that holds
-    the longest prefix of its prompt (`PrefixCache`), so agents that resend their
-    conversation, or share a system prompt and tool list, skip most of their prefill.
+    With a pooled backend (its `pool` is a `SlotPool`) a slot is a sequence of the pool;
+    otherwise it is a fresh backend from `make_backend`. A slot whose request ended keeps its
+    cache: the next request goes to the free slot that holds the longest prefix of its prompt
+    (`PrefixCache`), so agents that resend their conversation, or share a system prompt and
+    tool list, skip most of their prefill.
     """
 
     def __init__(self, kind: str, target, options: dict | None = None, prefix_cache: str = "prompt"):
         self.kind, self.target, self.options = kind, target, dict(options or {})
-        self.reuse_decoded = prefix_cache == "decoded"
-        first = self._configure(make_backend(kind, target, **self.options))
-        self.pool = getattr(first, "pool", None)
+        self.prefix_cache = prefix_cache  # every slot's prefix cache runs in this mode
+        first = self._new_backend()
+        self.pool = first.pool
         self.max_length = int(first.max_length)
-        self._free = [first]  # least recently released first
+        self._free: list[Backend] = [first]  # least recently released first
         self.in_use = 0
 
-    def acquire(self, prompt_ids: list[int] | None = None):
+    def _new_backend(self) -> Backend:
+        return make_backend(self.kind, self.target, prefix_cache=self.prefix_cache, **self.options)
+
+    def acquire(self, prompt_ids: list[int] | None = None) -> Backend:
         """A slot for a request; the one whose cache holds the longest prefix of `prompt_ids`."""
-        hits = [b.cached_prefix(prompt_ids) if prompt_ids else 0 for b in self._free]
+        hits = [b.prefix_cache.cached_prefix(prompt_ids) if prompt_ids else 0 for b in self._free]
         best = max(range(len(hits)), key=hits.__getitem__) if hits else None
         if best is not None and (hits[best] > 0 or not self._can_grow()):
             backend = self._free.pop(best)  # a hit, or else the least recently used slot
         elif self.pool is not None:
-            backend = self._configure(self.pool.new_sequence())
+            backend = self.pool.new_sequence()  # in the pool's prefix cache mode
         else:
-            backend = self._configure(make_backend(self.kind, self.target, **self.options))
+            backend = self._new_backend()
         self.in_use += 1
-        return backend
-
-    def _configure(self, backend):
-        backend.reuse_decoded = self.reuse_decoded
         return backend
 
     def _can_grow(self) -> bool:
         return self.pool is None or self.pool.free_slots > 0
 
-    def release(self, backend, keep_cache: bool = True) -> None:
+    def release(self, backend: Backend, keep_cache: bool = True) -> None:
         self.in_use -= 1
         if not keep_cache:
             backend.reset()
         self._free.append(backend)
+
 
 class DrafterPool:
     """Drafter instances by spec text. One instance serves one request at a time (`begin`
@@ -163,7 +166,7 @@ class DrafterPool:
 class _Active:
     req: GenRequest
     seq: Sequence
-    backend: object
+    backend: Backend
     drafter: Drafter
     spec: str
 
@@ -174,25 +177,19 @@ class Scheduler:
     def __init__(
         self,
         target,
-        backend: str = "hf",
-        drafter: str = "ngram",
-        k: str | int = "auto",
+        engine: EngineConfig | None = None,  # drafter, k, backend (+ options), prefix cache, draft device
         max_batch: int = 16,
         max_queue: int = 64,
         policy: LoadPolicy | None = None,
         metrics=None,
-        backend_options: dict | None = None,
-        draft_device: str | None = None,
-        prefix_cache: bool | str = True,
     ):
         if max_batch < 1 or max_queue < 0:
             raise SpecdecError(f"need max_batch >= 1 and max_queue >= 0, got {max_batch}, {max_queue}", "max_batch")
+        self.engine = engine = engine or EngineConfig()
         self.target, self.tokenizer = target, target.tokenizer
         self.eos_token_ids = target.eos_token_ids
-        self.default_drafter, spec_k = self.resolve_drafter(drafter)
-        self.default_k = spec_k if spec_k is not None else k
-        make_controller(self.default_k)  # validate now
-        self.slots = BackendSlots(backend, target, backend_options, prefix_cache_mode(prefix_cache))
+        self.default_drafter, self.default_k = engine.drafter, engine.k
+        self.slots = BackendSlots(engine.backend, target, engine.backend_options, engine.prefix_cache)
         self.max_length = self.slots.max_length
         # What scoring n tokens costs, timed once now and then learned from steps that scored
         # one sequence alone; shared by every request's adaptive controller, as in Engine.
@@ -202,7 +199,7 @@ class Scheduler:
             self.costs.calibrate(backend_for_timing)
         finally:
             self.slots.release(backend_for_timing, keep_cache=False)
-        self.drafters = DrafterPool(target, draft_device)
+        self.drafters = DrafterPool(target, engine.draft_device)
         self.drafters.release(self.default_drafter, self.drafters.acquire(self.default_drafter))  # fail early
         self.max_batch, self.max_queue = max_batch, max_queue
         self.policy = policy or LoadPolicy()
@@ -217,14 +214,6 @@ class Scheduler:
         self._latency_ema = 1.0
         self.num_steps = 0
         self.max_batch_seen = 0
-
-    @staticmethod
-    def resolve_drafter(spec_text: str) -> tuple[str, str | None]:
-        """Split an engine-level `k=` option off a drafter spec: "ngram:k=4" -> ("ngram", "4")."""
-        spec = DrafterSpec.parse(spec_text)
-        spec_k = spec.options.pop("k", None)
-        rest = [spec.name, *([spec.arg] if spec.arg else []), *(f"{key}={v}" for key, v in spec.options.items())]
-        return ":".join(rest), spec_k
 
     # ---- called from any thread ----------------------------------------------------------
 
@@ -378,15 +367,15 @@ class Scheduler:
         drafter = backend = None
         spec = self.default_drafter
         try:
-            spec, spec_k = (self.default_drafter, None) if req.drafter is None else self.resolve_drafter(req.drafter)
+            spec, spec_k = (self.default_drafter, None) if req.drafter is None else split_k(req.drafter)
             k = req.k if req.k is not None else spec_k if spec_k is not None else self.default_k
             drafter = self.drafters.acquire(spec)
             backend = self.slots.acquire(req.prompt_ids)
             drafter.bind_target(backend)  # drafters that read the target's states follow this request's cache
             seq = Sequence(
-                backend, drafter, req.prompt_ids, req.params, req.max_new_tokens, k,
+                backend, drafter, req.prompt_ids, self.engine.decode_params(req.params), req.max_new_tokens, k,
                 self.tokenizer, self.eos_token_ids, req.stop, req.seed, track_text=req.stream or bool(req.stop),
-                costs=self.costs,
+                costs=self.costs, grammar=req.grammar,
             )
             seq.start()
         except Exception as e:

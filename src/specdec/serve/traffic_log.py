@@ -41,7 +41,6 @@ class TrafficLog:
             raise SpecdecError(f"cannot create the log directory {directory}: {e.strerror}", "log_dir") from None
         self.max_bytes = max_bytes
         self.segment_bytes = max(512, max_bytes // _SEGMENTS_PER_BOUND)
-        self.dropped = 0  # records larger than the whole bound
         self._lock = threading.Lock()
 
     def record(self, prompt: str | list[dict], output: str, meta: dict | None = None) -> None:
@@ -50,8 +49,7 @@ class TrafficLog:
             ensure_ascii=False,
         ) + "\n"
         data = line.encode("utf-8")
-        if len(data) > self.max_bytes:
-            self.dropped += 1
+        if len(data) > self.max_bytes:  # a record larger than the whole bound is not kept
             return
         with self._lock:
             segments = _segments(self.directory)

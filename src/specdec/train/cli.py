@@ -9,7 +9,28 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
+from specdec.backends.hf import HFBackend
+from specdec.cli import _positive_int, engine_config
+from specdec.drafters.draft_model import ModelDrafter
+from specdec.drafters.eagle import EagleDrafter, save_head
+from specdec.drafters.layerskip import save_choice
+from specdec.engine import Engine
 from specdec.errors import SpecdecError
+from specdec.models import check_same_tokenizer, load_model
+from specdec.train import distill as D
+from specdec.train.data import (
+    DataSettings,
+    build_data,
+    load_examples,
+    load_sources,
+    sources_from_logs,
+    split_heldout,
+    token_ranking,
+)
+from specdec.train.layerskip_search import SearchSettings, search
+from specdec.train.prompts import builtin_sources
 
 QUICK = {  # a minutes-long run, for tests and smoke checks
     "sources": 6, "heldout": 1, "max_new_tokens": 24, "eval_tokens": 24, "steps": 20, "seq_len": 256,
@@ -17,15 +38,14 @@ QUICK = {  # a minutes-long run, for tests and smoke checks
 }
 
 
-def _positive(text: str) -> int:
-    from specdec.cli import _positive_int
-
-    return _positive_int(text)
+_positive = _positive_int
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("distill", help="train a draft model or an EAGLE head on the target's own outputs")
-    p.add_argument("--target", default="smollm2-135m", help="built-in name, .gguf file or HF model directory")
+    p.add_argument("--config", metavar="FILE", help="YAML engine settings; distill reads target and backend "
+                                                   "(flags override it)")
+    p.add_argument("--target", help="built-in name, .gguf file or HF model directory (default smollm2-135m)")
     p.add_argument("--kind", choices=("draft", "eagle"), default="draft")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--data", help="prompts JSONL ({'turns': [...]}, {'prompt': ...} or {'messages': [...]}); "
@@ -52,7 +72,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=_positive, default=192, help="length of the target's answers")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the target's answers")
     p.add_argument("--topk", type=_positive, default=64, help="target logits kept per position")
-    p.add_argument("--backend", default="hf", help="engine backend that generates the target's answers (hf|native)")
+    p.add_argument("--backend", help="engine backend that generates the target's answers: hf (default) or native")
     p.add_argument("--max-sources", type=_positive, default=None, help="use at most this many prompts")
     p.add_argument("--heldout", type=int, default=8, help="prompts kept out of training to measure tau")
     p.add_argument("--eval-tokens", type=_positive, default=128, help="tokens generated per held-out prompt")
@@ -81,9 +101,6 @@ def _say(text: str) -> None:
 
 
 def _sources(args, target_name: str):
-    from specdec.train.data import load_sources, sources_from_logs
-    from specdec.train.prompts import builtin_sources
-
     if getattr(args, "from_logs", None):
         sources, skipped = sources_from_logs(args.from_logs, target_name)
         if skipped:
@@ -94,8 +111,6 @@ def _sources(args, target_name: str):
 
 def measure_tau(target, drafter, prompts, max_new_tokens: int, k: int) -> dict:
     """Greedy generation on `prompts` with `drafter`: pooled τ, acceptance, outputs."""
-    from specdec.engine import Engine
-
     engine = Engine(target, drafter, k=k)
     steps = emitted = drafted = accepted = 0
     outputs, wall = [], 0.0
@@ -115,86 +130,19 @@ def measure_tau(target, drafter, prompts, max_new_tokens: int, k: int) -> dict:
 
 
 def run_distill(args: argparse.Namespace) -> None:
-    from tqdm import tqdm
-
-    from specdec.models import load_model
-    from specdec.train import distill as D
-    from specdec.train.data import DataSettings, build_data, load_examples, split_heldout, token_ranking
-
-    if args.temperature < 0:
-        raise SpecdecError(f"--temperature must be >= 0, got {args.temperature}", "temperature")
-    if args.lora < 0:
-        raise SpecdecError(f"--lora must be a positive rank, got {args.lora}", "lora")
-    if args.vocab < 0:
-        raise SpecdecError(f"--vocab must be >= 0, got {args.vocab}", "vocab")
+    config = engine_config(args)  # the target, and the engine that writes its answers
+    settings, data_settings, limits = _settings(args, config.backend)
     out = Path(args.out)
-    settings = D.TrainSettings(
-        kind=args.kind, steps=args.steps or 0, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
-        seq_len=args.seq_len, layers=args.layers, vocab=args.vocab, save_every=args.save_every, seed=args.seed,
-        kl_weight=args.kl_weight, unroll=args.unroll,
-    )
-    data_settings = DataSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, topk=args.topk,
-                                 seed=args.seed, backend=args.backend)
-    max_sources, max_heldout, eval_tokens = args.max_sources, args.heldout, args.eval_tokens
-    if args.quick:
-        q = QUICK
-        max_sources, max_heldout, eval_tokens = q["sources"] + q["heldout"], q["heldout"], q["eval_tokens"]
-        data_settings.max_new_tokens = q["max_new_tokens"]
-        settings.steps = args.steps or q["steps"]
-        settings.seq_len, settings.batch_tokens, settings.save_every = q["seq_len"], q["batch_tokens"], q["save_every"]
-        settings.layers = min(args.layers, q["layers"])
-        settings.vocab = min(args.vocab, q["vocab"]) if args.vocab else 0
-
     t_start = time.perf_counter()
-    target = load_model(args.target)
-    sources = _sources(args, target.name)
-    if max_sources:
-        sources = sources[:max_sources]
-    train_sources, heldout = split_heldout(sources, max_heldout)
-    data_dir = Path(args.data_dir) if args.data_dir else out / "data"
-    _say(f"{len(train_sources)} training prompts, {len(heldout)} held out; target outputs -> {data_dir}")
-    with tqdm(total=len(train_sources), desc="target outputs", unit="prompt", dynamic_ncols=True) as bar:
-        def progress(done: int, total: int) -> None:
-            bar.n = done
-            bar.refresh()
-        build_data(target, train_sources, data_dir, data_settings, progress)
-    meta, examples = load_examples(data_dir)
+    target = load_model(config.target)
+    heldout, meta, examples = _target_outputs(args, target, data_settings, *limits[:2])
     t_data = time.perf_counter() - t_start
     _say(f"data: {meta.sequences} sequences, {meta.tokens} tokens ({t_data:.0f}s)")
 
     checkpoint = D.Checkpoint(out / f"checkpoint-{args.kind}")
-    state = checkpoint.state() or {"kind": args.kind, "step": 0, "data": meta.fingerprint,
-                                   "settings": D.settings_dict(settings)}
-    if state.get("data") != meta.fingerprint:
-        raise SpecdecError(f"{checkpoint.directory} was trained on other data; pass another --out", "out")
-    if state.get("settings", {}).get("layers", settings.layers) != settings.layers and args.kind == "draft":
-        raise SpecdecError(f"{checkpoint.directory} holds a {state['settings']['layers']}-layer draft", "layers")
-
-    eos = target.eos_token_ids
-    if args.kind == "draft":
-        from specdec.backends.hf import HFBackend
-        from specdec.drafters.draft_model import ModelDrafter
-
-        model = _initial_draft(args, target, settings)
-        if args.lora:
-            model = D.apply_lora(model, args.lora)
-            params = D.lora_params(model)
-        else:
-            params = D.trainable_draft_params(model)
-        loss_fn = lambda batch: D.draft_loss(model, batch)  # noqa: E731
-        make_drafter = lambda: ModelDrafter(HFBackend(model), eos)  # noqa: E731
-        vocab_ids = None
-    else:
-        from specdec.drafters.eagle import EagleDrafter
-
-        vocab_size = meta.vocab_size
-        vocab_ids = token_ranking(examples, vocab_size)[: settings.vocab] if 0 < settings.vocab < vocab_size else None
-        model = D.new_eagle_head(target.model)
-        trainer = D.EagleTrainer(target.model, model, vocab_ids, settings)
-        params = dict(model.named_parameters())
-        loss_fn = trainer.loss
-        make_drafter = lambda: EagleDrafter(target.model, model.eval(), vocab_ids, eos)  # noqa: E731
-
+    state = _resume(args, checkpoint, meta, settings)
+    model, params, loss_fn, make_drafter, vocab_ids = _trainee(args, target, settings, meta, examples)
+    eval_tokens = limits[2]
     prompts = [s.first_prompt() for s in heldout]
     if prompts and "tau_before" not in state and checkpoint.state() is None:
         state["tau_before"] = measure_tau(target, make_drafter(), prompts, eval_tokens, args.eval_k)
@@ -207,7 +155,7 @@ def run_distill(args: argparse.Namespace) -> None:
     _save_artifacts(args.kind, out, model, target, vocab_ids, state)
     if prompts:
         state["tau_after"] = measure_tau(target, make_drafter(), prompts, eval_tokens, args.eval_k)
-    report = _report(args, state, meta, t_data, time.perf_counter() - t_start)
+    report = _report(args, config.target, state, meta, t_data, time.perf_counter() - t_start)
     (out / f"report-{args.kind}.json").write_text(json.dumps(report, indent=2) + "\n")
     drafter_flag = f"model:{out}" if args.kind == "draft" else f"eagle:{out}"
     b, a = report.get("tau_before"), report.get("tau_after")
@@ -218,9 +166,85 @@ def run_distill(args: argparse.Namespace) -> None:
     print(json.dumps(report))
 
 
-def _save_artifacts(kind: str, out: Path, model, target, vocab_ids, state: dict) -> None:
-    from specdec.drafters.eagle import save_head
+def _settings(args: argparse.Namespace, backend: str):
+    """Training and data settings from the flags (--quick shrinks them), and the limits
+    (max_sources, max_heldout, eval_tokens)."""
+    if args.temperature < 0:
+        raise SpecdecError(f"--temperature must be >= 0, got {args.temperature}", "temperature")
+    if args.lora < 0:
+        raise SpecdecError(f"--lora must be a positive rank, got {args.lora}", "lora")
+    if args.vocab < 0:
+        raise SpecdecError(f"--vocab must be >= 0, got {args.vocab}", "vocab")
+    settings = D.TrainSettings(
+        kind=args.kind, steps=args.steps or 0, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
+        seq_len=args.seq_len, layers=args.layers, vocab=args.vocab, save_every=args.save_every, seed=args.seed,
+        kl_weight=args.kl_weight, unroll=args.unroll,
+    )
+    data_settings = DataSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, topk=args.topk,
+                                 seed=args.seed, backend=backend)
+    limits = (args.max_sources, args.heldout, args.eval_tokens)
+    if args.quick:
+        q = QUICK
+        limits = (q["sources"] + q["heldout"], q["heldout"], q["eval_tokens"])
+        data_settings.max_new_tokens = q["max_new_tokens"]
+        settings.steps = args.steps or q["steps"]
+        settings.seq_len, settings.batch_tokens, settings.save_every = q["seq_len"], q["batch_tokens"], q["save_every"]
+        settings.layers = min(args.layers, q["layers"])
+        settings.vocab = min(args.vocab, q["vocab"]) if args.vocab else 0
+    return settings, data_settings, limits
 
+
+def _target_outputs(args, target, data_settings, max_sources, max_heldout):
+    """Write (or resume) the target's answers to the training prompts; return the held-out
+    sources, the data's metadata and the training examples."""
+    sources = _sources(args, target.name)
+    if max_sources:
+        sources = sources[:max_sources]
+    train_sources, heldout = split_heldout(sources, max_heldout)
+    data_dir = Path(args.data_dir) if args.data_dir else Path(args.out) / "data"
+    _say(f"{len(train_sources)} training prompts, {len(heldout)} held out; target outputs -> {data_dir}")
+    with tqdm(total=len(train_sources), desc="target outputs", unit="prompt", dynamic_ncols=True) as bar:
+        def progress(done: int, total: int) -> None:
+            bar.n = done
+            bar.refresh()
+        build_data(target, train_sources, data_dir, data_settings, progress)
+    meta, examples = load_examples(data_dir)
+    return heldout, meta, examples
+
+
+def _resume(args, checkpoint, meta, settings) -> dict:
+    state = checkpoint.state() or {"kind": args.kind, "step": 0, "data": meta.fingerprint,
+                                   "settings": D.settings_dict(settings)}
+    if state.get("data") != meta.fingerprint:
+        raise SpecdecError(f"{checkpoint.directory} was trained on other data; pass another --out", "out")
+    if state.get("settings", {}).get("layers", settings.layers) != settings.layers and args.kind == "draft":
+        raise SpecdecError(f"{checkpoint.directory} holds a {state['settings']['layers']}-layer draft", "layers")
+    return state
+
+
+def _trainee(args, target, settings, meta, examples):
+    """The model to train, its trainable parameters, its loss, a drafter over it (for τ) and
+    the EAGLE head's vocabulary (None for a draft)."""
+    eos = target.eos_token_ids
+    if args.kind == "draft":
+        model = _initial_draft(args, target, settings)
+        if args.lora:
+            model = D.apply_lora(model, args.lora)
+            params = D.lora_params(model)
+        else:
+            params = D.trainable_draft_params(model)
+        loss_fn = lambda batch: D.draft_loss(model, batch)  # noqa: E731
+        make_drafter = lambda: ModelDrafter(HFBackend(model), eos)  # noqa: E731
+        return model, params, loss_fn, make_drafter, None
+    vocab_size = meta.vocab_size
+    vocab_ids = token_ranking(examples, vocab_size)[: settings.vocab] if 0 < settings.vocab < vocab_size else None
+    model = D.new_eagle_head(target.model)
+    trainer = D.EagleTrainer(target.model, model, vocab_ids, settings)
+    make_drafter = lambda: EagleDrafter(target.model, model.eval(), vocab_ids, eos)  # noqa: E731
+    return model, dict(model.named_parameters()), trainer.loss, make_drafter, vocab_ids
+
+
+def _save_artifacts(kind: str, out: Path, model, target, vocab_ids, state: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if kind == "draft":
         if hasattr(model, "merge_and_unload"):  # LoRA: save a plain model that model:DIR loads
@@ -233,9 +257,6 @@ def _save_artifacts(kind: str, out: Path, model, target, vocab_ids, state: dict)
 
 
 def _initial_draft(args, target, settings):
-    from specdec.models import check_same_tokenizer, load_model
-    from specdec.train import distill as D
-
     if not args.init:
         return D.init_draft(target.model, settings.layers)
     try:
@@ -246,7 +267,7 @@ def _initial_draft(args, target, settings):
     return draft.model
 
 
-def _report(args, state: dict, meta, t_data: float, t_total: float) -> dict:
+def _report(args, target_name: str, state: dict, meta, t_data: float, t_total: float) -> dict:
     before, after = state.get("tau_before"), state.get("tau_after")
     history = state.get("history", [])
     first, last = history[:5], history[-5:]
@@ -256,7 +277,7 @@ def _report(args, state: dict, meta, t_data: float, t_total: float) -> dict:
         return round(sum(vals) / len(vals), 4) if vals else None
 
     return {
-        "kind": args.kind, "target": args.target, "steps": state["step"],
+        "kind": args.kind, "target": target_name, "steps": state["step"],
         "train_seconds": state.get("train_s"), "data_seconds": round(t_data, 1), "total_seconds": round(t_total, 1),
         "data_sequences": meta.sequences, "data_tokens": meta.tokens,
         "loss_first": avg(first, "loss"), "loss_last": avg(last, "loss"),
@@ -271,10 +292,6 @@ def _report(args, state: dict, meta, t_data: float, t_total: float) -> dict:
 
 
 def run_layerskip_search(args: argparse.Namespace) -> None:
-    from specdec.drafters.layerskip import save_choice
-    from specdec.models import load_model
-    from specdec.train.layerskip_search import SearchSettings, search
-
     settings = SearchSettings(prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                               time_budget=args.time_budget, max_k=args.max_k)
     if args.quick:

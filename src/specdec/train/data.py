@@ -24,7 +24,10 @@ from pathlib import Path
 
 import torch
 
+from specdec.engine import Engine
 from specdec.errors import SpecdecError
+from specdec.prompts import encode
+from specdec.serve.traffic_log import read_traffic
 
 DATA_FORMAT = "specdec-distill-data"
 
@@ -101,8 +104,6 @@ def _valid_messages(msgs) -> bool:
 
 def sources_from_logs(directory: str | os.PathLike, target_name: str) -> tuple[list[Source], int]:
     """Logged (prompt, output) pairs made by this target; returns (sources, records skipped)."""
-    from specdec.serve.traffic_log import read_traffic
-
     sources, skipped = [], 0
     for rec in read_traffic(directory):
         meta = rec.get("meta") or {}
@@ -165,7 +166,7 @@ def _generate_sequences(engine, source: Source, settings: DataSettings, seed: in
     if source.logged_output is not None:
         prompt = source.text if source.text is not None else (source.messages or [
             {"role": "user", "content": source.turns[0]}])
-        ids = engine.encode_prompt(prompt, chat=source.text is None)
+        ids = encode(tok, prompt, chat=source.text is None, max_length=engine.backend.max_length)
         out = tok.encode(source.logged_output, add_special_tokens=False)
         if source.logged_stop and tok.eos_token_id is not None:
             out.append(tok.eos_token_id)
@@ -180,7 +181,7 @@ def _generate_sequences(engine, source: Source, settings: DataSettings, seed: in
     for turn in turns:
         if turn is not None:
             messages.append({"role": "user", "content": turn})
-        if len(engine.encode_prompt(messages)) + 2 > engine.backend.max_length:
+        if len(encode(tok, messages)) + 2 > engine.backend.max_length:
             break
         r = engine.generate(messages, **kwargs)
         seqs.append(TokenSeq(r.prompt_ids + r.token_ids, len(r.prompt_ids)))
@@ -241,8 +242,6 @@ def build_data(
 ) -> DataMeta:
     """Generate (or finish generating) the data for `sources` into `directory`."""
     from safetensors.torch import save_file
-
-    from specdec.engine import Engine
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

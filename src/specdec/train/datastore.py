@@ -256,21 +256,6 @@ def _jsonl_docs(text: str, path: Path) -> list[str]:
     return docs
 
 
-def load_tokenizer(name_or_path: str):
-    """The tokenizer of a built-in model, GGUF file or HF directory, without its weights."""
-    from transformers import AutoTokenizer
-
-    from specdec import models
-
-    kind, path = models.resolve(name_or_path)
-    directory = path if kind == "hf" else models._converted_gguf_dir(path)
-    models._quiet_transformers()
-    try:
-        return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
-    except (OSError, ValueError) as e:
-        raise SpecdecError(f"model {name_or_path!r} has no usable tokenizer: {e}", "target") from e
-
-
 def build_from_texts(texts: list[str], out: str, tokenizer, meta: dict) -> dict:
     """Tokenize documents (no special tokens, as they appear inside a context) and build."""
     docs: list[list[int]] = []

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import time
 
+from specdec.cli import add_model_args
+from specdec.models import load_tokenizer
+from specdec.train.datastore import build_from_texts, read_corpus
+
 
 def add_parser(sub) -> None:
-    from specdec.cli import add_model_args
-
     p = sub.add_parser("datastore", help="build a retrieval datastore for the `retrieval:DIR` drafter")
     actions = p.add_subparsers(dest="datastore_command", required=True, parser_class=type(p))
     build = actions.add_parser("build", help="tokenize files with the target's tokenizer and index them")
@@ -19,8 +21,6 @@ def add_parser(sub) -> None:
 
 
 def run_build(args: argparse.Namespace) -> None:
-    from specdec.train.datastore import build_from_texts, load_tokenizer, read_corpus
-
     start = time.perf_counter()
     texts, num_files = read_corpus(args.files)  # bad paths fail before the tokenizer loads
     tokenizer = load_tokenizer(args.target)

@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specdec.drafters.common import DecoderParts, causal_mask
 from specdec.drafters.eagle import EagleHead, head_config_from_target
-from specdec.drafters.layerskip import DecoderParts, causal_mask
 from specdec.errors import SpecdecError
 from specdec.train.data import Example
 
@@ -391,7 +391,7 @@ def settings_dict(settings: TrainSettings) -> dict:
 def new_eagle_head(target_model) -> EagleHead:
     """A head that starts as "the next feature is the current one": fc passes the feature
     half through and the layer's output projections start at zero, so its first predictions
-    have the scale of real features (copying a target layer gave outputs 4x too large)."""
+    have the scale of real features (a copy of a target layer gave outputs far larger)."""
     head = EagleHead(head_config_from_target(target_model))
     hidden = head.dims["hidden_size"]
     with torch.no_grad():

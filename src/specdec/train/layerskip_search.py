@@ -24,7 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.drafters.layerskip import DecoderParts, LayerStack, default_layers
+from specdec.backends.hf import HFBackend
+from specdec.drafters.common import DecoderParts
+from specdec.drafters.layerskip import LayerStack, default_layers
+from specdec.engine import Engine
+from specdec.errors import SpecdecError
 
 
 @dataclass
@@ -70,8 +74,6 @@ def _min_time(fn: Callable[[], object], repeats: int = 5) -> float:
 
 def measure_costs(target, max_k: int, context: list[int]) -> dict:
     """Seconds for: a target decode step, verifying k+1 tokens, and a draft step per layer count."""
-    from specdec.backends.hf import HFBackend
-
     backend = HFBackend(target.model)
     backend.prefill(context)
     base = backend.length
@@ -112,8 +114,6 @@ def speedup(match: list[bool], num_kept: int, costs: dict, max_k: int) -> tuple[
 
 @torch.inference_mode()
 def calibrate(target, prompts, settings: SearchSettings) -> Calibration:
-    from specdec.engine import Engine
-
     engine = Engine(target, drafter="ngram", k="auto")
     model = target.model
     parts = DecoderParts.of(model)
@@ -176,12 +176,9 @@ class Evaluator:
 
 def search(target, prompts, settings: SearchSettings, say: Callable[[str], None] = print) -> dict:
     parts = DecoderParts.of(target.model)
-    num_layers = parts.num_layers
     t0 = time.perf_counter()
     cal = calibrate(target, prompts, settings)
     if not cal.embeds:
-        from specdec.errors import SpecdecError
-
         raise SpecdecError("the calibration prompts produced no output to measure", "data")
     context = [int(t) for t in torch.cat([c for c in cal.target_next])[:64].tolist()] or [0]
     costs = measure_costs(target, settings.max_k, context)
@@ -190,13 +187,20 @@ def search(target, prompts, settings: SearchSettings, say: Callable[[str], None]
         f"{1000 * costs['draft_per_layer_s']:.2f} ms/layer")
     ev = Evaluator(parts, cal)
     deadline = time.perf_counter() + settings.time_budget
-    trace = []
 
     def objective(match, logp, n):
         s, k, tau = speedup(match, n, costs, settings.max_k)
         return (s, logp), k, tau
 
-    # Early exit at every depth comes almost free from one pass over all layers.
+    trace: list[dict] = []
+    best = _early_exits(ev, parts.num_layers, objective, trace)
+    best = _add_layers(ev, parts.num_layers, objective, best, trace, deadline, say)
+    return _summary(ev, parts.num_layers, best[1], costs, settings.max_k, trace, t0)
+
+
+def _early_exits(ev: Evaluator, num_layers: int, objective, trace: list[dict]) -> tuple:
+    """Score the first n layers for every n: one pass over all layers gives them all.
+    Returns the best (objective, layers)."""
     full = ev.prefix_states(list(range(num_layers)))
     best = None
     for depth in range(1, num_layers + 1):
@@ -205,8 +209,13 @@ def search(target, prompts, settings: SearchSettings, say: Callable[[str], None]
         trace.append({"layers": list(range(depth)), "speedup": round(obj[0], 4), "tau": round(tau, 3), "k": k})
         if best is None or obj > best[0]:
             best = (obj, list(range(depth)))
-    del full
+    return best
 
+
+def _add_layers(ev: Evaluator, num_layers: int, objective, best: tuple, trace: list[dict], deadline: float,
+                say: Callable[[str], None]) -> tuple:
+    """Greedy addition from no layers, until the deadline or past the optimum; returns the
+    best (objective, layers) seen, `best` included."""
     kept: list[int] = []
     states = ev.prefix_states(kept)
     stale = 0
@@ -234,13 +243,17 @@ def search(target, prompts, settings: SearchSettings, say: Callable[[str], None]
             stale += 1
             if stale >= 4:  # past the optimum: more layers cost more than they add
                 break
+    return best
 
-    chosen = best[1]
+
+def _summary(ev: Evaluator, num_layers: int, chosen: list[int], costs: dict, max_k: int, trace: list[dict],
+             t0: float) -> dict:
+    """The chosen set re-scored exactly (full LM head), next to the default set."""
     final = ev.score([s[-1] for s in ev.prefix_states(chosen)], exact=True)[0]
-    s, k, tau = speedup(final, len(chosen), costs, settings.max_k)
+    s, k, tau = speedup(final, len(chosen), costs, max_k)
     default = default_layers(num_layers)
     d_match = ev.score([s_[-1] for s_ in ev.prefix_states(default)], exact=True)[0]
-    d_s, d_k, d_tau = speedup(d_match, len(default), costs, settings.max_k)
+    d_s, d_k, d_tau = speedup(d_match, len(default), costs, max_k)
     return {
         "num_layers": num_layers, "layers": chosen, "k": k, "tau": round(tau, 4), "speedup": round(s, 4),
         "acceptance": round(sum(final) / len(final), 4),

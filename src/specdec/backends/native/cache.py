@@ -3,7 +3,8 @@
 - `CachePool` owns the KV cache of several sequences, preallocated once as
   [layers, slots, kv_heads, max_length, head_dim]. A slot is one sequence; tokens are stored
   by position, so rollback is moving the length pointer.
-- `NativeSequence` is one slot; it implements the ModelBackend protocol plus tree forwards.
+- `NativeSequence` is one slot; it implements the `Backend` protocol (the pool is its
+  `SlotPool`).
 """
 
 from __future__ import annotations
@@ -12,18 +13,24 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdec.backends.native.model import COMPILE_BUCKETS, DECODE_ATTENTION_MAX, DEFAULT_MAX_LENGTH, _Row
-from specdec.backends.prefix_cache import PrefixCache
+from specdec.backends.native.layer import DECODE_ATTENTION_MAX, KVRow
+from specdec.backends.prefix_cache import PrefixCache, chunked_prefill, prefix_cache_mode
 from specdec.errors import SpecdecError
 from specdec.tree import check_tree, depth_first, tree_depths
 
 if TYPE_CHECKING:
     from specdec.backends.native.model import NativeModel
 
-class CachePool:
-    """A preallocated KV cache for `slots` sequences of up to `max_length` tokens each."""
+DEFAULT_MAX_LENGTH = 4096
+COMPILE_BUCKETS = (1, 2, 3, 4, 8, 16, 32)  # token counts the compiled forward is traced for
 
-    def __init__(self, model: NativeModel, slots: int = 1, max_length: int | None = None, kv_dtype=torch.float32):
+
+class CachePool:
+    """A preallocated KV cache for `slots` sequences of up to `max_length` tokens each; every
+    sequence's prefix cache runs in mode `prefix_cache`."""
+
+    def __init__(self, model: NativeModel, slots: int = 1, max_length: int | None = None, kv_dtype=torch.float32,
+                 prefix_cache: str = "prompt"):
         cfg = model.config
         if slots < 1:
             raise SpecdecError(f"a cache pool needs at least one slot, got {slots}", "slots")
@@ -36,6 +43,7 @@ class CachePool:
         self.v = torch.zeros(shape, dtype=kv_dtype, device=model.device)
         self.cos, self.sin = model.rope_tables(max_length)  # [max_length, head_dim]
         self._free = list(range(slots - 1, -1, -1))
+        self.prefix_mode = prefix_cache_mode(prefix_cache)
         self._hidden: torch.Tensor | None = None  # see hidden_buffer
 
     @property
@@ -45,7 +53,7 @@ class CachePool:
     def new_sequence(self) -> NativeSequence:
         if not self._free:
             raise SpecdecError(f"all {self.slots} cache slots are in use", "slots")
-        return NativeSequence(self, self._free.pop())
+        return NativeSequence(self, self._free.pop(), self.prefix_mode)
 
     def release(self, seq: NativeSequence) -> None:
         if seq.pool is not self or seq.slot is None:
@@ -99,7 +107,7 @@ class CachePool:
             mask = None  # a short chain attends query by query, bit-identical to decode steps
             if dense:  # a prompt chunk: one causal pass
                 mask = torch.ones(t, start + t, dtype=torch.bool, device=self.model.device).tril(start)
-            rows.append(_Row(seq.slot, len(tokens) - t, len(tokens), start, start + t, mask))
+            rows.append(KVRow(seq.slot, len(tokens) - t, len(tokens), start, start + t, mask))
         hidden, logits = self._run(tokens, positions, rows, compiled, lasts if last_only else None, dense)
         out, offset, row = [], 0, 0
         for seq, ids in zip(sequences, token_lists, strict=True):
@@ -135,21 +143,20 @@ class CachePool:
         return self._hidden
 
 
-class NativeSequence(PrefixCache):
-    """One cache slot of a pool: the ModelBackend protocol, plus `forward_tree` and `keep`."""
+class NativeSequence:
+    """One cache slot of a pool; implements `Backend`."""
 
-    def __init__(self, pool: CachePool, slot: int):
+    def __init__(self, pool: CachePool, slot: int, prefix_cache: str = "prompt"):
         self.pool, self.slot = pool, slot
         self.vocab_size = pool.model.config.vocab_size
         self.max_length = pool.max_length
         self.device = pool.model.device
+        self.prefix_cache = PrefixCache(prefix_cache)
         self._length = 0
         self._tree: tuple[int, list[int]] | None = None  # (length before the tree, parents)
-        # Drafters that read target features (eagle) set keep_hidden; `hidden` then holds the
-        # final post-norm hidden state of every cached token and rolls back with the cache.
-        self.keep_hidden = False
-        self.last_hidden: torch.Tensor | None = None  # [T, hidden] of the last forward
-        self._init_prefix()
+        # Off until enable_hidden_states: `hidden` then holds the final post-norm hidden state
+        # of every cached token and rolls back with the cache.
+        self._keep_hidden = False
 
     @property
     def length(self) -> int:
@@ -161,20 +168,29 @@ class NativeSequence(PrefixCache):
         return not self.pool.model.compiled
 
     @property
+    def compile_seconds(self) -> float:
+        return float(self.pool.model.compile_seconds) if self.pool.model.compiled else 0.0
+
+    def enable_hidden_states(self) -> None:
+        self._keep_hidden = True
+        self.prefix_cache.require_hidden()
+
+    @property
     def hidden(self) -> torch.Tensor | None:
-        """[length, hidden] features of the cached tokens, when `keep_hidden` is set."""
-        if not self.keep_hidden or self.slot is None:
+        if not self._keep_hidden or self.slot is None:
             return None
         return self.pool.hidden_buffer()[self.slot, : self._length]
 
     def _store_hidden(self, start: int, rows: torch.Tensor) -> None:  # rows: [T, hidden]
-        if self.keep_hidden:
+        if self._keep_hidden:
             self.pool.hidden_buffer()[self.slot, start : start + rows.shape[0]] = rows
-        self.last_hidden = rows
 
     def reset(self) -> None:
         self._length, self._tree = 0, None
-        self._drop_prefix(0)
+        self.prefix_cache.truncate(0)
+
+    def prefill(self, token_ids: list[int], all_logits: bool = True, keep: int = 0) -> torch.Tensor:
+        return chunked_prefill(self, self._prefill_chunk, token_ids, all_logits, keep)
 
     def _prefill_chunk(self, chunk: list[int], last_only: bool) -> torch.Tensor:
         return self.pool.forward_batch([self], [chunk], last_only=last_only, prompt=True)[0]  # the prompt path
@@ -186,7 +202,7 @@ class NativeSequence(PrefixCache):
         if not 0 <= length <= self._length:
             raise ValueError(f"cannot roll back to {length}; the cache holds {self._length}")
         self._length, self._tree = length, None
-        self._drop_prefix(length)
+        self.prefix_cache.truncate(length)
 
     def _check_append(self, count: int) -> int:
         if self.slot is None:
@@ -214,7 +230,7 @@ class NativeSequence(PrefixCache):
         if t == 0:
             return torch.empty(0, self.vocab_size)
         depths = tree_depths(parents)
-        row = _Row(self.slot, 0, t, base, base + t, None, tree=(depth_first(parents), depths), tree_kv=[])
+        row = KVRow(self.slot, 0, t, base, base + t, None, tree=(depth_first(parents), depths), tree_kv=[])
         hidden, logits = self.pool._run(list(token_ids), [base + d for d in depths], [row])
         self._store_hidden(base, hidden)
         self._length, self._tree = base + t, (base, list(parents), row.tree_kv)
@@ -235,7 +251,7 @@ class NativeSequence(PrefixCache):
             self.pool.v[layer, self.slot, :, base:end] = v_nodes.index_select(0, path).transpose(0, 1)
         if indices != list(range(len(indices))):
             src = path + base
-            if self.keep_hidden:
+            if self._keep_hidden:
                 rows = self.pool.hidden_buffer()[self.slot]  # [max_length, hidden]
                 rows[base : base + len(indices)] = rows.index_select(0, src)
         self._length, self._tree = base + len(indices), None

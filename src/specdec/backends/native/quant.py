@@ -1,5 +1,4 @@
-"""Weight formats for the native backend: linear layers on kernels PyTorch ships, GGUF reading,
-and a precision check against fp32.
+"""Weight formats for the native backend: linear layers on kernels PyTorch ships.
 
 Each layer maps activations x [M, K] to y [M, N] in x's dtype; the residual stream stays
 fp32 and only the matmul input is cast to the kernel's dtype:
@@ -7,10 +6,10 @@ fp32 and only the matmul input is cast to the kernel's dtype:
 - "bf16": bf16 weights and activations;
 - "fp16": fp16 weights with fp32 activations on fbgemm's packed GEMM (x86 cpus);
 - "int8": per-output-channel symmetric int8, `torch._weight_int8pack_mm`, bf16 activations
-  (fp32 activations make that kernel 5-20x slower);
+  (fp32 activations make that kernel many times slower);
 - "int4": asymmetric 4-bit in groups of 32 along K, `aten._weight_int4pack_mm_for_cpu`,
   bf16 activations, bf16 scales and zeros. A GGUF's Q4_0/Q4_1 blocks (also 32 along K) map
-  onto this format directly, without a float round trip (`from_gguf_blocks`).
+  onto this format directly, without a float round trip (`from_gguf_blocks`, used by gguf.py).
 
 bf16/int8/int4 compute every row on its own (bit-identical for 1 or k rows); fp32 and fp16
 GEMMs differ from their one-row results at the ~1e-6 level. fp16, int8 and int4 are CPU
@@ -199,118 +198,6 @@ class FusedLinear(torch.nn.Module):
         return list(self.fused(x).split(self.sizes, dim=-1))
 
 
-# A held-out paragraph for precision checks (written for this project, so no model trained on it).
-HELDOUT_TEXT = (
-    "The harbour office opened at seven, but the ferry captains had been arguing since dawn about "
-    "whether the fog would lift before the first crossing. Marta, who kept the tide tables, pinned a "
-    "new chart to the board and circled the hour when the current would turn. Nobody read it. They "
-    "were too busy comparing the weather radio with the color of the sky over the lighthouse, a "
-    "method that had been wrong often enough to be trusted. By eight the fog had thinned to a pale "
-    "veil, the gulls returned to the pier, and the first boat left twelve minutes late with three "
-    "passengers, a crate of oranges and a bicycle that belonged to no one in particular."
-)
-
-
-def compare_precisions(target, text: str = HELDOUT_TEXT, precisions=("bf16", "int8", "int4")) -> dict:
-    """Teacher-forced check of each native precision against native fp32 on `text`:
-    perplexity, top-1 agreement with fp32 and mean KL(fp32 || precision) per token."""
-    from specdec.backends.native.model import native_model_for
-
-    ids = target.tokenizer.encode(text)
-
-    def logprobs(precision: str) -> torch.Tensor:  # [T-1, V]
-        seq = native_model_for(target.model, precision).new_pool(max_length=len(ids)).new_sequence()
-        # short chunks: the precision's own layers (prompt-length forwards may run dense fp32)
-        logits = torch.cat([seq.forward(ids[i : i + 32]) for i in range(0, len(ids), 32)])
-        return torch.log_softmax(logits[:-1].double(), dim=-1)
-
-    reference = logprobs("fp32")
-    nexts = torch.tensor(ids[1:])
-    report = {"tokens": len(ids) - 1}
-    for precision in ("fp32", *precisions):
-        lp = reference if precision == "fp32" else logprobs(precision)
-        report[precision] = {
-            "perplexity": float(torch.exp(-lp.gather(1, nexts[:, None]).mean())),
-            "top1_agreement": float((lp.argmax(-1) == reference.argmax(-1)).double().mean()),
-            "kl": float((reference.exp() * (reference - lp)).sum(-1).mean()),
-        }
-    return report
-
-
 def _require_cpu(weight: torch.Tensor, precision: str) -> None:
     if weight.device.type != "cpu":
         raise ValueError(f"precision {precision} uses CPU kernels; on {weight.device.type} use fp32 or bf16")
-
-
-# ---- GGUF files ----------------------------------------------------------------------------------
-
-_GGUF_NAMES = {
-    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}  # fmt: skip
-
-
-def read_gguf(path, int4_blocks: bool = False) -> tuple[dict, dict]:
-    """NativeConfig fields and the HF-named state dict of a llama/qwen2 GGUF. Float tensors are
-    dequantized; with `int4_blocks`, Q4_0/Q4_1 matrices become `Int4Linear`s as they are."""
-    from gguf import GGMLQuantizationType, GGUFReader
-    from gguf.quants import dequantize
-
-    from specdec.errors import SpecdecError
-
-    reader = GGUFReader(str(path))
-
-    def meta(key: str, default=None):
-        field = reader.fields.get(key)
-        return default if field is None else field.contents()
-
-    arch = meta("general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise SpecdecError(f"the native backend reads llama and qwen2 GGUFs, not {arch!r}", "target")
-    if meta(f"{arch}.rope.scaling.type", "none") not in ("none", None):
-        raise SpecdecError("this GGUF uses rope scaling, which the native GGUF reader lacks; use the hf backend",
-                           "target")
-    heads = int(meta(f"{arch}.attention.head_count"))
-    kv_heads = int(meta(f"{arch}.attention.head_count_kv", heads))
-    hidden = int(meta(f"{arch}.embedding_length"))
-    tensors = {t.name: t for t in reader.tensors}
-    config = dict(
-        model_type=arch,
-        vocab_size=int(tensors["token_embd.weight"].shape[-1]),
-        hidden_size=hidden,
-        num_layers=int(meta(f"{arch}.block_count")),
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=int(meta(f"{arch}.rope.dimension_count", hidden // heads)),
-        rms_eps=float(meta(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        max_positions=int(meta(f"{arch}.context_length", 2048)),
-        rope_theta=float(meta(f"{arch}.rope.freq_base", 10000.0)),
-    )
-    state: dict = {}
-    for name, t in tensors.items():
-        parts = name.split(".")  # blk.3.attn_q.weight | output_norm.weight
-        if parts[0] == "blk":
-            key = f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
-            kind = parts[2]
-        else:
-            key, kind = f"{_GGUF_NAMES[parts[0]]}.{parts[1]}", parts[0]
-        data = t.data  # [N, bytes per row] for block formats, [N, K] or [N] for floats
-        # llama.cpp interleaves the rotary halves of Q and K rows; transformers' layout is undone here.
-        if arch == "llama" and kind in ("attn_q", "attn_k"):
-            data = _unpermute_rows(np.asarray(data), heads if kind == "attn_q" else kv_heads)
-        qtype = GGMLQuantizationType(t.tensor_type)
-        if int4_blocks and qtype.name in ("Q4_0", "Q4_1") and parts[0] == "blk" and parts[-1] == "weight":
-            state[key] = Int4Linear.from_gguf_blocks(np.asarray(data), qtype.name)
-        else:
-            floats = np.ascontiguousarray(dequantize(np.asarray(data), qtype), dtype=np.float32)
-            state[key] = torch.from_numpy(floats if floats.flags.writeable else floats.copy())  # not the mmap
-    return config, state
-
-
-def _unpermute_rows(rows, n_head: int):
-    # GGUF rows per head are (dim, 2) interleaved; transformers wants (2, dim)
-    dim = rows.shape[0] // n_head // 2
-    return rows.reshape(n_head, dim, 2, -1).swapaxes(1, 2).reshape(rows.shape)

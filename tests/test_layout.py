@@ -1,0 +1,198 @@
+"""The package's shape, checked from source with `ast` (nothing is imported):
+
+- the module-level imports between specdec's modules form no cycle;
+- specdec's own modules are imported at module level, not inside functions, except where
+  the import defers an optional heavy dependency (ALLOWED_LATE_IMPORTS, each with a reason);
+  registries load their members with `importlib.import_module`, which is not an import statement;
+- no module is longer than MAX_MODULE_LINES;
+- no function is longer than MAX_FUNCTION_LINES unless a `# long: <reason>` comment sits on the
+  line above its `def` (or its decorators), or its docstring's first line starts with "long:".
+"""
+
+from __future__ import annotations
+
+import ast
+from functools import cache
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = "specdec"
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 60
+
+# (importing module, imported specdec module) -> why the import waits for the call.
+ALLOWED_LATE_IMPORTS: dict[tuple[str, str], str] = {
+    ("specdec.serve.cli", "specdec.serve.app"): (
+        "serve.app needs fastapi (the serve extra), and every command's parser loads serve.cli"
+    ),
+}
+
+
+@cache
+def modules() -> dict[str, Path]:
+    """Dotted module name -> file, for every module of the package."""
+    out = {}
+    for path in sorted((SRC / PACKAGE).rglob("*.py")):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+@cache
+def parse(name: str) -> ast.Module:
+    return ast.parse(modules()[name].read_text(encoding="utf-8"), filename=str(modules()[name]))
+
+
+def _absolute(module: str, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".")
+    if modules()[module].name != "__init__.py":
+        base = base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join([*base, node.module] if node.module else base)
+
+
+def imported(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
+    """The specdec modules an import statement loads (`from pkg import sub` loads pkg.sub)."""
+    known = modules()
+    if isinstance(node, ast.Import):
+        names = {alias.name for alias in node.names}
+    else:
+        source = _absolute(module, node)
+        names = {source} | {f"{source}.{alias.name}" for alias in node.names}
+    return {n for n in names if n in known}
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(test, ast.Name | ast.Attribute) and ast.unparse(test).endswith("TYPE_CHECKING")
+
+
+def _walk(node: ast.AST, in_function: bool):
+    """Yield (import node, inside a function?) for every import, skipping TYPE_CHECKING blocks."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.Import | ast.ImportFrom):
+            yield child, in_function
+        elif isinstance(child, ast.If) and _is_type_checking(child):
+            yield from (pair for stmt in child.orelse for pair in _walk_stmt(stmt, in_function))
+        else:
+            inner = in_function or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
+            yield from _walk(child, inner)
+
+
+def _walk_stmt(stmt: ast.AST, in_function: bool):
+    if isinstance(stmt, ast.Import | ast.ImportFrom):
+        yield stmt, in_function
+    else:
+        yield from _walk(stmt, in_function)
+
+
+def import_graph() -> dict[str, set[str]]:
+    graph = {}
+    for name in modules():
+        graph[name] = set()
+        for node, in_function in _walk(parse(name), False):
+            if not in_function:
+                graph[name] |= imported(name, node) - {name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle as [a, b, ..., a], or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_import_cycle():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "module-level import cycle: " + " -> ".join(cycle)
+
+
+def test_find_cycle_reports_the_loop():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_walk_tells_module_level_from_function_level_imports():
+    tree = ast.parse(
+        "import a\n"
+        "if TYPE_CHECKING:\n    import b\nelse:\n    import c\n"
+        "class K:\n    import d\n    def m(self):\n        import e\n"
+        "def f():\n    if x:\n        from g import h\n"
+    )
+    found = {ast.unparse(node).split()[1]: nested for node, nested in _walk(tree, False)}
+    assert found == {"a": False, "c": False, "d": False, "e": True, "g": True}
+
+
+def test_no_function_level_imports_of_the_package():
+    found = []
+    used = set()
+    for name, path in modules().items():
+        for node, in_function in _walk(parse(name), False):
+            if not in_function:
+                continue
+            for target in sorted(imported(name, node)):
+                if (name, target) in ALLOWED_LATE_IMPORTS:
+                    used.add((name, target))
+                else:
+                    found.append(f"{path.relative_to(SRC)}:{node.lineno} imports {target}")
+    assert not found, "import these at module level (or allowlist with a reason):\n" + "\n".join(found)
+    assert not set(ALLOWED_LATE_IMPORTS) - used, f"stale allowlist entries: {set(ALLOWED_LATE_IMPORTS) - used}"
+
+
+def test_allowlist_gives_reasons():
+    for key, reason in ALLOWED_LATE_IMPORTS.items():
+        assert len(reason.split()) >= 3, f"{key}: say why the import waits"
+
+
+def test_modules_are_short():
+    long = []
+    for path in modules().values():
+        n = len(path.read_text(encoding="utf-8").splitlines())
+        if n > MAX_MODULE_LINES:
+            long.append(f"{path.relative_to(SRC)}: {n} lines")
+    assert not long, f"modules over {MAX_MODULE_LINES} lines:\n" + "\n".join(long)
+
+
+def _long_reason(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+    above = lines[first - 2].strip() if first >= 2 else ""
+    doc = (ast.get_docstring(node) or "").lstrip()
+    return above.startswith("# long:") or doc.startswith("long:")
+
+
+def test_functions_are_short():
+    long = []
+    for name, path in modules().items():
+        lines = path.read_text(encoding="utf-8").splitlines()
+        for node in ast.walk(parse(name)):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            n = node.end_lineno - node.lineno + 1
+            if n > MAX_FUNCTION_LINES and not _long_reason(lines, node):
+                long.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name}: {n} lines")
+    assert not long, (
+        f"functions over {MAX_FUNCTION_LINES} lines (split them, or say why above the def with "
+        "'# long: <reason>'):\n" + "\n".join(long)
+    )
