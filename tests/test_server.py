@@ -250,7 +250,7 @@ BAD = [
     ("completions", {"prompt": "fox " * 300}, "prompt"),
     ("completions", {"prompt": [1, 2, 10**6]}, "prompt"),
     ("completions", {"prompt": ""}, "prompt"),
-    ("completions", {"prompt": "x", "logprobs": 2}, "logprobs"),
+    ("completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
 ]
 
 

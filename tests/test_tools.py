@@ -367,5 +367,6 @@ def test_auto_and_none(target):
         engine.generate("Hi", tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})
     assert err.value.param == "response_format"
     formatted = engine.generate("Hi", max_new_tokens=30, tools=TOOLS, response_format={"type": "json_object"})
-    json.loads(formatted.text)
-    assert formatted.tool_calls == []
+    assert formatted.text.startswith("{") and formatted.tool_calls == [] and formatted.content == formatted.text
+    if formatted.finish_reason == "stop":  # the random model's keys may run past max_new_tokens
+        json.loads(formatted.text)

@@ -7,15 +7,20 @@ import importlib
 import json
 import os
 import sys
+from pathlib import Path
 
 from specdec.backends import available as available_backends
 from specdec.backends.prefix_cache import PREFIX_CACHE_MODES
 from specdec.config import VERIFY_STRATEGIES, EngineConfig, read_config
 from specdec.engine import Engine
 from specdec.errors import SpecdecError
+from specdec.grammar import request_constraint
 from specdec.models import DEFAULT_TARGET
 from specdec.sampling import SamplingParams
 from specdec.serve.traffic_log import TrafficLog
+from specdec.tools import CHOICES, tool_plan
+
+WARMUP_PROMPT = "Say hello."  # --compare-plain warms both engines on it, not on the timed prompt
 
 
 class _Parser(argparse.ArgumentParser):
@@ -100,7 +105,10 @@ def engine_config(args: argparse.Namespace, data: dict | None = None) -> EngineC
 
 def add_generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text for one prompt")
-    p.add_argument("--prompt", required=True, help="a user chat message (plain text with --raw)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="a user chat message (plain text with --raw)")
+    source.add_argument("--messages", metavar="FILE",
+                        help="a JSON list of chat messages, OpenAI's form (assistant tool_calls, role tool results)")
     add_engine_args(p, drafter="none | ngram[:min=N][:max=N] | suffix[:tree=1] | retrieval:DIR | model:PATH_OR_NAME | "
                                "layerskip[:FILE] | eagle:DIR (default ngram)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=128)
@@ -114,11 +122,68 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--compare-plain", action="store_true", help="also decode without speculation and report the speedup")
     p.add_argument("--json", action="store_true", help="end stdout with one JSON object")
     p.add_argument("--log-dir", help="append the prompt and output to a traffic log here (for distill --from-logs)")
+    p.add_argument("--json-schema", metavar="FILE", help="constrain the reply to this JSON schema (strict)")
+    p.add_argument("--tools", metavar="FILE", help="a JSON file with an OpenAI `tools` list; the calls print as JSON")
+    p.add_argument("--tool-choice", metavar="auto|required|none|NAME",
+                   help="auto (default): the model may call; required: at least one call; NAME: call that tool")
+    p.add_argument("--no-parallel-tool-calls", action="store_true", help="at most one call in the reply")
     p.set_defaults(func=run_generate)
+
+
+def read_json_file(path: str, flag: str):
+    """A JSON file's value; a missing or malformed file is one SpecdecError line."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecdecError(f"{flag} {path}: {getattr(e, 'strerror', None) or e}", flag.lstrip("-")) from None
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise SpecdecError(f"{flag} {path}: not JSON ({e})", flag.lstrip("-")) from None
+
+
+def generate_request(args: argparse.Namespace) -> tuple[str | list[dict], dict]:
+    """The prompt and the structure arguments (json_schema, tools, tool_choice,
+    parallel_tool_calls) of `generate`, read and checked before any model is loaded."""
+    prompt = args.prompt
+    if args.messages:
+        if args.raw:
+            raise SpecdecError("--raw applies to --prompt, not --messages", "raw")
+        prompt = read_json_file(args.messages, "--messages")
+        prompt = prompt.get("messages") if isinstance(prompt, dict) else prompt
+        if not isinstance(prompt, list) or not prompt or not all(isinstance(m, dict) for m in prompt):
+            raise SpecdecError(f"--messages {args.messages}: expected a non-empty list of chat messages", "messages")
+    extra: dict = {}
+    constraint = None
+    if args.json_schema:
+        extra["json_schema"] = read_json_file(args.json_schema, "--json-schema")
+        try:
+            constraint = request_constraint(schema=extra["json_schema"])
+        except SpecdecError as e:
+            raise SpecdecError(f"--json-schema {args.json_schema}: {e.message}", e.param) from None
+    if not args.tools:
+        if args.tool_choice is not None or args.no_parallel_tool_calls:
+            raise SpecdecError("--tool-choice and --no-parallel-tool-calls need --tools", "tool_choice")
+        return prompt, extra
+    tools = read_json_file(args.tools, "--tools")
+    choice = args.tool_choice
+    extra.update(
+        tools=tools.get("tools") if isinstance(tools, dict) else tools,
+        tool_choice=choice if choice in (None, *CHOICES) else {"type": "function", "function": {"name": choice}},
+        parallel_tool_calls=False if args.no_parallel_tool_calls else None,
+    )
+    try:
+        plan = tool_plan(extra["tools"], extra["tool_choice"], extra["parallel_tool_calls"])
+        if plan is not None:
+            plan.constraint(constraint)  # a forced tool choice cannot take a schema too
+    except SpecdecError as e:
+        raise SpecdecError(f"--tools {args.tools}: {e.message}", e.param) from None
+    return prompt, extra
 
 
 def run_generate(args: argparse.Namespace) -> None:
     SamplingParams(args.temperature, args.top_k, args.top_p).validate()  # fail before loading
+    prompt, extra = generate_request(args)
     config = engine_config(args)
     log = TrafficLog(args.log_dir) if args.log_dir else None
     engine = Engine(config=config)
@@ -126,29 +191,55 @@ def run_generate(args: argparse.Namespace) -> None:
         print(f"[native] compiled the decode step in {engine.backend.compile_seconds:.1f}s", file=sys.stderr)
     kwargs = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, stop=args.stop, seed=args.seed, chat=not args.raw,
+        top_p=args.top_p, stop=args.stop, seed=args.seed, chat=not args.raw, **extra,
     )
-    plain = None
-    if args.compare_plain:
-        baseline = Engine(engine.target, "none", config=config, k=0)
-        baseline.generate(args.prompt, **{**kwargs, "max_new_tokens": 8})  # warm-up
-        plain = baseline.generate(args.prompt, **kwargs)
-    if args.stream and not args.json:
-        stream = engine.stream(args.prompt, **kwargs)
+    plain = plain_run(engine, config, prompt, kwargs) if args.compare_plain else None
+    streamed = args.stream and not args.json
+    if streamed:
+        stream = engine.stream(prompt, **kwargs)
         for delta in stream:
             print(delta, end="", flush=True)
         print()
         result = stream.result
     else:
-        result = engine.generate(args.prompt, **kwargs)
-        if not args.json:
-            print(result.text)
+        result = engine.generate(prompt, **kwargs)
+    if not args.json:
+        _print_reply(result, streamed)
     if log is not None:
-        prompt = [{"role": "user", "content": args.prompt}] if not args.raw else args.prompt
+        logged = [{"role": "user", "content": prompt}] if isinstance(prompt, str) and not args.raw else prompt
         meta = {"target": engine.target.name, "chat": not args.raw, "finish_reason": result.finish_reason,
                 "temperature": args.temperature, "drafter": engine.drafter_name}
-        log.record(prompt, result.text, meta)
+        log.record(logged, result.text, meta)
     _print_result(args, engine, result, plain)
+
+
+def plain_run(engine: Engine, config: EngineConfig, prompt, kwargs: dict):
+    """The same request decoded plainly: drafter none, k = 0, and a grammar's forced tokens
+    scored one per forward too (a plain engine with k = 0 would still score them ahead).
+    Both engines first warm up on another prompt, so that neither times one-time costs and
+    neither finds the timed prompt in its cache."""
+    baseline = Engine(engine.target, "none", config=config, k=0)
+    baseline.draft_forced = False
+    for warm in (baseline, engine):
+        warm.generate(WARMUP_PROMPT, **{**kwargs, "max_new_tokens": 8})
+    return baseline.generate(prompt, **kwargs)
+
+
+def _print_reply(result, streamed: bool) -> None:
+    """The reply's text; with tool calls, its content and then one JSON line per call."""
+    if not result.tool_calls:
+        if not streamed:
+            print(result.text)
+        return
+    if result.content and not streamed:
+        print(result.content)
+    for call in result.tool_calls:
+        fn = call["function"]
+        try:
+            arguments = json.loads(fn["arguments"])
+        except ValueError:
+            arguments = fn["arguments"]  # a call cut short by max_new_tokens
+        print(json.dumps({"name": fn["name"], "arguments": arguments}, ensure_ascii=False))
 
 
 def _print_result(args: argparse.Namespace, engine: Engine, result, plain) -> None:
@@ -166,12 +257,13 @@ def _print_result(args: argparse.Namespace, engine: Engine, result, plain) -> No
         f"\n[{engine.drafter_name}, k={engine.k}] {s['generated_tokens']} tokens in {s['wall_time_s']:.2f}s "
         f"= {s['tokens_per_second']:.1f} tok/s | steps {s['steps']}, tau {s['mean_accepted_length']:.2f}, "
         f"drafted {s['drafted_tokens']}, accepted {s['accepted_tokens']} "
-        f"({100 * s['acceptance_rate']:.0f}%), finish {result.finish_reason}",
+        f"({100 * s['acceptance_rate']:.0f}%), forced {s['forced_tokens']}, finish {result.finish_reason}",
         file=sys.stderr if args.stream else sys.stdout,
     )
     if plain is not None:
         print(
-            f"[plain decoding] {s['plain_tokens_per_second']:.1f} tok/s -> speedup {s['speedup_vs_plain']:.2f}x, "
+            f"[plain decoding, one token per forward] {s['plain_tokens_per_second']:.1f} tok/s "
+            f"-> speedup {s['speedup_vs_plain']:.2f}x, "
             f"identical output: {s['matches_plain']}"
         )
 

@@ -20,6 +20,7 @@ from specdec.controller import AdaptiveK, ScoreCosts, make_controller
 from specdec.drafters import Drafter, make_drafter
 from specdec.errors import SpecdecError
 from specdec.grammar import MAX_FORCED, ConstrainedDraft, Constraint, GrammarMatcher, request_constraint
+from specdec.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from specdec.models import LoadedModel, load_model
 from specdec.prompts import Prompt, encode
 from specdec.sampling import SamplingParams, logits_to_probs
@@ -41,6 +42,7 @@ class GenerationResult:
     # text around them (None when the reply only called); `text` stays the raw reply.
     tool_calls: list[dict] = field(default_factory=list)
     content: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when asked for (logprobs.py)
 
     def to_dict(self) -> dict:
         out = {
@@ -105,6 +107,9 @@ class Engine:
         # scoring n tokens on this machine, and how often this drafter's tokens are accepted.
         self.costs = ScoreCosts()
         self.alpha_prior: float | None = None
+        # False: a grammar's forced tokens are scored one per forward too, as plain decoding
+        # scores them (the baseline `bench` and `generate --compare-plain` time against)
+        self.draft_forced = True
 
     # ---- prompts -------------------------------------------------------------------------
 
@@ -127,12 +132,14 @@ class Engine:
         *,
         response_format: dict | Constraint | None = None,
         json_schema: dict | None = None,
+        logprobs: int | None = None,
         **tool_args,  # tools, tool_choice, parallel_tool_calls, tool_parser: see stream()
     ) -> GenerationResult:
         """The whole reply. `response_format` (OpenAI's shape, or a grammar.Constraint) or
-        `json_schema` (a schema, enforced strictly) constrain it: see grammar.py."""
+        `json_schema` (a schema, enforced strictly) constrain it: see grammar.py. `logprobs=n`
+        fills `result.logprobs`: each token's logprob and its n likeliest rivals (logprobs.py)."""
         stream = self.stream(prompt, max_new_tokens, temperature, top_k, top_p, stop, seed, chat, _text=bool(stop),
-                             response_format=response_format, json_schema=json_schema, **tool_args)
+                             response_format=response_format, json_schema=json_schema, logprobs=logprobs, **tool_args)
         for _ in stream:
             pass
         assert stream.result is not None
@@ -156,6 +163,7 @@ class Engine:
         tool_choice: str | dict | None = None,
         parallel_tool_calls: bool | None = None,
         tool_parser: str = DEFAULT_PARSER,
+        logprobs: int | None = None,
     ) -> GenerationStream:
         """Validate now (so bad input fails before the first delta), generate lazily.
         `tools` (OpenAI function tools), `tool_choice` and `parallel_tool_calls` as in the
@@ -167,26 +175,29 @@ class Engine:
         params = self.config.decode_params(params)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise SpecdecError(f"max_new_tokens must be >= 1, got {max_new_tokens}", "max_new_tokens")
+        if logprobs is not None and not (isinstance(logprobs, int) and 0 <= logprobs <= MAX_TOP_LOGPROBS):
+            raise SpecdecError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {logprobs}", "logprobs")
         prompt_ids = self.encode_prompt(prompt, chat, plan)
         constraint = request_constraint(response_format, json_schema)
         if plan is not None:
             constraint = plan.constraint(constraint)
         grammar = GrammarMatcher(constraint, self.tokenizer, self.eos_token_ids) if constraint else None
         stream = GenerationStream(iter(()))
-        stream._deltas = self._run(stream, prompt_ids, params, max_new_tokens, stop, seed, _text, grammar, plan)
+        stream._deltas = self._run(stream, prompt_ids, params, max_new_tokens, stop, seed, _text, grammar, plan,
+                                   logprobs)
         return stream
 
     def _run(self, stream, prompt_ids, params, max_new_tokens, stop, seed, track_text, grammar=None,
-             plan: ToolPlan | None = None) -> Iterator[str]:
+             plan: ToolPlan | None = None, logprobs: int | None = None) -> Iterator[str]:
         if self.k in ("auto", None) and self.drafter_name != "none" and not self.costs.calibrated:
             self.costs.calibrate(self.backend)  # once per engine, before the first prompt fills the cache
         seq = Sequence(
             self.backend, self.drafter, prompt_ids, params, max_new_tokens, self.k,
             self.tokenizer, self.eos_token_ids, stop, seed, track_text,
-            costs=self.costs, prior_alpha=self.alpha_prior, grammar=grammar,
+            costs=self.costs, prior_alpha=self.alpha_prior, grammar=grammar, logprobs=logprobs,
         )
         seq.start()
-        while (tokens := seq.plan(tree=True)) is not None:
+        while (tokens := seq.plan(None if self.draft_forced else 0, tree=True)) is not None:
             t0 = time.perf_counter()
             if seq.tree_parents is not None:  # a token tree: one forward with tree attention
                 logits = self.backend.forward_tree(tokens, seq.tree_parents)  # [len(tokens), V]
@@ -228,6 +239,7 @@ class Sequence:
         costs: ScoreCosts | None = None,
         prior_alpha: float | None = None,
         grammar: GrammarMatcher | None = None,  # a structured-output constraint (grammar.py)
+        logprobs: int | None = None,  # None: off; n: each token's logprob and its row's n likeliest
     ):
         self.start_time = time.perf_counter()
         self.backend, self.drafter = backend, drafter
@@ -246,6 +258,8 @@ class Sequence:
         self.tree_parents: list[int] | None = None  # parents of the planned tokens when they form a tree
         self.grammar = grammar
         self._constrained: ConstrainedDraft | None = None  # the grammar's view of the planned draft
+        self.logprobs = logprobs
+        self.token_logprobs: list[TokenLogprob] = []  # aligned with `generated`
 
     def start(self) -> None:
         """Prefill every prompt token but the last, which becomes the pending token; keep the
@@ -350,6 +364,7 @@ class Sequence:
             keep = self.tracker.add(new)
             if keep is not None:
                 new, done, self.finish_reason = new[:keep], True, "stop"
+        self._add_logprobs(logits, result, new)
         self.context.extend(new)
         self.generated.extend(new)
         stats = self.stats
@@ -366,6 +381,14 @@ class Sequence:
         self.drafter.on_verified(self.context, result.num_accepted - forced)
         return self.tracker.delta() if self.track_text else ""
 
+    def _add_logprobs(self, logits: torch.Tensor, result, new: list[int]) -> None:
+        """Keep the logprobs of the emitted tokens `new` when the request asks for them."""
+        if self.logprobs is None:
+            return
+        # the row that scored each emitted token: a chain's i-th, or the accepted path's nodes
+        rows = list(range(len(new))) if self.tree_parents is None else [0, *[i + 1 for i in result.accepted]]
+        self.token_logprobs += token_logprobs(logits, rows[: len(new)], new, self.logprobs)
+
     def finish(self) -> str:
         """End the request: set `result`; return the last text delta."""
         self.done = True
@@ -381,6 +404,7 @@ class Sequence:
         final = self.tracker.delta(final=True)
         self.stats.wall_s = time.perf_counter() - self.start_time
         self.result = GenerationResult(
-            self.tracker.text, self.generated, self.finish_reason, self.stats, self.prompt_ids
+            self.tracker.text, self.generated, self.finish_reason, self.stats, self.prompt_ids,
+            logprobs=self.token_logprobs if self.logprobs is not None else None,
         )
         return final

@@ -35,6 +35,9 @@ def add_parser(sub) -> None:
     p.add_argument("--warmup", type=_nonneg_int, default=1, help="warm-up generations per runner")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--no-grammar", action="store_true",
+                   help="decode tool sessions without their grammars (tool_choice auto, unconstrained) and "
+                        "parse what the model writes: the valid-call rate without structured output")
     p.set_defaults(func=run_bench)
 
 
@@ -65,9 +68,12 @@ def run_bench(args: argparse.Namespace) -> None:
         file=sys.stderr,
     )
     run = run_benchmark(
-        target, questions, runners, args.max_new_tokens, args.temperature, args.warmup, args.seed
+        target, questions, runners, args.max_new_tokens, args.temperature, args.warmup, args.seed,
+        grammar=not args.no_grammar,
     )
     run.notes += notes
+    if any(q.session for q in questions) and any(r.kind == "peer" for r in runners) and not args.no_grammar:
+        run.notes.append("peers cannot constrain their output: they decode tool sessions without the grammar")
     settings = {
         "command": "specdec " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else None,
         "data": str(args.data or "shipped:bench.jsonl"),
@@ -83,6 +89,7 @@ def run_bench(args: argparse.Namespace) -> None:
         "draft_device": config.draft_device,
         "prefix_cache": config.prefix_cache,
         "verify_strategy": config.verify_strategy,
+        "grammar": not args.no_grammar,
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
         "warmup": args.warmup,

@@ -7,6 +7,8 @@ prompt token ids as the methods.
 - `llamacpp`: llama-cpp-python on the target's GGUF file (an optional extra). Its weights are
   quantized, so its tokens may differ from the float baseline; its match count is reported
   but is not a losslessness failure.
+
+Peers cannot constrain their output: they decode tool sessions without the grammar.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ class HFPeer(Runner):
         self.assistant, self.prompt_lookup = assistant, prompt_lookup
 
     @torch.inference_mode()
-    def run(self, prompt_ids, max_new_tokens, temperature, seed) -> TurnRecord:
+    def run(self, prompt_ids, max_new_tokens, temperature, seed, constraint=None) -> TurnRecord:
         from transformers import GenerationConfig
 
         sampling = temperature > 0
@@ -117,7 +119,7 @@ class LlamaCppPeer(Runner):
         )
         self.eos = set(eos_token_ids) | {self.llm.token_eos()}
 
-    def run(self, prompt_ids, max_new_tokens, temperature, seed) -> TurnRecord:
+    def run(self, prompt_ids, max_new_tokens, temperature, seed, constraint=None) -> TurnRecord:
         self.llm.reset()  # no prefix reuse from the previous turn: the other runners prefill too
         if temperature > 0:
             self.llm.set_seed(seed)

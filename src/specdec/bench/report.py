@@ -75,25 +75,33 @@ def markdown(results: dict) -> str:
               "Speedup = mean over questions of tok/s, divided by the baseline's. Per category, "
               "the decode-only speedup leaves each turn's prefill out of its wall time, and the "
               "prefill share is the part of the wall time spent reading prompts.", ""]
-    head = ["Method", *cats, "Overall", "τ", "Accept", "tok/s", "Exact match"]
+    calls = _has_calls(results)
+    if calls:
+        lines += [f"Tool sessions decoded {'with' if s.get('grammar', True) else 'without'} their grammars. "
+                  "Valid calls: of the turns that must call, those whose calls all parse and validate against "
+                  "their tool's schema; forced: the share of emitted tokens the grammar forced.", ""]
+    head = ["Method", *cats, "Overall", "τ", "Accept", "tok/s", "Exact match", *(_CALL_HEAD if calls else [])]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, e in _rows(results):
         cells = [f"`{name}`", *(_fmt(e["per_category"][c]["speedup"], ".2f", "x") for c in cats)]
         cells += [
             f"**{_fmt(e['speedup'], '.2f', 'x')}**", _fmt(e["mean_accepted_length"]),
             _fmt(e["acceptance_rate"], ".0%") if e["acceptance_rate"] is not None else "–",
-            _fmt(e["tokens_per_second"], ".1f"), e["exact_match"],
+            _fmt(e["tokens_per_second"], ".1f"), e["exact_match"], *(_call_cells(e) if calls else []),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     for cat in cats:
-        lines += ["", f"### {cat}", "", "| Method | tok/s | Speedup | Decode-only speedup | Prefill share | τ "
-                  "| Exact match |", "|---|---|---|---|---|---|---|"]
+        cat_calls = _has_calls(results, cat)
+        head = ["Method", "tok/s", "Speedup", "Decode-only speedup", "Prefill share", "τ", "Exact match",
+                *(_CALL_HEAD if cat_calls else [])]
+        lines += ["", f"### {cat}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for name, e in _rows(results):
             c = e["per_category"][cat]
             lines.append(
                 f"| `{name}` | {_fmt(c['tokens_per_second'], '.1f')} | {_fmt(c['speedup'], '.2f', 'x')} | "
                 f"{_fmt(c.get('decode_speedup'), '.2f', 'x')} | {_fmt(c.get('prefill_share'), '.0%')} | "
                 f"{_fmt(c['mean_accepted_length'])} | {c['exact_match']} |"
+                + ("".join(f" {cell} |" for cell in _call_cells(c)) if cat_calls else "")
             )
     if results.get("mismatches"):
         lines += ["", "### Mismatches against the baseline", ""]
@@ -108,10 +116,26 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+_CALL_HEAD = ["Valid calls", "Forced"]
+
+
+def _has_calls(results: dict, category: str | None = None) -> bool:
+    """Whether the run had turns that must call (tool sessions), overall or in `category`."""
+    entries = [e if category is None else e["per_category"][category] for _, e in _rows(results)]
+    return any(e.get("valid_calls") is not None for e in entries)
+
+
+def _call_cells(e: dict) -> list[str]:
+    rate = e.get("valid_call_rate")
+    valid = "–" if rate is None else f"{e['valid_calls']} ({rate:.0%})"
+    return [valid, _fmt(e.get("forced_share"), ".0%")]
+
+
 def summary_line(results: dict, out_dir: str | Path) -> str:
     """The one-line JSON summary that ends stdout."""
     def brief(e: dict) -> dict:
-        return {k: e[k] for k in ("speedup", "tokens_per_second", "mean_accepted_length", "exact_match")}
+        keys = ("speedup", "tokens_per_second", "mean_accepted_length", "exact_match", "valid_calls")
+        return {k: e[k] for k in keys if k in e and (k != "valid_calls" or e[k] is not None)}
 
     return json.dumps({
         "out": str(out_dir),
@@ -208,10 +232,13 @@ def plot_k_history(run: BenchRun, path: Path) -> Path:
 
 
 def print_table(results: dict, file=sys.stdout) -> None:
+    calls = _has_calls(results)
     for name, e in _rows(results):
+        valid, forced = _call_cells(e)
         print(
             f"{name:<28} speedup {_fmt(e['speedup'], '.2f', 'x'):>7}  {_fmt(e['tokens_per_second'], '.1f'):>7} tok/s  "
             f"decode-only {_fmt(e.get('decode_speedup'), '.2f', 'x'):>6}  "
-            f"tau {_fmt(e['mean_accepted_length']):>5}  exact {e['exact_match']}",
+            f"tau {_fmt(e['mean_accepted_length']):>5}  exact {e['exact_match']}"
+            + (f"  valid calls {valid}  forced {forced}" if calls else ""),
             file=file,
         )

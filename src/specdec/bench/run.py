@@ -8,6 +8,10 @@ Measurement follows Spec-Bench (evaluation/speed.py):
 - speedup = mean over questions of the runner's tok/s / the same mean for the baseline;
 - τ (mean accepted length) is pooled over all decoding steps.
 
+Tool sessions (category `tool_sessions`, tool_sessions.py) run as agents talk to the API:
+declared tools, replies under a grammar, the model's own calls answered by scripted tool
+results; their report adds the valid-call rate and the share of grammar-forced tokens.
+
 Runners take turns question by question (each question: every method and every peer, in an
 order that rotates from one question to the next), so machine drift hits them all alike.
 A multi-turn question feeds turn n+1 after the runner's own answer to turn n. Under greedy
@@ -24,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specdec.bench.tool_sessions import ToolSession, call_metrics, parse_session, run_session, warm_up_request
 from specdec.config import EngineConfig, split_k
 from specdec.drafters import DrafterSpec, available
 from specdec.engine import Engine
@@ -47,8 +52,9 @@ WARMUP_PROMPTS = (
 class Question:
     question_id: int | str
     category: str
-    turns: list[str]
+    turns: list  # the user messages; a tool session's turn objects
     reference: object = None
+    session: ToolSession | None = None  # a tool session (tool_sessions.py)
 
 
 def load_questions(
@@ -74,16 +80,18 @@ def load_questions(
         if missing:
             raise SpecdecError(f"{where}: missing field(s) {', '.join(missing)}", "data")
         qid, category, turns = obj["question_id"], obj["category"], obj["turns"]
+        session = parse_session(obj, where) if "tools" in obj else None
         if not isinstance(qid, int | str) or isinstance(qid, bool):
             raise SpecdecError(f"{where}: question_id must be an integer or a string", "data")
         if qid in seen:
             raise SpecdecError(f"{where}: duplicate question_id {qid!r}", "data")
         if not isinstance(category, str) or not category:
             raise SpecdecError(f"{where}: category must be a non-empty string", "data")
-        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+        if session is None and (not isinstance(turns, list) or not turns
+                                or not all(isinstance(t, str) and t.strip() for t in turns)):
             raise SpecdecError(f"{where}: turns must be a non-empty list of non-empty strings", "data")
         seen.add(qid)
-        questions.append(Question(qid, category, turns, obj.get("reference")))
+        questions.append(Question(qid, category, turns, obj.get("reference"), session))
     if not questions:
         raise SpecdecError(f"{path}: no questions", "data")
     if categories:
@@ -149,6 +157,9 @@ class TurnRecord:
     exact_match: bool | None = None  # vs the baseline's tokens; None when not compared
     first_diff: int | None = None
     text: str = ""
+    forced: int = 0  # tokens a grammar forced (tool sessions)
+    calls: list[dict] | None = None  # a tool-session reply's parsed calls ({"name", "arguments"})
+    valid_call: bool | None = None  # on turns that must call: whether every call is valid
 
     @property
     def new_tokens(self) -> int:
@@ -162,7 +173,10 @@ class Runner:
     kind: str
     exact = True  # False for a runner on other weights (quantized llama.cpp): differences are expected
 
-    def run(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> TurnRecord:
+    def run(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int,
+            constraint=None) -> TurnRecord:
+        """`constraint`: a tool session's grammar.Constraint, or None; runners that cannot
+        constrain their output (peers) ignore it."""
         raise NotImplementedError
 
 
@@ -172,23 +186,28 @@ class EngineRunner(Runner):
     def __init__(self, name: str, engine):
         self.name, self.engine = name, engine
 
-    def run(self, prompt_ids, max_new_tokens, temperature, seed) -> TurnRecord:
-        result = self.engine.generate(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    def run(self, prompt_ids, max_new_tokens, temperature, seed, constraint=None) -> TurnRecord:
+        result = self.engine.generate(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                      response_format=constraint)
         s = result.stats
         return TurnRecord(
-            list(result.token_ids), prefill_s=s.prefill_s, steps=s.num_steps, drafted=s.num_draft_tokens, accepted=s.num_accepted_tokens,
-            accepted_per_pos=list(s.accepted_per_pos), drafted_per_pos=list(s.drafted_per_pos),
-            accept_lengths=list(s.accept_lengths), k_history=list(s.k_history),
+            list(result.token_ids), prefill_s=s.prefill_s, steps=s.num_steps, drafted=s.num_draft_tokens,
+            accepted=s.num_accepted_tokens, accepted_per_pos=list(s.accepted_per_pos),
+            drafted_per_pos=list(s.drafted_per_pos), accept_lengths=list(s.accept_lengths),
+            k_history=list(s.k_history), forced=s.num_forced_tokens,
         )
 
 
 def make_engine_runners(target, methods: Sequence[str], config: EngineConfig | None = None) -> list[EngineRunner]:
     """One Engine per method, all sharing the loaded target's weights: `config` with the
-    method as its drafter (a `k=` in the method wins; the baseline `none` runs with k = 0)."""
+    method as its drafter (a `k=` in the method wins). `none` is plain decoding: k = 0, and a
+    grammar's forced tokens scored one per forward too, as every other method drafts them."""
     runners = []
     for method in methods:
-        k = 0 if DrafterSpec.parse(method).name == "none" else None
-        runners.append(EngineRunner(method, Engine(target, method, config=config, k=k)))
+        plain = DrafterSpec.parse(method).name == "none"
+        engine = Engine(target, method, config=config, k=0 if plain else None)
+        engine.draft_forced = not plain
+        runners.append(EngineRunner(method, engine))
     return runners
 
 
@@ -201,6 +220,7 @@ class BenchRun:
     mismatches: list[dict]
     greedy: bool
     notes: list[str] = field(default_factory=list)
+    grammar: bool = True  # tool sessions decode under their grammars (False: --no-grammar)
 
 
 def run_benchmark(
@@ -213,8 +233,10 @@ def run_benchmark(
     seed: int = 0,
     progress: bool = True,
     log: Callable[[str], None] | None = None,
+    grammar: bool = True,
 ) -> BenchRun:
-    """Run every runner on every question, interleaved; runners[0] is the baseline."""
+    """Run every runner on every question, interleaved; runners[0] is the baseline.
+    `grammar=False` decodes tool sessions without their grammars."""
     from tqdm.auto import tqdm
 
     greedy = temperature == 0.0
@@ -225,7 +247,8 @@ def run_benchmark(
     say = log or (lambda msg: bar.write(msg, file=sys.stderr))
 
     bar.set_description("warm-up")
-    _warm_up(target, runners, warmup, min(16, max_new_tokens), temperature, seed)
+    session = next((q.session for q in questions if q.session is not None), None) if grammar else None
+    _warm_up(target, runners, warmup, min(16, max_new_tokens), temperature, seed, session)
     bar.set_description("bench")
     for qi, question in enumerate(questions):
         # Rotate the order each question, so no runner always follows the same one (a runner
@@ -234,32 +257,45 @@ def run_benchmark(
         for runner in [*runners[shift:], *runners[:shift]]:
             bar.set_postfix_str(f"{question.question_id} {runner.name}", refresh=False)
             turn_seeds = [seed * 1_000_003 + qi * 64 + ti for ti in range(len(question.turns))]
-            records[runner.name][qi] = _run_turns(target, runner, question, max_new_tokens, temperature, turn_seeds)
+            records[runner.name][qi] = _run_turns(target, runner, question, max_new_tokens, temperature, turn_seeds,
+                                                  grammar)
             bar.update(1)
         if greedy:
             for runner in runners[1:]:
                 base, turns = records[baseline][qi], records[runner.name][qi]
                 mismatches += _compare(question, runner, base, turns, target.tokenizer, say)
     bar.close()
-    return BenchRun(list(questions), list(runners), baseline, records, mismatches, greedy)
+    return BenchRun(list(questions), list(runners), baseline, records, mismatches, greedy, grammar=grammar)
 
 
 def _warm_up(target, runners: Sequence[Runner], rounds: int, max_new_tokens: int, temperature: float,
-             seed: int) -> None:
+             seed: int, session: ToolSession | None = None) -> None:
+    """Warm-up prompts outside the set; with tool sessions, also one constrained reply on a
+    session's tools (the grammar's tokenizer tables are built once, not in a timed turn)."""
     tokenizer = target.tokenizer
-    warm_ids = [encode(tokenizer, WARMUP_PROMPTS[0], max_length=target.max_length)]
+    warm = [(encode(tokenizer, WARMUP_PROMPTS[0], max_length=target.max_length), None)]
     long_ids = tokenizer.encode(WARMUP_PROMPTS[1], add_special_tokens=False)
     if len(long_ids) + 64 < target.max_length:  # tiny test models have short windows
-        warm_ids.append(encode(tokenizer, WARMUP_PROMPTS[1], max_length=target.max_length))
+        warm.append((encode(tokenizer, WARMUP_PROMPTS[1], max_length=target.max_length), None))
+    if session is not None:
+        warm.append(warm_up_request(target, session, WARMUP_PROMPTS[0]))
     for runner in runners:
         for _ in range(rounds):
-            for ids in warm_ids:
-                runner.run(ids, max_new_tokens, temperature, seed)
+            for ids, constraint in warm:
+                if constraint is None:
+                    runner.run(ids, max_new_tokens, temperature, seed)
+                else:
+                    runner.run(ids, max_new_tokens, temperature, seed, constraint=constraint)
 
 
 def _run_turns(target, runner: Runner, question: Question, max_new_tokens: int, temperature: float,
-               seeds: list[int]) -> list[TurnRecord]:
+               seeds: list[int], grammar: bool = True) -> list[TurnRecord]:
     """One runner on one question: turn n+1 follows the runner's own answer to turn n."""
+    if question.session is not None:
+        try:
+            return run_session(target, runner, question.session, max_new_tokens, temperature, seeds, grammar)
+        except SpecdecError as e:
+            raise SpecdecError(f"question {question.question_id!r} {e.message}", "data") from e
     tokenizer = target.tokenizer
     messages: list[dict] = []
     turns = []
@@ -370,6 +406,7 @@ def aggregate(
         out["acceptance_rate"] = round(sum(t.accepted for t in turns) / drafted, 4) if drafted else None
     else:  # peers are black boxes: their steps are not observable
         out["mean_accepted_length"] = out["acceptance_rate"] = None
+    out.update(call_metrics(turns, is_method))
     if not greedy:
         out["exact_match"] = "n/a (sampling)"
     else:
@@ -423,6 +460,7 @@ def question_records(run: BenchRun) -> list[dict]:
                     "exact_match": t.exact_match, "first_diff": t.first_diff,
                     "accept_lengths": t.accept_lengths, "k_history": t.k_history,
                     "text": t.text, "token_ids": t.token_ids,
+                    **({"forced": t.forced, "tool_calls": t.calls, "valid_call": t.valid_call} if q.session else {}),
                 }
                 for t in run.records[runner.name][qi]
             ]

@@ -35,6 +35,7 @@ from specdec.models import load_model
 from specdec.prompts import encode
 from specdec.sampling import SamplingParams
 from specdec.serve.guards import ApiKeyAuth, BodyLimit
+from specdec.serve.logprobs import LogprobFormatter, requested
 from specdec.serve.metrics import ServerMetrics
 from specdec.serve.protocol import (
     ChatCompletionRequest,
@@ -170,6 +171,7 @@ class Gateway:
         self.load_error: str | None = None
         self.created = int(time.time())
         self._encode_lock = threading.Lock()
+        self.logprob_format: LogprobFormatter | None = None
         self._allowed: set[str] = set()
 
     # ---- loading -------------------------------------------------------------------------
@@ -188,6 +190,7 @@ class Gateway:
             self.metrics.bind_scheduler(scheduler)
             self.tokenizer, self.max_length = target.tokenizer, scheduler.max_length
             self.eos_token_ids = target.eos_token_ids
+            self.logprob_format = LogprobFormatter(target.tokenizer, target.eos_token_ids, self._encode_lock)
             self.vocab_size = int(target.model.get_input_embeddings().num_embeddings)
             scheduler.start()
             self.scheduler = scheduler  # last: from here on the server is ready
@@ -288,10 +291,12 @@ class Gateway:
         params.validate()
         if body.drafter is not None and (problem := self.check_drafter(body.drafter)):
             raise SpecdecError(problem, "drafter")
+        if (logprobs := requested(body, chat)) is not None:
+            self.logprob_format.prepare()  # here, off the event loop
         req = GenRequest(
             prompt_ids, params, max_tokens, emit, stop=stop, seed=body.seed, drafter=body.drafter,
             k=body.k, stream=bool(body.stream), timeout_s=self.config.request_timeout,
-            grammar=self.grammar(body, tools) if chat else None,
+            grammar=self.grammar(body, tools) if chat else None, logprobs=logprobs,
         )
         return req, tools
 
@@ -341,7 +346,8 @@ class Gateway:
                     use = usage(len(payload.prompt_ids), len(payload.token_ids), payload.stats.cached_prompt_tokens)
                     spec = spec_decode(payload.stats, req.drafter or self.scheduler.default_drafter)
                     text = tools.finish(payload).content if tools is not None else payload.text
-                    return JSONResponse(builder.full(text, payload.finish_reason, use, spec, payload.tool_calls))
+                    lps = self.logprob_format.request(chat, req.logprobs or 0).whole(payload.logprobs)
+                    return JSONResponse(builder.full(text, payload.finish_reason, use, spec, payload.tool_calls, lps))
             req.cancel()  # the client disconnected: stop generating, free the cache slot
             return Response(status_code=499)
         finally:
@@ -352,24 +358,27 @@ class Gateway:
     async def _stream(self, req, events: _Events, builder: ResponseBuilder, body, chat: bool, include_usage: bool,
                       tools: ToolPlan | None = None):
         calls = tools.stream() if tools is not None else None  # text deltas -> content and tool_calls deltas
+        lps = self.logprob_format.request(chat, req.logprobs or 0)  # chunks carry their tokens' logprobs
         try:
             if chat:  # the first delta carries the role
                 yield sse(builder.chunk("", role=True))
             while True:
                 kind, payload = await events.queue.get()
-                if kind == "delta" and calls is not None:
+                if kind == "logprobs":
+                    lps.add(payload)
+                elif kind == "delta" and calls is not None:
                     for delta in calls.feed(payload):
-                        yield sse(builder.chunk(delta=delta))
+                        yield sse(builder.chunk(delta=delta, logprobs=lps.take()))
                 elif kind == "delta":
-                    yield sse(builder.chunk(payload))
+                    yield sse(builder.chunk(payload, logprobs=lps.take()))
                 elif kind == "done":
                     self._record(body, chat, payload)
                     reason = payload.finish_reason
                     if calls is not None:
                         for delta in calls.finish():
-                            yield sse(builder.chunk(delta=delta))
+                            yield sse(builder.chunk(delta=delta, logprobs=lps.take()))
                         reason = finish_reason(calls.calls, reason)
-                    final = builder.chunk(None, reason)
+                    final = builder.chunk(None, reason, logprobs=lps.take())
                     final["spec_decode"] = spec_decode(payload.stats, req.drafter or self.scheduler.default_drafter)
                     yield sse(final)
                     if include_usage:

@@ -3,7 +3,10 @@
 Speculative counters (exposed with the `_total` suffix), as in vLLM's spec_decode metrics:
 - spec_decode_num_drafts: steps that verified a non-empty draft;
 - spec_decode_num_draft_tokens, spec_decode_num_accepted_tokens;
-- spec_decode_num_accepted_tokens_per_pos{position}: drafts whose token at `position` was kept.
+- spec_decode_num_accepted_tokens_per_pos{position}: drafts whose token at `position` was kept;
+- spec_decode_num_forced_tokens (ours): tokens a grammar forced (structured output, tool
+  calls). They are scored and always kept, but are not the drafter's: they stay out of the
+  draft and accepted counts, so the acceptance rate measures the drafter alone.
 Acceptance rate = rate(accepted_tokens) / rate(draft_tokens); mean acceptance length
 = 1 + accepted_tokens / drafts (bonus token included).
 """
@@ -27,6 +30,9 @@ class ServerMetrics:
         self.num_draft_tokens = Counter(p + "spec_decode_num_draft_tokens", "Draft tokens verified.", registry=r)
         self.num_accepted_tokens = Counter(
             p + "spec_decode_num_accepted_tokens", "Draft tokens accepted.", registry=r
+        )
+        self.num_forced_tokens = Counter(
+            p + "spec_decode_num_forced_tokens", "Tokens a grammar forced (not drafted).", registry=r
         )
         self.accepted_per_pos = Counter(
             p + "spec_decode_num_accepted_tokens_per_pos",
@@ -74,6 +80,8 @@ class ServerMetrics:
             self.num_drafts.inc(stats.num_drafts)
             self.num_draft_tokens.inc(stats.num_draft_tokens)
             self.num_accepted_tokens.inc(stats.num_accepted_tokens)
+        if stats.num_forced_tokens:
+            self.num_forced_tokens.inc(stats.num_forced_tokens)
         for pos, count in enumerate(stats.accepted_per_pos):
             if count:
                 self.accepted_per_pos.labels(position=str(pos)).inc(count)

@@ -1,9 +1,14 @@
 """OpenAI request schemas, error bodies and response objects for the server.
 
 Bounds that pydantic can check live on the fields (so they also appear in the OpenAPI
-schema); checks that need the tokenizer or the context length live in server.py. Unknown
-fields are accepted and ignored, as vLLM does; fields whose effect we cannot honour
-(logprobs, penalties, n > 1, ...) are refused with a 400 rather than silently ignored.
+schema); checks that need the tokenizer or the context length live in app.py.
+
+Allowlist, not denylist: the request models forbid unknown fields (vLLM accepts and ignores
+them), so nothing a client sends is silently dropped. An unknown field is a 400 naming it;
+OpenAI's and vLLM's fields we know but do not implement (NOT_SUPPORTED) say so; declared
+fields whose value we cannot honour (n > 1, penalties, logit_bias, ...) are refused by
+`unsupported()`. Accepted without effect on the output: `user`, `safety_identifier`,
+`metadata`, `prompt_cache_key` (metadata and routing hints) and `store: false`.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from specdec.config import MAX_K, parse_k
 from specdec.errors import SpecdecError
+from specdec.logprobs import MAX_TOP_LOGPROBS
 
 MAX_ERROR_MESSAGE = 1024  # characters; error bodies never echo unbounded input
 MAX_STOP = 16
@@ -49,10 +55,34 @@ def error_body(status: int, message: str, param: str | None = None, type_: str |
     }
 
 
+# Fields of OpenAI's and vLLM's request schemas that this server does not implement; sent,
+# they get "not supported" rather than "unrecognized" (any other unknown field is refused too).
+NOT_SUPPORTED = frozenset({
+    "audio", "modalities", "prediction", "reasoning_effort", "verbosity", "service_tier", "web_search_options",
+    "prompt_cache_retention", "functions", "function_call", "image_url", "input_audio", "file",
+    "continuous_usage_stats", "include_obfuscation", "echo",
+    "repetition_penalty", "min_p", "min_tokens", "ignore_eos", "stop_token_ids", "bad_words", "allowed_token_ids",
+    "use_beam_search", "length_penalty", "include_stop_str_in_output", "skip_special_tokens",
+    "spaces_between_special_tokens", "prompt_logprobs", "truncate_prompt_tokens", "logits_processors",
+    "return_tokens_as_token_ids", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "guided_decoding_backend", "structured_outputs", "chat_template", "chat_template_kwargs",
+    "add_generation_prompt", "continue_final_message", "documents", "add_special_tokens", "priority",
+    "request_id", "cache_salt", "vllm_xargs", "kv_transfer_params",
+})
+_HINTS = {
+    "functions": "use tools", "function_call": "use tool_choice", "image_url": "only text content parts are",
+    "input_audio": "only text content parts are", "file": "only text content parts are",
+    **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"),
+                    "use response_format"),
+}
+
+
 def validation_error(errors: list[dict]) -> tuple[str, str | None]:
-    """pydantic errors -> (message, param) for one 400 naming the first bad field; the input
-    is never echoed (a body with many bad fields must not produce a huge error)."""
+    """pydantic errors -> (message, param) for one 400 naming the first bad field (an unknown
+    field first); the input is never echoed (a body with many bad fields must not produce a
+    huge error)."""
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    first = next((e for e in errors if e.get("type") == "extra_forbidden"), first)
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
         return f"the request body is not valid JSON: {str(detail)[:200]}", None
@@ -63,40 +93,54 @@ def validation_error(errors: list[dict]) -> tuple[str, str | None]:
         param += f"[{p}]" if isinstance(p, int) else (f".{p}" if param else str(p))
     if not param:
         return f"the request body must be a JSON object: {first.get('msg', '')}", None
+    if first.get("type") == "extra_forbidden":
+        return _unknown_field(param, str(parts[-1])), param
     more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
     return f"{param}: {first.get('msg', 'invalid value')}{more}", param
+
+
+def _unknown_field(param: str, name: str) -> str:
+    if name not in NOT_SUPPORTED:
+        return f"Unrecognized request argument supplied: {param}"
+    hint = _HINTS.get(name)
+    return f"{param} is not supported by this server" + (f"; {hint}" if hint else "")
 
 
 def _is_branch(part: str) -> bool:
     return part[:1].islower() and ("[" in part or part in {"str", "int", "float", "bool", "list", "dict", "none"})
 
 
-class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # unknown fields: a 400 naming them
 
 
-class ContentPart(_Open):
+class ContentPart(_Strict):
     type: str = Field(max_length=64)
     text: str | None = None
 
 
-class ChatMessage(_Open):
+class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = Field(default=None, max_length=256)
     # An assistant's past calls and a tool's result; checked by tools.py, which names the field.
     tool_calls: list[Any] | None = Field(default=None, max_length=128)
     tool_call_id: str | None = Field(default=None, max_length=256)
+    # In an assistant message a client echoes back from a response; accepted when empty only.
+    refusal: str | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
+    annotations: list[Any] | None = Field(default=None, max_length=128)
 
 
-class StreamOptions(_Open):
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
 StopStrings = str | Annotated[list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOP)]
 
 
-class _Sampling(_Open):
+class _Sampling(_Strict):
     model: str | None = Field(default=None, max_length=512)
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -110,7 +154,12 @@ class _Sampling(_Open):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
+    # Metadata and routing hints, accepted without effect on the output.
     user: str | None = Field(default=None, max_length=512)
+    safety_identifier: str | None = Field(default=None, max_length=512)
+    prompt_cache_key: str | None = Field(default=None, max_length=512)
+    metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=16)] | None = None
+    store: bool | None = None  # only false: nothing is stored
     # Extensions: the speculative settings of this request.
     drafter: str | None = Field(default=None, max_length=512, description="drafter spec, e.g. ngram or none")
     k: int | Literal["auto"] | None = Field(default=None, description=f"draft length, 0..{MAX_K} or auto")
@@ -125,39 +174,42 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=5)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
 
 
 def unsupported(req: _Sampling) -> tuple[str, str] | None:
-    """(param, message) for a field we would have to ignore silently, else None."""
-    if req.n not in (None, 1):
-        return "n", f"only n=1 is supported, got n={req.n}"
-    if req.stream_options is not None and not req.stream:
-        return "stream_options", "stream_options is only allowed when stream is true"
-    if req.presence_penalty or req.frequency_penalty:
-        param = "presence_penalty" if req.presence_penalty else "frequency_penalty"
-        return param, f"{param} is not supported; leave it at 0"
-    if req.logit_bias:
-        return "logit_bias", "logit_bias is not supported"
-    if isinstance(req, ChatCompletionRequest) and (req.logprobs or req.top_logprobs):
-        return "logprobs", "logprobs are not supported"
+    """(param, message) for a declared field whose value we would have to ignore, else None."""
+    checks = [  # (param, refused, message)
+        ("n", req.n not in (None, 1), f"only n=1 is supported, got n={req.n}"),
+        ("stream_options", req.stream_options is not None and not req.stream,
+         "stream_options is only allowed when stream is true"),
+        ("presence_penalty", bool(req.presence_penalty), "presence_penalty is not supported; leave it at 0"),
+        ("frequency_penalty", bool(req.frequency_penalty), "frequency_penalty is not supported; leave it at 0"),
+        ("logit_bias", bool(req.logit_bias), "logit_bias is not supported"),
+        ("store", bool(req.store), "store=true is not supported: this server does not store completions"),
+    ]
+    if isinstance(req, ChatCompletionRequest):
+        checks.append(("top_logprobs", bool(req.top_logprobs) and not req.logprobs,
+                       "top_logprobs needs logprobs set to true"))
+        checks += [(f"messages[{i}].{name}", bool(getattr(m, name)), f"messages[{i}].{name} is not supported")
+                   for i, m in enumerate(req.messages) for name in ("refusal", "audio", "function_call", "annotations")]
     if isinstance(req, CompletionRequest):
-        if req.logprobs is not None:
-            return "logprobs", "logprobs are not supported"
-        if req.echo:
-            return "echo", "echo is not supported"
-        if req.best_of not in (None, 1):
-            return "best_of", "only best_of=1 is supported"
-        if req.suffix:
-            return "suffix", "suffix is not supported"
+        checks += [
+            ("echo", bool(req.echo), "echo is not supported"),
+            ("best_of", req.best_of not in (None, 1), "only best_of=1 is supported"),
+            ("suffix", bool(req.suffix), "suffix is not supported"),
+        ]
+    for param, refused, message in checks:
+        if refused:
+            return param, message
     if req.k is not None:
         try:
             parse_k(req.k)
@@ -204,13 +256,15 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 
 def spec_decode(stats, drafter: str) -> dict:
-    """Per-request speculative statistics: tau (mean_accepted_length) counts the bonus token."""
+    """Per-request speculative statistics: tau (mean_accepted_length) counts the bonus token
+    and grammar-forced tokens; drafted / accepted / acceptance_rate are the drafter's alone."""
     return {
         "drafter": drafter,
         "steps": stats.num_steps,
         "drafts": stats.num_drafts,
         "drafted": stats.num_draft_tokens,
         "accepted": stats.num_accepted_tokens,
+        "forced_tokens": stats.num_forced_tokens,
         "acceptance_rate": round(stats.acceptance_rate, 4),
         "mean_accepted_length": round(stats.mean_accepted_length, 4),
     }
@@ -228,30 +282,31 @@ class ResponseBuilder:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
     def full(self, text: str | None, finish_reason: str, usage_: dict, spec: dict,
-             tool_calls: list[dict] | None = None) -> dict:
+             tool_calls: list[dict] | None = None, logprobs: dict | None = None) -> dict:
         if self.chat:
             message = {"role": "assistant", "content": text}
             if tool_calls:
                 message["tool_calls"] = tool_calls
-            choice = {"index": 0, "message": message, "logprobs": None}
+            choice = {"index": 0, "message": message, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None}
+            choice = {"index": 0, "text": text, "logprobs": logprobs}
         choice["finish_reason"] = finish_reason
         body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
         return {**body, "usage": usage_, "spec_decode": spec}
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False,
-              delta: dict | None = None) -> dict:
-        """A stream chunk: a text delta, or a chat `delta` as tools.ToolStream makes them."""
+              delta: dict | None = None, logprobs: dict | None = None) -> dict:
+        """A stream chunk: a text delta, or a chat `delta` as tools.ToolStream makes them;
+        `logprobs`: those of the tokens generated since the previous chunk (serve/logprobs.py)."""
         if self.chat:
             delta = dict(delta or {})
             if role:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
 
     def usage_chunk(self, usage_: dict) -> dict:

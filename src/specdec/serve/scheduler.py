@@ -12,6 +12,7 @@ controller, generator and k, so the step logic is exactly Engine's.
 
 The worker talks to the outside only through `GenRequest.emit(kind, payload)`, called from
 the worker thread with kind "started" (prefilled), "delta" (text, streamed requests only),
+"logprobs" (the new tokens' logprobs, before their delta, streamed requests that ask only),
 "done" (a GenerationResult) or "error" (an exception).
 """
 
@@ -68,6 +69,7 @@ class GenRequest:
     stream: bool = False  # emit text deltas
     timeout_s: float | None = None
     grammar: GrammarMatcher | None = None  # the reply's constraint (response_format, tool calls); fresh per request
+    logprobs: int | None = None  # None: off; n: each token's logprob and n likeliest (streamed: "logprobs" events)
     id: int = field(default_factory=lambda: next(_ids))
     submitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -169,6 +171,7 @@ class _Active:
     backend: Backend
     drafter: Drafter
     spec: str
+    logprobs_sent: int = 0  # entries of seq.token_logprobs already emitted
 
 
 class Scheduler:
@@ -315,8 +318,7 @@ class Scheduler:
                 continue
             if a.req.first_token_at is None and a.seq.generated:
                 a.req.first_token_at = time.perf_counter()
-            if delta and a.req.stream:
-                _emit(a.req, "delta", delta)
+            _stream_step(a, delta)
             if a.seq.done:
                 self._complete(a)
         return True
@@ -375,7 +377,7 @@ class Scheduler:
             seq = Sequence(
                 backend, drafter, req.prompt_ids, self.engine.decode_params(req.params), req.max_new_tokens, k,
                 self.tokenizer, self.eos_token_ids, req.stop, req.seed, track_text=req.stream or bool(req.stop),
-                costs=self.costs, grammar=req.grammar,
+                costs=self.costs, grammar=req.grammar, logprobs=req.logprobs,
             )
             seq.start()
         except Exception as e:
@@ -422,6 +424,17 @@ class Scheduler:
     def _forget(self) -> None:
         with self._cond:
             self._num_active -= 1
+
+
+def _stream_step(a: _Active, delta: str) -> None:
+    """A streamed request's news after a step: its new tokens' logprobs (when asked), then its text."""
+    if not a.req.stream:
+        return
+    if a.req.logprobs is not None and len(a.seq.token_logprobs) > a.logprobs_sent:
+        _emit(a.req, "logprobs", a.seq.token_logprobs[a.logprobs_sent :])
+        a.logprobs_sent = len(a.seq.token_logprobs)
+    if delta:
+        _emit(a.req, "delta", delta)
 
 
 def _emit(req: GenRequest, kind: str, payload) -> None:
