@@ -1,13 +1,16 @@
 # Two commands for a fresh machine:
-#   make run   - set up .venv and generate with speculation on the embedded model, with the speedup
+#   make run   - set up .venv and run one agent turn (a tool call) with speculation on the embedded
+#                model, with the stats and the speedup over plain decoding
 #   make test  - set up .venv, lint, and run the whole test suite (what CI runs)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-PROMPT ?= Rewrite this function with type hints and a docstring, keeping the logic unchanged:\n\ndef merge_counts(a, b):\n    result = dict(a)\n    for key, value in b.items():\n        if key in result:\n            result[key] = result[key] + value\n        else:\n            result[key] = value\n    return result
-RUN_ARGS ?= --backend native --drafter ngram --max-new-tokens 160
+# One agent turn: the conversation so far (a tool call and its result) and a new question; the
+# reply must be a call to one of the tools in examples/tools.json.
+REQUEST ?= --messages examples/agent_turn.json --tools examples/tools.json --tool-choice required --no-parallel-tool-calls
+RUN_ARGS ?= --backend native --drafter ngram --max-new-tokens 96
 
 .PHONY: run test test-fast lint install clean
 
@@ -24,7 +27,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/specdec generate --compare-plain $(RUN_ARGS) --prompt "$$(printf '$(PROMPT)')"
+	$(BIN)/specdec generate --compare-plain $(RUN_ARGS) $(REQUEST)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests

@@ -31,7 +31,8 @@ def main() -> None:
     budget: dict[str, int] = {}
     controller.FixedK.tree_nodes = lambda self, k: budget.get("nodes", k)
     target = load_model(args.target)
-    prompts = [q.turns[0] for q in load_questions(limit=args.limit) if q.category != "agent_sessions"]
+    questions = load_questions(limit=args.limit)
+    prompts = [q.turns[0] for q in questions if q.category != "agent_sessions" and q.session is None]
     for k, nodes in SETTINGS:
         method = "none" if k == 0 else args.drafter + (":tree=1" if nodes else "")
         engine = Engine(target, method, k=k, backend="native")

@@ -33,7 +33,8 @@ MAX_K = 64  # the longest fixed draft anyone may ask for, server clients include
 VERIFY_STRATEGIES = ("rejection", "greedy")
 SECTIONS = ("serve",)  # file sections that other commands read
 
-_FIELDS = ("target", "drafter", "k", "backend", "backend_options", "prefix_cache", "draft_device", "verify_strategy")
+_FIELDS = ("target", "drafter", "k", "backend", "backend_options", "prefix_cache", "draft_device", "verify_strategy",
+           "draft_forced")
 ALIASES = {  # file key -> field
     **{name: name for name in _FIELDS},
     "score_model": "target", "model": "target",
@@ -82,6 +83,9 @@ class EngineConfig:
     prefix_cache: str = "prompt"  # prompt | decoded | off (True/False mean prompt/off)
     draft_device: str | None = None  # where a `model` drafter runs (the target stays put)
     verify_strategy: str = "rejection"  # see VERIFY_STRATEGIES
+    # A grammar's forced tokens join every draft (always accepted). False scores them one
+    # per forward, as plain decoding does: only for the baselines speedups are timed against.
+    draft_forced: bool = True
 
     def __post_init__(self) -> None:
         for name in ("target", "backend"):
@@ -94,6 +98,8 @@ class EngineConfig:
         if self.verify_strategy not in VERIFY_STRATEGIES:
             raise SpecdecError(f"verify_strategy must be one of {', '.join(VERIFY_STRATEGIES)}, "
                                f"got {self.verify_strategy!r}", "verify_strategy")
+        if not isinstance(self.draft_forced, bool):
+            raise SpecdecError(f"draft_forced must be true or false, got {self.draft_forced!r}", "draft_forced")
         if self.draft_device is not None and not isinstance(self.draft_device, str):
             raise SpecdecError(f"draft_device must be a string, got {self.draft_device!r}", "draft_device")
         options = self.backend_options or {}

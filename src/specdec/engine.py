@@ -107,9 +107,6 @@ class Engine:
         # scoring n tokens on this machine, and how often this drafter's tokens are accepted.
         self.costs = ScoreCosts()
         self.alpha_prior: float | None = None
-        # False: a grammar's forced tokens are scored one per forward too, as plain decoding
-        # scores them (the baseline `bench` and `generate --compare-plain` time against)
-        self.draft_forced = True
 
     # ---- prompts -------------------------------------------------------------------------
 
@@ -195,9 +192,10 @@ class Engine:
             self.backend, self.drafter, prompt_ids, params, max_new_tokens, self.k,
             self.tokenizer, self.eos_token_ids, stop, seed, track_text,
             costs=self.costs, prior_alpha=self.alpha_prior, grammar=grammar, logprobs=logprobs,
+            draft_forced=self.config.draft_forced,
         )
         seq.start()
-        while (tokens := seq.plan(None if self.draft_forced else 0, tree=True)) is not None:
+        while (tokens := seq.plan(tree=True)) is not None:
             t0 = time.perf_counter()
             if seq.tree_parents is not None:  # a token tree: one forward with tree attention
                 logits = self.backend.forward_tree(tokens, seq.tree_parents)  # [len(tokens), V]
@@ -240,6 +238,7 @@ class Sequence:
         prior_alpha: float | None = None,
         grammar: GrammarMatcher | None = None,  # a structured-output constraint (grammar.py)
         logprobs: int | None = None,  # None: off; n: each token's logprob and its row's n likeliest
+        draft_forced: bool = True,  # EngineConfig.draft_forced
     ):
         self.start_time = time.perf_counter()
         self.backend, self.drafter = backend, drafter
@@ -256,7 +255,7 @@ class Sequence:
         self.result: GenerationResult | None = None
         self._step: tuple | None = None  # (k, draft_tokens, draft_probs, cache_len, propose_s) between plan and advance
         self.tree_parents: list[int] | None = None  # parents of the planned tokens when they form a tree
-        self.grammar = grammar
+        self.grammar, self.draft_forced = grammar, draft_forced
         self._constrained: ConstrainedDraft | None = None  # the grammar's view of the planned draft
         self.logprobs = logprobs
         self.token_logprobs: list[TokenLogprob] = []  # aligned with `generated`
@@ -308,7 +307,7 @@ class Sequence:
         where the grammar rejects it. Forced tokens are certain, so they are scored even past
         k (up to MAX_FORCED, and k_cap); the drafter gets what k leaves. Trees become chains:
         the masks follow one path."""
-        limit = min(remaining - 1, room, MAX_FORCED if k_cap is None else k_cap)
+        limit = min(remaining - 1, room, MAX_FORCED if k_cap is None else k_cap) if self.draft_forced else 0
         forced = self.grammar.forced()[: max(0, limit)]
         budget = k - len(forced)
         draft = self.drafter.propose(self.context + forced, budget) if budget > 0 else None

@@ -205,8 +205,7 @@ def make_engine_runners(target, methods: Sequence[str], config: EngineConfig | N
     runners = []
     for method in methods:
         plain = DrafterSpec.parse(method).name == "none"
-        engine = Engine(target, method, config=config, k=0 if plain else None)
-        engine.draft_forced = not plain
+        engine = Engine(target, method, config=config, k=0 if plain else None, draft_forced=not plain)
         runners.append(EngineRunner(method, engine))
     return runners
 

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP gateway: FastAPI routes over the continuous-batching scheduler.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health
-(503 while the model loads), GET /metrics (Prometheus).
+Routes (one module each in serve/routes/): POST /v1/chat/completions, POST /v1/completions,
+GET /v1/models, GET /health (503 while the model loads), GET /metrics (Prometheus).
 
 The model runs in the scheduler's worker thread; each request gets an asyncio queue that the
 worker fills through `loop.call_soon_threadsafe`. Hardening: 127.0.0.1 by default, an
@@ -38,8 +38,6 @@ from specdec.serve.guards import ApiKeyAuth, BodyLimit
 from specdec.serve.logprobs import LogprobFormatter, requested
 from specdec.serve.metrics import ServerMetrics
 from specdec.serve.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
     ResponseBuilder,
     error_body,
     message_text,
@@ -50,6 +48,7 @@ from specdec.serve.protocol import (
     usage,
     validation_error,
 )
+from specdec.serve.routes import routers
 from specdec.serve.scheduler import (
     GenRequest,
     LoadPolicy,
@@ -440,29 +439,8 @@ def create_app(config: ServeConfig) -> FastAPI:
         log.exception("unhandled error")
         return error_response(500, f"internal error ({type(exc).__name__})")
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await gateway.complete(body, request, chat=True)
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        return await gateway.complete(body, request, chat=False)
-
-    @app.get("/v1/models")
-    async def models():
-        card = {"id": config.model_name, "object": "model", "created": gateway.created, "owned_by": "specdec",
-                "max_model_len": gateway.max_length}
-        return {"object": "list", "data": [card]}
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"} if gateway.ready else gateway.not_ready()
-
-    @app.get("/metrics")
-    async def metrics():
-        data, content_type = gateway.metrics.render()
-        return Response(data, media_type=content_type)
-
+    for router in routers():
+        app.include_router(router)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     if config.api_key:
         app.add_middleware(ApiKeyAuth, api_key=config.api_key)

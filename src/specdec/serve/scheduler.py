@@ -377,7 +377,7 @@ class Scheduler:
             seq = Sequence(
                 backend, drafter, req.prompt_ids, self.engine.decode_params(req.params), req.max_new_tokens, k,
                 self.tokenizer, self.eos_token_ids, req.stop, req.seed, track_text=req.stream or bool(req.stop),
-                costs=self.costs, grammar=req.grammar, logprobs=req.logprobs,
+                costs=self.costs, grammar=req.grammar, logprobs=req.logprobs, draft_forced=self.engine.draft_forced,
             )
             seq.start()
         except Exception as e:
