@@ -12,14 +12,13 @@ backend is one module with a class that satisfies `Backend` and a factory regist
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from specdec.backends.prefix_cache import PrefixCache, prefix_cache_mode
-from specdec.errors import SpecdecError
+from specdec.registry import Registry
 
 
 @runtime_checkable
@@ -132,26 +131,8 @@ def forward_batch(sequences: list[Backend], token_lists: list[list[int]]) -> lis
 # PrefixCache in the given mode, from the options a user gave (None values already dropped);
 # it raises a one-line SpecdecError for an option it does not know.
 BackendFactory = Callable[..., Backend]
-REGISTRY: dict[str, BackendFactory] = {}
-_BUILTIN_MODULES = ("hf", "native")
-
-
-def register(name: str) -> Callable[[BackendFactory], BackendFactory]:
-    def wrap(factory: BackendFactory) -> BackendFactory:
-        REGISTRY[name] = factory
-        return factory
-
-    return wrap
-
-
-def _load_builtins() -> None:
-    for module in _BUILTIN_MODULES:
-        importlib.import_module(f"{__name__}.{module}")
-
-
-def available() -> list[str]:
-    _load_builtins()
-    return sorted(REGISTRY)
+REGISTRY: Registry[BackendFactory] = Registry("backend", __name__, ("hf", "native"), "backend")
+register, available = REGISTRY.register, REGISTRY.available
 
 
 def make_backend(kind: str, target, prefix_cache: bool | str = "prompt", **options) -> Backend:
@@ -162,9 +143,6 @@ def make_backend(kind: str, target, prefix_cache: bool | str = "prompt", **optio
     --help` lists them; native takes precision (fp32|bf16|int8|int4), device, max_length,
     slots and compile.
     """
-    _load_builtins()
-    factory = REGISTRY.get(kind)
-    if factory is None:
-        raise SpecdecError(f"unknown backend {kind!r}; choose one of: {', '.join(available())}", "backend")
+    factory = REGISTRY.lookup(kind)
     mode = prefix_cache_mode(prefix_cache)
     return factory(target, mode, **{key: value for key, value in options.items() if value is not None})

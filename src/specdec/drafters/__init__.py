@@ -16,13 +16,13 @@ the only place that turns a method string into a drafter.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from specdec.errors import SpecdecError
+from specdec.registry import Registry
 from specdec.sampling import SamplingParams
 
 
@@ -89,38 +89,17 @@ class DrafterSpec:
 # A factory builds a drafter from its spec and the loaded target (for tokenizer checks or
 # shared weights).
 DrafterFactory = Callable[[DrafterSpec, object], Drafter]
-REGISTRY: dict[str, DrafterFactory] = {}
-_BUILTIN_MODULES = ("none", "ngram", "draft_model", "layerskip", "eagle", "suffix", "retrieval", "hybrid")
-
-
-def register(name: str) -> Callable[[DrafterFactory], DrafterFactory]:
-    def wrap(factory: DrafterFactory) -> DrafterFactory:
-        REGISTRY[name] = factory
-        return factory
-
-    return wrap
-
-
-def _load_builtins() -> None:
-    for module in _BUILTIN_MODULES:
-        importlib.import_module(f"{__name__}.{module}")
-
-
-def available() -> list[str]:
-    _load_builtins()
-    return sorted(REGISTRY)
+REGISTRY: Registry[DrafterFactory] = Registry(
+    "drafter", __name__, ("none", "ngram", "draft_model", "layerskip", "eagle", "suffix", "retrieval", "hybrid"),
+    "drafter",
+)
+register, available = REGISTRY.register, REGISTRY.available
 
 
 def make_drafter(spec: str | DrafterSpec, target: object, device: str | None = None) -> Drafter:
     """Build a drafter from a method string. Engine-level options (like `k`) are ignored here.
     `device` places a drafter's own model (the draft on cpu while the target is on cuda)."""
-    _load_builtins()
     parsed = spec if isinstance(spec, DrafterSpec) else DrafterSpec.parse(spec)
     if device is not None:
         parsed.device = device
-    factory = REGISTRY.get(parsed.name)
-    if factory is None:
-        raise SpecdecError(
-            f"unknown drafter {parsed.name!r}; choose one of: {', '.join(available())}", "drafter"
-        )
-    return factory(parsed, target)
+    return REGISTRY.lookup(parsed.name)(parsed, target)

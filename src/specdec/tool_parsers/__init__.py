@@ -24,12 +24,10 @@ results (`render_result`), and the llguidance Lark grammar that forces calls (`g
 
 from __future__ import annotations
 
-import importlib
 import json
-from collections.abc import Callable
 
-from specdec.errors import SpecdecError
 from specdec.grammar import JSON_OPTIONS
+from specdec.registry import Registry
 from specdec.tool_parsers.scanner import CallObject, Event
 
 __all__ = ["CallObject", "Event", "ToolParser", "assemble", "available_parsers", "get_parser", "register_parser"]
@@ -169,41 +167,13 @@ def assemble(events: list[Event]) -> tuple[str, list[dict]]:
 
 # ---- registry ----------------------------------------------------------------------------
 
-PARSERS: dict[str, type[ToolParser]] = {}
-
-
-def register_parser(*names: str) -> Callable[[type[ToolParser]], type[ToolParser]]:
-    def wrap(cls: type[ToolParser]) -> type[ToolParser]:
-        for name in names:
-            PARSERS[name] = cls
-        return cls
-
-    return wrap
-
-
-_BUILTIN_MODULES = ("hermes", "json_calls")
-
-
-def _load_builtins() -> None:
-    for module in _BUILTIN_MODULES:
-        importlib.import_module(f"{__name__}.{module}")
-
-
-def available_parsers() -> list[str]:
-    _load_builtins()
-    return sorted(PARSERS)
+PARSERS: Registry[type[ToolParser]] = Registry("tool-call parser", __name__, ("hermes", "json_calls"), "tool_parser")
+register_parser, available_parsers = PARSERS.register, PARSERS.available
 
 
 def get_parser(name: str | type[ToolParser]) -> type[ToolParser]:
     if isinstance(name, type) and issubclass(name, ToolParser):
         return name
-    _load_builtins()
-    cls = PARSERS.get(name) if isinstance(name, str) else None
-    if cls is None:
-        raise SpecdecError(
-            f"unknown tool-call parser {str(name)[:64]!r}; choose one of: {', '.join(available_parsers())}",
-            "tool_parser",
-        )
-    return cls
+    return PARSERS.lookup(name)
 
 
