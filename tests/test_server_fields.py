@@ -52,6 +52,7 @@ CHAT_REFUSED = [  # (extra_body, param); messages replace the default ones
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
      "messages[0].content[0].image_url"),
     ({"messages": [USER, {"role": "assistant", "content": "x", "refusal": "no"}, USER]}, "messages[1].refusal"),
+    ({"messages": [{**USER, "name": "alice"}]}, "messages[0].name"),
     ({"messages": [USER, {"role": "assistant", "content": "x", "audio": {"id": "a"}}, USER]}, "messages[1].audio"),
 ]
 COMPLETION_REFUSED = [

@@ -101,7 +101,9 @@ def chat_message(i: int, m) -> dict:
         msg["tool_calls"] = m.tool_calls
     if m.tool_call_id is not None:
         msg["tool_call_id"] = m.tool_call_id
-    if m.role == "tool" and m.name is not None:
+    if m.name is not None:
+        if m.role != "tool":  # the chat template has no place for a speaker's name
+            raise SpecdecError(f"messages[{i}].name is supported on tool messages only", f"messages[{i}].name")
         msg["name"] = m.name
     return msg
 
