@@ -69,7 +69,7 @@ def test_unknown_backend():
 
 # ---- the contract: every registered backend implements all of `Backend` ---------------------
 
-CONTRACT_OPTIONS = {"hf": {}, "native": {"precision": "fp32"}}  # a new backend adds its row here
+CONTRACT_OPTIONS = {"hf": {}, "native": {"precision": "fp32"}, "auto": {}}  # a new backend adds its row here
 
 
 def protocol_members(*protocols) -> set[str]:

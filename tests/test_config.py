@@ -137,9 +137,10 @@ def test_cli_flags_override_the_file(tmp_path):
                                                prefix_cache="off", verify_strategy="greedy")
     args = parse(["generate", "--prompt", "x", "--config", path, "--k", "auto", "--target", "u"])
     assert (engine_config(args).k, engine_config(args).target) == ("auto", "u")
-    # without a file, the defaults are EngineConfig's (what the flags defaulted to before)
-    assert engine_config(parse(["generate", "--prompt", "x"])) == EngineConfig()
-    assert engine_config(parse(["bench", "--methods", "none"])) == EngineConfig()
+    # without a file, the defaults are EngineConfig's, but the backend is auto's choice: native
+    # for the default target (a Llama)
+    assert engine_config(parse(["generate", "--prompt", "x"])) == EngineConfig(backend="native")
+    assert engine_config(parse(["bench", "--methods", "none"])) == EngineConfig(backend="native")
     assert engine_config(parse(["distill", "--out", "o", "--config", path])).target == "t"
 
 

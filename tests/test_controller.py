@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.controller import AdaptiveK, FixedK, ScoreCosts, expected_tokens, make_controller
+from specdec.controller import AdaptiveK, FixedK, ScoreCosts, context_bucket, expected_tokens, make_controller
 from specdec.errors import SpecdecError
 
 
@@ -119,4 +119,83 @@ def test_calibrate_times_every_size_and_leaves_the_cache_as_it_was(kind):
     costs = ScoreCosts()
     costs.calibrate(backend, sizes=(1, 2, 5), repeats=2)
     assert costs.calibrated and backend.length == 3
-    assert all(costs.cost(n) > 0 for n in (1, 2, 5)) and set(costs._mean) == {1, 2, 5}
+    assert all(costs.cost(n) > 0 for n in (1, 2, 5)) and costs.sizes(3) == {1, 2, 5}
+
+
+# ---- costs that know the context ---------------------------------------------------------------
+
+
+def long_context_time(n: int, context: int) -> float:
+    """Fake seconds to score n tokens after `context` cached ones: a 4-row staircase plus
+    attention that grows with n * context (at 3000 tokens, 8 rows cost twice what they do
+    after an empty cache)."""
+    return 0.02 * (1.0 + 0.4 * ((n - 1) // 4)) + ATTENTION_S * n * context
+
+
+ATTENTION_S = 1.2e-6  # seconds per query per cached key, for the fake timings
+
+
+def test_costs_are_kept_per_context_bucket():
+    costs = ScoreCosts()
+    for n in range(1, 10):
+        costs.observe(n, long_context_time(n, 0), context=0)  # the reference: what calibrate times
+    costs.observe(1, long_context_time(1, 3000), context=3000)
+    costs.observe(5, long_context_time(5, 3000), context=3000)
+    assert context_bucket(3000) == context_bucket(2500) != context_bucket(0)
+    assert costs.cost(5, 3000) == pytest.approx(long_context_time(5, 3000))  # timed there
+    assert costs.cost(5, 0) == pytest.approx(long_context_time(5, 0))  # unchanged at short contexts
+    # an n not timed at 3000: the reference's staircase plus the line through what 3000 adds
+    assert costs.cost(3, 3000) == pytest.approx(long_context_time(3, 0) + ATTENTION_S * 3000 * 3, rel=1e-6)
+    assert costs.cost(5, 5000) == costs.cost(5, 3000)  # nothing timed at 5000: the nearest shorter bucket
+    assert costs.cost(5, 100) == costs.cost(5, 0)
+
+
+@pytest.mark.parametrize(("context", "alpha", "speculates"),
+                         [(100, 0.15, True), (3000, 0.15, False), (3000, 0.9, True)])
+def test_the_bypass_holds_on_long_contexts(context, alpha, speculates):
+    """Calibrated at an empty cache, the controller meets a long prompt: its first step there
+    is plain (it times t(1) at that length), and from then on it speculates only where the
+    wider step pays at that length. With α = 0.15 (ngram on summaries) a 2-token step pays
+    after 100 tokens but not after 3000."""
+    costs = ScoreCosts()
+    for n in range(1, 18):
+        costs.observe(n, long_context_time(n, 0))
+    controller = AdaptiveK(costs=costs, prior_alpha=alpha, prior_weight=1e9)  # α pinned
+    ks = []
+    for step in range(60):
+        k = controller.next_k(context + step)
+        ks.append(k)
+        controller.observe(k, int(alpha * k), k + 1, long_context_time(k + 1, context + step), 0.0)
+    assert (ks[0] == 0) == (context >= CONTEXT_EDGE)
+    assert (sum(k > 0 for k in ks[30:]) >= 25) == speculates, ks
+
+
+CONTEXT_EDGE = 512
+
+
+def test_a_bypassed_drafter_stays_bypassed_across_requests():
+    """The back-off lives in the shared cost model: a second request on the same engine,
+    whose drafter never paid, probes after 64 plain steps instead of 4."""
+    costs = ScoreCosts()
+    first = AdaptiveK(costs=costs)
+    drive(first, 0.0, 300, slope=0.5)
+    second = make_controller("auto", costs, prior_alpha=first.alpha)
+    ks = [second.next_k() for _ in range(40)]
+    assert ks == [0] * 40 and costs.backoff == second.max_backoff
+
+
+@pytest.mark.parametrize(
+    ("table", "k", "filled"),
+    [
+        ({1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15, 5: 2.0, 6: 2.0, 7: 2.0, 8: 2.0, 9: 3.0}, 4, 7),  # rows 5-8: one block
+        ({1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15, 5: 2.0, 6: 2.0, 7: 2.0, 8: 2.0, 9: 3.0}, 3, 3),  # already full
+        ({n: 1.0 + 0.5 * (n - 1) for n in range(1, 18)}, 4, 4),  # every row costs: no free fill
+        ({n: 1.0 for n in range(1, 18)}, 14, 15),  # flat, but never past k_max + 1 rows
+    ],
+)
+def test_verification_widths_fill_the_row_block_when_free(table, k, filled):
+    costs = ScoreCosts()
+    for n, t in table.items():
+        costs.observe(n, t)
+    controller = AdaptiveK(costs=costs, prior_alpha=0.8, prior_weight=1e9, k_max=15)
+    assert controller.fill_block(k) == filled

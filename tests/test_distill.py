@@ -12,8 +12,16 @@ from specdec.cli import main
 from specdec.engine import Engine
 from specdec.errors import SpecdecError
 from specdec.models import load_model
+from specdec.prompts import encode
 from specdec.serve.traffic_log import TrafficLog, read_traffic
-from specdec.train.data import load_sources, split_heldout
+from specdec.tools import tool_plan
+from specdec.train.data import (
+    DataSettings,
+    _generate_sequences,
+    load_sources,
+    sources_from_logs,
+    split_heldout,
+)
 from specdec.train.distill import draft_layer_ids, init_draft, new_eagle_head, topk_kl
 
 PROMPT = "def add(a, b):"
@@ -158,3 +166,30 @@ def test_generate_logs_and_distill_reads_the_log(workspace, tmp_path, capsys):
           "--quick", "--steps", "3"])
     report = json.loads((out / "report-draft.json").read_text())
     assert report["data_sequences"] == 2 and report["steps"] == 3  # one of three is held out
+
+
+def test_logged_tool_conversations_are_rendered_with_their_tools(tmp_path):
+    """A served tool conversation (a past call with null content, its result, the request's
+    tools in the meta) is a training source, rendered with the tools the server showed."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city.",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    messages = [{"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "rain"},
+                {"role": "user", "content": "And in Rome?"}]
+    target = save_loaded(tiny_llama(seed=5, layers=2, hidden=64, max_positions=2048), tmp_path / "target")
+    log = TrafficLog(tmp_path / "log")
+    log.record(messages, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>',
+               {"target": target, "finish_reason": "tool_calls", "tools": tools})
+    sources, skipped = sources_from_logs(tmp_path / "log", target)
+    assert skipped == 0 and len(sources) == 1
+    source = sources[0]
+    assert source.tools == tools and source.logged_stop
+    engine = Engine(target, drafter="none")
+    [seq] = _generate_sequences(engine, source, DataSettings(), seed=0)
+    prompt_ids = encode(engine.tokenizer, messages, tools=tool_plan(tools))
+    assert seq.tokens[:seq.gen_start] == prompt_ids
+    assert prompt_ids != encode(engine.tokenizer, messages)  # the tools block is part of the prompt
+    assert seq.tokens[-1] == engine.tokenizer.eos_token_id

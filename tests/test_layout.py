@@ -25,6 +25,9 @@ ALLOWED_LATE_IMPORTS: dict[tuple[str, str], str] = {
     ("specdec.serve.cli", "specdec.serve.app"): (
         "serve.app needs fastapi (the serve extra), and every command's parser loads serve.cli"
     ),
+    ("specdec.serve.cli", "specdec.serve.ray_serve"): (
+        "ray_serve needs ray (the ray extra), loaded only for --replicas > 1 or --ray-address"
+    ),
 }
 
 

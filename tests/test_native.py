@@ -191,7 +191,7 @@ def test_tree_forward_matches_chain_forwards(model, shape):
 @pytest.mark.parametrize("precision", ["int4", "int8"])
 @pytest.mark.parametrize("shape", ["branches", "forest"])
 def test_tree_scores_every_path_with_the_bits_of_plain_decoding(target, precision, shape):
-    """Tree nodes attend query by query with their path laid out as a chain would hold it, so
+    """Tree nodes attend with their path laid out as a chain would hold it (attention.py), so
     each node's logits, and the cache kept after `keep`, are bit-identical to decoding that
     path one token per step: token trees stay exact over a quantized target (whose kernels
     are row-wise; fp32 GEMM is not, see test_quantized_scoring_is_batch_invariant)."""
@@ -276,8 +276,8 @@ def test_engine_greedy_native_equals_transformers(target, drafter):
 
 @pytest.mark.parametrize("precision", ["int8", "int4", "bf16"])
 def test_quantized_scoring_is_batch_invariant(target, precision):
-    """The int8/int4/bf16 kernels compute each row on its own and short chains attend query by
-    query, so scoring k tokens, alone or batched with other sequences, gives the very bits of
+    """The int8/int4/bf16 kernels compute each row on its own and attention is batch-invariant
+    (attention.py), so scoring k tokens, alone or batched with other sequences, gives the very bits of
     k one-token steps (fp32 GEMM does not: it differs from GEMV by ~1e-6), and speculation
     over a quantized target reproduces its plain greedy output exactly."""
     options = {"precision": precision}

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-import specdec.serve.scheduler as scheduler_mod
+import specdec.serve.slots as slots_mod
 from conftest import tiny_llama
 from specdec.backends import prefix_cache as backend_mod
 from specdec.backends.hf import HFBackend
@@ -141,7 +141,7 @@ class FakePool:
 
 def test_pooled_backend_gets_one_forward_per_step_and_slots_back(target, monkeypatch):
     pool = FakePool(target)
-    monkeypatch.setattr(scheduler_mod, "make_backend", lambda kind, t, **o: pool.new_sequence())
+    monkeypatch.setattr(slots_mod, "make_backend", lambda kind, t, **o: pool.new_sequence())
     sched = Scheduler(target, EngineConfig(backend="fake", drafter="ngram:min=1"), max_batch=3)
     assert sched.batched
     plain = Engine(target, drafter="none", k=0)
@@ -327,7 +327,7 @@ def test_requests_share_a_calibrated_cost_model_fed_by_solo_steps_only(target, m
     sched = Scheduler(target, EngineConfig(drafter="ngram:min=1"), max_batch=4)
     assert sched.costs.calibrated and sched.slots.in_use == 0
     seen: list[tuple[int, float]] = []
-    monkeypatch.setattr(sched.costs, "observe", lambda n, s: seen.append((n, s)))
+    monkeypatch.setattr(sched.costs, "observe", lambda n, s, context=0: seen.append((n, s)))
     recorders = [Recorder(sched) for _ in PROMPTS[:2]]
     for prompt, rec, max_new in zip(PROMPTS[:2], recorders, (6, 24), strict=True):
         sched.submit(make_request(target, prompt, rec, max_new=max_new))

@@ -31,14 +31,20 @@ MODEL = "tiny"
 
 
 class ServerProcess:
-    def __init__(self, model_dir: str, *args: str, env: dict | None = None):
+    """A real `specdec serve` on a free port. The tiny random models run on the hf backend by
+    default (what their expected replies are computed with); pass backend="auto" for the
+    server's own default."""
+
+    def __init__(self, model_dir: str, *args: str, env: dict | None = None, backend: str = "hf"):
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+        if "--backend" not in args:
+            args = ("--backend", backend, *args)
         cmd = [sys.executable, "-m", "specdec.cli", "serve", "--target", model_dir, "--port", "0", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=full_env)
         self.lines: list[str] = []
         self._listening = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
-        if not self._listening.wait(60):
+        if not self._listening.wait(180):  # importing torch takes long on a loaded machine
             self.close()
             raise RuntimeError("server did not start:\n" + "".join(self.lines))
         port = re.search(r"http://127\.0\.0\.1:(\d+)", "".join(self.lines)).group(1)
@@ -73,11 +79,14 @@ class ServerProcess:
             self.proc.kill()
 
     def metrics(self) -> dict[str, float]:
+        """Sample name (labels included, model_name left out: every sample must carry it) -> value."""
         text = httpx.get(self.url + "/metrics", timeout=10).text
         values = {}
         for line in text.splitlines():
-            if line and not line.startswith("#"):
+            if line.startswith("specdec:"):
                 name, _, value = line.rpartition(" ")
+                assert re.search(r'model_name="[^"]+"', name), line
+                name = re.sub(r',?model_name="[^"]*"', "", name).replace("{,", "{").replace("{}", "")
                 values[name] = float(value)
         return values
 
@@ -160,7 +169,8 @@ def test_models_and_api_key(server, client):
 
 def test_chat_streamed_equals_not_streamed(client):
     messages = [{"role": "user", "content": PROMPTS[0]}]
-    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
+                                          extra_body={"return_spec_decode": True})
     text = full.choices[0].message.content
     assert full.choices[0].finish_reason in ("length", "stop")
     assert full.usage.completion_tokens == 20 or full.choices[0].finish_reason == "stop"
@@ -214,10 +224,11 @@ def test_seed_makes_sampling_reproducible(client):
 
 def test_extra_body_drafter_and_k(client):
     base = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0)
-    off = client.completions.create(**base, extra_body={"drafter": "none"})
+    off = client.completions.create(**base, extra_body={"drafter": "none", "return_spec_decode": True})
     on = client.completions.create(**base, extra_body={"drafter": "ngram", "k": 4})
     assert off.model_extra["spec_decode"]["drafted"] == 0
     assert off.model_extra["spec_decode"]["drafter"] == "none"
+    assert "spec_decode" not in on.model_extra  # opt-in: a caller sees its statistics only when it asks
     assert on.choices[0].text == off.choices[0].text
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(**base, extra_body={"drafter": "model:/etc"})
@@ -410,8 +421,11 @@ def test_metrics_and_traffic_log(server, client, log_dir):
 
     from specdec.serve.traffic_log import read_traffic
 
+    deadline = time.time() + 10  # the writer thread writes soon after the reply
+    while not any(r["prompt"] == PROMPTS[3] for r in list(read_traffic(log_dir))):
+        assert time.time() < deadline
+        time.sleep(0.05)
     records = list(read_traffic(log_dir))
-    assert records and any(r["prompt"] == PROMPTS[3] for r in records)
     chat = [r for r in records if r["meta"]["chat"]]
     assert chat and chat[0]["prompt"][0]["role"] == "user"
 
@@ -453,7 +467,7 @@ def test_full_queue_gets_429_with_retry_after(model_dir):
 @pytest.mark.slow
 def test_real_model_serves_lossless_chat(tmp_path):
     """SmolLM2-135M: streamed equals not streamed, and the ngram drafter changes nothing."""
-    srv = ServerProcess("smollm2-135m", "--served-model-name", "smol")
+    srv = ServerProcess("smollm2-135m", "--served-model-name", "smol", backend="auto")
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=300)
         messages = [{"role": "user", "content": "List three colors as a JSON array."}]

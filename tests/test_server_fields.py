@@ -117,7 +117,8 @@ def test_harmless_values_and_metadata_are_accepted(client):
 def _chat(client, drafter: str, stream: bool = False, **kw):
     messages = [{"role": "user", "content": PROMPTS[1]}]
     return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0, stream=stream,
-                                          logprobs=True, top_logprobs=3, extra_body={"drafter": drafter}, **kw)
+                                          logprobs=True, top_logprobs=3, extra_body={"drafter": drafter, "return_spec_decode": True},
+                                          **kw)
 
 
 def _close(a: list[float], b: list[float]) -> None:
@@ -152,7 +153,7 @@ def test_chat_logprobs_equal_under_speculation_and_streamed(client):
 
 def _completion(client, drafter: str, stream: bool = False):
     return client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0, logprobs=2,
-                                     stream=stream, extra_body={"drafter": drafter})
+                                     stream=stream, extra_body={"drafter": drafter, "return_spec_decode": True})
 
 
 def test_completion_logprobs_legacy_shape_equal_under_speculation_and_streamed(client):
@@ -188,8 +189,8 @@ SCHEMA = {
 def test_forced_tokens_are_a_metric_and_a_per_request_count(server, client):
     before = server.metrics().get("specdec:spec_decode_num_forced_tokens_total", 0.0)
     reply = client.chat.completions.create(
-        model=MODEL, messages=[USER], max_tokens=60, temperature=0, extra_body={"drafter": "none"},
-        response_format={"type": "json_schema", "json_schema": {"name": "call", "schema": SCHEMA, "strict": True}},
+        model=MODEL, messages=[USER], max_tokens=60, temperature=0,
+        extra_body={"drafter": "none", "return_spec_decode": True}, response_format={"type": "json_schema", "json_schema": {"name": "call", "schema": SCHEMA, "strict": True}},
     )
     spec = reply.model_extra["spec_decode"]
     assert spec["forced_tokens"] > 0 and spec["drafted"] == 0 and spec["accepted"] == 0

@@ -102,11 +102,11 @@ def test_streamed_tool_calls_reassemble_to_the_non_streamed_ones(client):
 def test_speculation_changes_no_tool_call(client):
     base = dict(messages=[{"role": "user", "content": "Note: the quick brown fox."}], tools=[NOTE],
                 tool_choice={"type": "function", "function": {"name": "take_note"}}, parallel_tool_calls=False)
-    plain = create(client, **base, extra_body={"drafter": "none"})
+    plain = create(client, **base, extra_body={"drafter": "none", "return_spec_decode": True})
     want = [c.function.model_dump() for c in plain.choices[0].message.tool_calls]
     accepted = 0
     for drafter in ("ngram", "suffix"):
-        spec = create(client, **base, extra_body={"drafter": drafter, "k": 4})
+        spec = create(client, **base, extra_body={"drafter": drafter, "k": 4, "return_spec_decode": True})
         assert [c.function.model_dump() for c in spec.choices[0].message.tool_calls] == want
         assert spec.usage.completion_tokens == plain.usage.completion_tokens
         assert spec.choices[0].finish_reason == plain.choices[0].finish_reason
@@ -265,7 +265,7 @@ def test_real_model_calls_tools_losslessly():
     """SmolLM2-135M (no tool support in its template: the system block shows the tools):
     a named call parses and follows the schema, ngram and suffix drafting change nothing, and
     the streamed call equals the non-streamed one."""
-    srv = ServerProcess("smollm2-135m", "--served-model-name", "smol")
+    srv = ServerProcess("smollm2-135m", "--served-model-name", "smol", backend="auto")
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=300)
         base = dict(model="smol", messages=[{"role": "user", "content": "What's the weather in Paris, in celsius?"}],

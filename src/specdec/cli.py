@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 from specdec.backends import available as available_backends
+from specdec.backends.auto import resolve_backend
 from specdec.backends.prefix_cache import PREFIX_CACHE_MODES
-from specdec.config import VERIFY_STRATEGIES, EngineConfig, read_config
+from specdec.config import CLI_BACKEND, VERIFY_STRATEGIES, EngineConfig, read_config
 from specdec.engine import Engine
 from specdec.errors import SpecdecError
 from specdec.grammar import request_constraint
@@ -67,7 +68,8 @@ def add_engine_args(p: argparse.ArgumentParser, drafter: str | None = None) -> N
 
 
 def add_backend_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", help="model backend: hf (transformers, the default) or native (lean PyTorch)")
+    p.add_argument("--backend", help="model backend: auto (the default: native for Llama-family targets, else hf), "
+                                      "native (lean PyTorch) or hf (transformers)")
     p.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE",
                    help="backend option, repeatable (native: precision=fp32|bf16|int8|int4, device=cuda, "
                         "max_length=N, compile=1: torch.compile the decode step, for faster single streams; "
@@ -97,10 +99,12 @@ def engine_config(args: argparse.Namespace, data: dict | None = None) -> EngineC
             raise SpecdecError(f"--backend-option expects KEY=VALUE, got {item!r}", "backend_option")
         options[key] = value
     config = config.override(**{name: getattr(args, name, None) for name in ENGINE_FLAGS}, backend_options=options)
+    if getattr(args, "backend", None) is None and data.get("backend") is None:
+        config = config.override(backend=CLI_BACKEND)
     if config.backend not in available_backends():
         raise SpecdecError(f"unknown backend {config.backend!r}; choose one of: {', '.join(available_backends())}",
                            "backend")
-    return config
+    return config.override(backend=resolve_backend(config.backend, config.target))  # auto: native or hf, by name
 
 
 def add_generate_parser(sub) -> None:

@@ -3,18 +3,24 @@
 `AdaptiveK` feeds the expected-speedup model of Leviathan et al. (2023) with numbers it
 measures online:
 - α, the per-token acceptance rate, from (accepted, rejected) counts with exponential decay;
-- t(n), the cost of scoring n tokens in one target forward, and the cost of drafting one
-  token (`ScoreCosts`: timed per n at start-up and tracked online; an Engine shares one
-  across its requests, since the hardware and the model do not change between them).
+- t(n), the cost of scoring n tokens in one target forward after c cached tokens, and the
+  cost of drafting one token (`ScoreCosts`: timed per n at start-up, tracked online per n
+  and per context-length bucket, since attention makes wide steps dearer on long contexts;
+  an Engine shares one across its requests, since the hardware and the model do not
+  change between them).
 A k-token draft then yields (1 - α^(k+1)) / (1 - α) tokens per step at a cost of
 t(k+1) + k * t_draft, against 1 token per t(1) for plain decoding. The controller picks
 the k with the best rate, grows it by at most `grow` per step, and bypasses speculation
 (k = 0) when no k beats plain decoding. While bypassed it probes again after a back-off
-that doubles each time the probe does not pay.
+that doubles each time the probe does not pay, and the back-off outlives the request (it
+lives in the shared ScoreCosts): a bypassed drafter is not even asked to propose, so it costs
+nothing between probes. The first step at a new context bucket is a plain one, which times
+t(1) there. A chosen k is raised to fill the int4 kernel's 4-row block when that is free.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass
 
@@ -26,13 +32,14 @@ class FixedK:
     def __init__(self, k: int):
         self.k = k
 
-    def next_k(self) -> int:
+    def next_k(self, context: int = 0) -> int:
         return self.k
 
     def tree_nodes(self, k: int) -> int:
         return k  # a tree scores as many tokens as the chain would
 
-    def observe(self, num_drafted: int, num_accepted: int, num_scored: int, score_s: float, propose_s: float) -> None:
+    def observe(self, num_drafted: int, num_accepted: int, num_scored: int, score_s: float, propose_s: float,
+                context: int | None = None) -> None:
         pass
 
 
@@ -43,26 +50,45 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
+CONTEXT_BUCKETS = (0, 512, 1024, 2048, 4096, 8192, 16384)  # bucket i: contexts from edge i to edge i + 1
+ROW_BLOCK = 4  # rows the int4 CPU GEMM works in (BLOCK_M): a 5th scored token starts a new block
+
+
+def context_bucket(context: int) -> int:
+    return bisect.bisect_right(CONTEXT_BUCKETS, max(0, context)) - 1
+
+
 class ScoreCosts:
-    """Seconds to score n tokens in one target forward, kept per n, plus seconds to draft one
-    token.
+    """Seconds to score n tokens in one target forward, per n and per context-length bucket,
+    plus seconds to draft one token.
 
     Kernels make t(n) a staircase rather than a line: PyTorch's int4 CPU GEMM works in
-    blocks of 4 rows (a fifth token starts a new block; docs/performance-notes.md), and a compiled
-    forward pads to shape buckets. So each n keeps its own time (`calibrate` times them at
-    start-up, `observe` tracks the steps as an EMA), and an n never timed falls back to the
-    line t(n) = t1 * (1 + slope * (n - 1)) fitted by least squares through the timed ones.
-    Before anything is measured, t1 = 1 and slope = `prior_slope`.
+    blocks of 4 rows (a fifth token starts a new block; docs/performance-notes.md), and a
+    compiled forward pads to shape buckets. Attention makes it grow with the context: n
+    queries over c cached keys. So each (bucket, n) keeps its own time (`calibrate` times
+    them at start-up at the backend's current length, `observe` tracks steps as an EMA), and
+    an n not timed in a bucket is estimated from the reference bucket (the one timed at the
+    most sizes, normally the calibration's) plus the extra this bucket measured, a line in n
+    through the differences at the sizes it did measure. In the reference bucket, an n never
+    timed falls back to the line t(n) = t1 * (1 + slope * (n - 1)) fitted by least squares;
+    before anything is measured, t1 = 1 and slope = `prior_slope`.
     """
 
     CALIBRATION_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 17)  # 17 = the default k_max + 1
 
     def __init__(self, prior_slope: float = 0.15):
         self.prior_slope = prior_slope
-        self._mean: dict[int, float] = {}  # n -> EMA of seconds
+        self._tables: dict[int, dict[int, float]] = {}  # bucket -> n -> EMA of seconds
         self.t_draft = 0.0
-        self._fit: tuple[float, float] | None = None  # (t1, slope), refitted lazily
+        self._fit: tuple[float, float] | None = None  # the reference bucket's (t1, slope), refitted lazily
         self.calibrated = False
+        # The bypass back-off earlier requests reached: a drafter that does not pay stays
+        # bypassed from a new request's first steps instead of being probed every 4 steps.
+        self.backoff = 4
+
+    def sizes(self, context: int = 0) -> set[int]:
+        """The n timed in the bucket of `context`."""
+        return set(self._tables.get(context_bucket(context), {}))
 
     def calibrate(self, backend: RollbackLM, sizes: tuple[int, ...] = CALIBRATION_SIZES, repeats: int = 3) -> None:
         """Time target forwards of each size on `backend` (median of `repeats`, interleaved so
@@ -78,45 +104,73 @@ class ScoreCosts:
                 backend.forward([0] * n)
                 times[n].append(time.perf_counter() - t0)
                 backend.rollback(start)
+        table = self._tables.setdefault(context_bucket(start), {})
         for n, ts in times.items():
-            self._mean[n] = sorted(ts)[len(ts) // 2]
+            table[n] = sorted(ts)[len(ts) // 2]
         self._fit, self.calibrated = None, True
 
-    def observe(self, num_scored: int, score_s: float) -> None:
+    def observe(self, num_scored: int, score_s: float, context: int = 0) -> None:
+        """One forward of num_scored tokens after `context` cached ones took score_s seconds."""
         if num_scored < 1 or score_s <= 0:
             return
-        old = self._mean.get(num_scored)
-        self._mean[num_scored] = score_s if old is None else 0.8 * old + 0.2 * score_s
+        table = self._tables.setdefault(context_bucket(context), {})
+        old = table.get(num_scored)
+        table[num_scored] = score_s if old is None else 0.8 * old + 0.2 * score_s
         self._fit = None
 
     def observe_draft(self, num_drafted: int, propose_s: float) -> None:
         if num_drafted > 0:
             self.t_draft = 0.8 * self.t_draft + 0.2 * (propose_s / num_drafted)
 
+    def _reference(self) -> int:
+        return max(self._tables, key=lambda b: (len(self._tables[b]), -b)) if self._tables else 0
+
     def fit(self) -> tuple[float, float]:
+        """(t1, slope) of the line through the reference bucket's times."""
         if self._fit is None:
-            points = sorted(self._mean.items())
+            points = sorted(self._tables.get(self._reference(), {}).items())
             if not points:
                 self._fit = (1.0, self.prior_slope)
             elif len(points) == 1:
                 n, t = points[0]
                 self._fit = (t / (1.0 + self.prior_slope * (n - 1)), self.prior_slope)
             else:
-                xs = [n - 1 for n, _ in points]
-                ys = [t for _, t in points]
-                mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-                b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
-                a = my - b * mx
+                a, b = _line([n - 1 for n, _ in points], [t for _, t in points])
                 if a <= 0:  # noise pushed the intercept below zero: keep the smallest n's time
                     a = points[0][1]
                 self._fit = (a, max(0.0, b) / a)
         return self._fit
 
-    def cost(self, n: int) -> float:
-        if n in self._mean:
-            return self._mean[n]
+    def cost(self, n: int, context: int = 0) -> float:
+        reference = self._reference()
+        bucket = context_bucket(context)
+        while bucket > reference and not self._tables.get(bucket):
+            bucket -= 1  # nothing timed at this context yet: the nearest shorter one that was
+        table = self._tables.get(bucket, {})
+        if n in table:
+            return table[n]
+        if bucket == reference or not table:
+            return self._reference_cost(n)
+        extra = [(m - 1, t - self._reference_cost(m)) for m, t in table.items()]  # what this context adds
+        if len(extra) == 1:
+            return self._reference_cost(n) + extra[0][1]
+        a, b = _line([x for x, _ in extra], [y for _, y in extra])
+        return self._reference_cost(n) + a + max(0.0, b) * (n - 1)
+
+    def _reference_cost(self, n: int) -> float:
+        table = self._tables.get(self._reference(), {})
+        if n in table:
+            return table[n]
         t1, slope = self.fit()
         return t1 * (1.0 + slope * (n - 1))
+
+
+def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares intercept and slope."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    spread = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / spread if spread else 0.0
+    return my - b * mx, b
 
 
 @dataclass
@@ -137,16 +191,25 @@ class AdaptiveK:
         self._rejected = (1.0 - self.prior_alpha) * self.prior_weight
         self.costs = self.costs or ScoreCosts()
         self._bypass_left = 0
-        self._backoff = 4
         self.bypassed = False
         self.drafted = 0  # tokens drafted in this request
+        self.context = 0  # tokens in the target's cache at the step being planned
+        self._timed: set[int] = set()  # context buckets where this request asked for a plain step
 
     @property
     def alpha(self) -> float:
         return self._accepted / (self._accepted + self._rejected)
 
+    @property
+    def _backoff(self) -> int:  # shared through the cost model, so it outlives a request
+        return self.costs.backoff
+
+    @_backoff.setter
+    def _backoff(self, steps: int) -> None:
+        self.costs.backoff = steps
+
     def score_cost(self, n: int) -> float:
-        return self.costs.cost(n)
+        return self.costs.cost(n, self.context)
 
     def rate(self, k: int) -> float:
         """Expected tokens per second with a k-token draft (k = 0 is plain decoding)."""
@@ -156,6 +219,15 @@ class AdaptiveK:
 
     def best_k(self) -> int:
         return max(range(1, self.k_max + 1), key=self.rate)
+
+    def fill_block(self, k: int, free: float = 1.02) -> int:
+        """k raised so that the k + 1 scored rows fill the kernel's last row block, when the
+        fuller step costs no more (within `free`) and does not lower the expected rate: on
+        the int4 CPU staircase rows 5 to 8 cost what row 5 does."""
+        fuller = min(self.k_max, -(-(k + 1) // ROW_BLOCK) * ROW_BLOCK - 1)
+        if fuller <= k or self.score_cost(fuller + 1) > free * self.score_cost(k + 1):
+            return k
+        return fuller if self.rate(fuller) >= self.rate(k) else k
 
     def tree_nodes(self, k: int, slack: float = 1.05) -> int:
         """How many draft nodes a token tree may have when the controller priced a k-token
@@ -167,7 +239,13 @@ class AdaptiveK:
             n += 1
         return n
 
-    def next_k(self) -> int:
+    def next_k(self, context: int = 0) -> int:
+        """k for a step whose target cache holds `context` tokens."""
+        self.context = context
+        bucket = context_bucket(context)
+        if bucket > 0 and bucket not in self._timed and 1 not in self.costs.sizes(context):
+            self._timed.add(bucket)
+            return 0  # first step at this context length: a plain one times t(1) here
         if self._bypass_left > 0:
             self._bypass_left -= 1
             return 0
@@ -182,12 +260,14 @@ class AdaptiveK:
             self._backoff = min(self._backoff * 2, self.max_backoff)
             return 0
         self._backoff = max(4, self._backoff // 2)
-        self.k = min(best, self.k + self.grow)
+        self.k = self.fill_block(min(best, self.k + self.grow))
         return self.k
 
-    def observe(self, num_drafted: int, num_accepted: int, num_scored: int, score_s: float, propose_s: float) -> None:
-        """num_scored tokens went through one target forward that took score_s seconds."""
-        self.costs.observe(num_scored, score_s)
+    def observe(self, num_drafted: int, num_accepted: int, num_scored: int, score_s: float, propose_s: float,
+                context: int | None = None) -> None:
+        """num_scored tokens went through one target forward that took score_s seconds, after
+        `context` cached tokens (default: the context next_k was given)."""
+        self.costs.observe(num_scored, score_s, self.context if context is None else context)
         if num_drafted == 0:
             return
         self.drafted += num_drafted

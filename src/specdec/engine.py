@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.backends import Backend, make_backend
+from specdec.backends.prefix_cache import chunk_end
 from specdec.config import EngineConfig
 from specdec.controller import AdaptiveK, ScoreCosts, make_controller
 from specdec.drafters import Drafter, make_drafter
@@ -23,7 +24,7 @@ from specdec.grammar import MAX_FORCED, ConstrainedDraft, Constraint, GrammarMat
 from specdec.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from specdec.models import LoadedModel, load_model
 from specdec.prompts import Prompt, encode
-from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.sampling import PositionDraws, SamplingParams, logits_to_probs
 from specdec.stats import SpecStats
 from specdec.text import TextTracker
 from specdec.tools import DEFAULT_PARSER, ToolPlan, tool_plan
@@ -245,7 +246,9 @@ class Sequence:
         self.prompt_ids, self.params, self.max_new_tokens = prompt_ids, params, max_new_tokens
         self.eos_token_ids, self.track_text = eos_token_ids, track_text
         self.stats = SpecStats(prompt_tokens=len(prompt_ids))
-        self.generator = torch.Generator().manual_seed(seed if seed is not None else int(torch.seed() % 2**63))
+        seed = seed if seed is not None else int(torch.seed() % 2**63)
+        self.generator = torch.Generator().manual_seed(seed)  # the drafter's own draws
+        self.draws = PositionDraws(seed)  # verification's, keyed to the output position: k cannot change them
         self.controller = make_controller(k, costs, prior_alpha)
         self.tracker = TextTracker(tokenizer, stop)
         self.context = list(prompt_ids)
@@ -259,16 +262,34 @@ class Sequence:
         self._constrained: ConstrainedDraft | None = None  # the grammar's view of the planned draft
         self.logprobs = logprobs
         self.token_logprobs: list[TokenLogprob] = []  # aligned with `generated`
+        self.prefilling = False  # between start(prefill=False) and the prefill_step that ends the prompt
+        self._prefilled = 0  # prompt tokens the cache holds so far
 
-    def start(self) -> None:
-        """Prefill every prompt token but the last, which becomes the pending token; keep the
-        part the backend's cache holds from an earlier prompt (its `PrefixCache`)."""
+    def start(self, prefill: bool = True) -> None:
+        """Begin the request: the drafter's set-up, then the prefill of every prompt token but
+        the last, which becomes the pending token, keeping the part the backend's cache holds
+        from an earlier prompt (its `PrefixCache`). With prefill=False the caller feeds the
+        prompt in pieces with `prefill_step` until `prefilling` is False (chunked prefill)."""
         self.drafter.begin(self.prompt_ids, self.params, self.generator)
+        self._prefilled = self.backend.prefix_cache.cached_prefix(self.prompt_ids[:-1])
+        self.stats.cached_prompt_tokens = self._prefilled
+        self.prefilling = True
+        if prefill:
+            self.prefill_step()
+
+    def prefill_step(self, budget: int | None = None) -> int:
+        """Feed the next prompt tokens, about `budget` of them (None: all the rest), paused
+        on a chunk boundary (`chunk_end`), so the cache ends up with the bits of a whole
+        prefill. Returns how many tokens were fed."""
         prefix = self.prompt_ids[:-1]
-        keep = self.backend.prefix_cache.cached_prefix(prefix)
-        self.backend.prefill(prefix, all_logits=False, keep=keep)  # nobody reads the prompt's logits
-        self.stats.cached_prompt_tokens = keep
-        self.stats.prefill_s = time.perf_counter() - self.start_time
+        done = self._prefilled
+        end = chunk_end(done, len(prefix), budget)
+        self.backend.prefill(prefix[:end], all_logits=False, keep=done)  # nobody reads the prompt's logits
+        self._prefilled = end
+        if end == len(prefix):
+            self.prefilling = False
+            self.stats.prefill_s = time.perf_counter() - self.start_time
+        return end - done
 
     def plan(self, k_cap: int | None = None, tree: bool = False) -> list[int] | None:
         """Draft up to k tokens (at most k_cap); return the tokens to score, or None when done.
@@ -277,6 +298,7 @@ class Sequence:
         self.tree_parents)` whenever `tree_parents` is set; otherwise trees become chains.
         """
         self.tree_parents = None
+        assert not self.prefilling, "plan() follows the prompt's prefill"
         if self.done:
             return None
         remaining = self.max_new_tokens - len(self.generated)
@@ -284,7 +306,7 @@ class Sequence:
         if remaining <= 0 or room < 0:
             self.done = True
             return None
-        k = max(0, min(self.controller.next_k(), remaining - 1, room))
+        k = max(0, min(self.controller.next_k(self.backend.length), remaining - 1, room))
         if k_cap is not None:
             k = min(k, max(0, k_cap))
         t0 = time.perf_counter()
@@ -332,11 +354,11 @@ class Sequence:
             draft_tokens, draft_probs = constrained.for_verification()
         num_forced = constrained.num_forced if constrained is not None else 0
         t2 = time.perf_counter()
-        params, backend = self.params, self.backend
+        params, backend, at = self.params, self.backend, len(self.generated)  # at: the step's first output position
         num_drafted = len(draft_tokens)
         if self.tree_parents is not None:
             parents = [p - 1 for p in self.tree_parents[1:]]
-            result = verify_tree(draft_tokens, parents, draft_probs, logits, params, self.generator)
+            result = verify_tree(draft_tokens, parents, draft_probs, logits, params, self.draws, at)
             keep_path(backend, result.accepted)
             num_drafted = tree_depth(parents)  # stats and controller count the tree's depth
         else:
@@ -344,7 +366,7 @@ class Sequence:
             if params.greedy:
                 result = verify_greedy(drafted, logits.argmax(-1))
             else:
-                result = verify_sampling(drafted, draft_probs, logits_to_probs(logits, params), self.generator)
+                result = verify_sampling(drafted, draft_probs, logits_to_probs(logits, params), self.draws, at)
             backend.rollback(cache_len + 1 + result.num_accepted)
         t3 = time.perf_counter()
 

@@ -61,3 +61,72 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     """probs: [..., V] -> token ids: [...]."""
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+# ---- draws keyed to the output position ------------------------------------------------------
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(seed: int, position: int, stream: int) -> int:
+    """A 64-bit key for (seed, position, stream): splitmix64's finaliser over their sum."""
+    x = (seed + position * 0x9E3779B97F4A7C15 + stream * 0xD1B54A32D192ED03) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+class PositionDraws:
+    """A seeded request's random numbers, keyed to the output position they decide.
+
+    The draws for output token i come from a generator seeded with (seed, i) alone, so they
+    do not depend on how many tokens a step drafted or how earlier steps went: a seeded
+    request gives the same reply whatever k the load policy picks. Stream 0 is the
+    exponential noise of `sample_at`; stream 1 the uniforms that accept soft drafts.
+    """
+
+    def __init__(self, seed: int):
+        self.seed = int(seed) & _MASK64
+
+    def _generator(self, position: int, stream: int) -> torch.Generator:
+        return torch.Generator().manual_seed(_mix(self.seed, position, stream))
+
+    def exponentials(self, position: int, size: int) -> torch.Tensor:
+        """[size] Exp(1) noise for output position `position`."""
+        return torch.rand(size, generator=self._generator(position, 0)).log_().neg_()
+
+    def uniforms(self, position: int, n: int) -> torch.Tensor:
+        """[n] U[0, 1) draws for output position `position`."""
+        return torch.rand(n, generator=self._generator(position, 1))
+
+
+class StreamDraws:
+    """Draws taken in turn from one torch.Generator, whatever the position: exact in
+    distribution, but a seed's reply then depends on the order of the draws (on k)."""
+
+    def __init__(self, generator: torch.Generator | None):
+        self.generator = generator
+
+    def exponentials(self, position: int, size: int) -> torch.Tensor:
+        return torch.rand(size, generator=self.generator).log_().neg_()
+
+    def uniforms(self, position: int, n: int) -> torch.Tensor:
+        return torch.rand(n, generator=self.generator)
+
+
+Draws = PositionDraws | StreamDraws
+
+
+def as_draws(draws: Draws | torch.Generator | None) -> Draws:
+    return draws if isinstance(draws, PositionDraws | StreamDraws) else StreamDraws(draws)
+
+
+def sample_at(probs: torch.Tensor, draws: Draws, position: int) -> int:
+    """probs: [V] -> one token, argmax(probs / E) with E ~ Exp(1) the position's noise.
+
+    This is the Gumbel-max trick in the form of an exponential race: token x wins with
+    probability probs[x]. With position-keyed noise the token at output position i is a
+    function of (seed, i, probs) only, so speculative and plain decoding draw the same token.
+    """
+    noise = draws.exponentials(position, probs.shape[-1]).to(probs.device)  # [V]
+    return int((probs / noise).argmax())

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from specdec.backends import Backend
-from specdec.sampling import logits_to_probs, sample
+from specdec.sampling import Draws, as_draws, logits_to_probs, sample_at
 from specdec.verify import residual_distribution
 
 
@@ -158,40 +158,59 @@ def verify_tree_sampling(
     parents: list[int],
     draft_probs: torch.Tensor | None,
     target_probs: torch.Tensor,
-    generator: torch.Generator | None,
+    draws: Draws | torch.Generator | None,
+    position: int = 0,
 ) -> TreeVerifyResult:
-    """Recursive rejection sampling over siblings (SpecInfer's multi-step speculative sampling).
+    """Speculative sampling down a token tree.
 
     draft_tokens: [n]; parents: [n]
     draft_probs:  [n, V] the distribution node i was drawn from (siblings drawn independently),
                   or None for a deterministic drafter (each node one-hot on its token)
     target_probs: [n+1, V] the target's processed distributions, row 0 after the pending token,
                   row i + 1 after node i's path
+    draws, position: the request's draws and the output position of the roots (verify.py)
 
-    At a node, each child in turn is accepted with prob min(1, p(x) / q(x)) under the current
-    target distribution p; a rejected child turns p into the residual norm(max(p - q, 0))
-    before the next sibling is tried. An accepted child restarts the walk from its own
-    distribution; when every child is rejected, the next token is drawn from the residual.
-    Each sibling trial is one exact rejection step for the distribution left by the earlier
-    ones, so the emitted tokens are distributed as the target's own samples.
+    A deterministic tree is walked like the greedy one, with the target's own sample at each
+    depth (`sample_at`) in place of its argmax: the child that equals it is accepted, and
+    when none does the sample is the next token. Soft trees use recursive rejection sampling
+    over siblings (SpecInfer's multi-step speculative sampling): at a node, each child in
+    turn is accepted with prob min(1, p(x) / q(x)) under the current target distribution p;
+    a rejected child turns p into the residual norm(max(p - q, 0)) before the next sibling is
+    tried, and when every child is rejected the next token is drawn from the residual. Each
+    sibling trial is one exact rejection step for the distribution left by the earlier ones,
+    so either way the emitted tokens are distributed as the target's own samples.
     """
+    draws = as_draws(draws)
     children = tree_children(parents)
     accepted: list[int] = []
     node = -1
     while True:
-        residual = target_probs[node + 1]  # [V]
-        for child in children[node if node >= 0 else len(parents)]:
-            token = draft_tokens[child]
-            draft_row = None if draft_probs is None else draft_probs[child]  # [V]
-            draft_p = 1.0 if draft_row is None else float(draft_row[token])
-            accept_p = min(1.0, float(residual[token]) / max(draft_p, 1e-30))
-            if float(torch.rand((), generator=generator)) < accept_p:
-                accepted.append(child)
-                node = child
-                break
-            residual = residual_distribution(residual, draft_row, token)
+        at = position + len(accepted)  # the output position this depth decides
+        kids = children[node if node >= 0 else len(parents)]
+        if draft_probs is None:
+            token = sample_at(target_probs[node + 1], draws, at)
+            child = next((c for c in kids if draft_tokens[c] == token), None)
         else:
-            return TreeVerifyResult(accepted, int(sample(residual, generator)), len(parents))
+            child, token = _sibling_rejection(kids, draft_tokens, draft_probs, target_probs[node + 1], draws, at)
+        if child is None:
+            return TreeVerifyResult(accepted, token, len(parents))
+        accepted.append(child)
+        node = child
+
+
+def _sibling_rejection(kids, draft_tokens, draft_probs, target_row, draws, at) -> tuple[int | None, int]:
+    """Try the soft-drafted siblings `kids` in turn against target_row [V]; return (the
+    accepted child, its token) or (None, a token drawn from what the rejections left)."""
+    residual = target_row  # [V]
+    uniforms = draws.uniforms(at, len(kids)).tolist()
+    for child, uniform in zip(kids, uniforms, strict=True):
+        token = draft_tokens[child]
+        draft_row = draft_probs[child]  # [V]
+        accept_p = min(1.0, float(residual[token]) / max(float(draft_row[token]), 1e-30))
+        if uniform < accept_p:
+            return child, token
+        residual = residual_distribution(residual, draft_row, token)
+    return None, sample_at(residual, draws, at)
 
 
 # ---- the tree step: the engine feeds [pending, *tokens] with parents [-1, *(p + 1)] -------
@@ -266,8 +285,10 @@ def tree_depth(parents: list[int]) -> int:
     return max(tree_depths(parents), default=-1) + 1
 
 
-def verify_tree(draft_tokens, parents, draft_probs, logits, params, generator) -> TreeVerifyResult:
-    """Greedy or sampling tree verification from the target's logits [n+1, V]."""
+def verify_tree(draft_tokens, parents, draft_probs, logits, params, draws, position: int = 0) -> TreeVerifyResult:
+    """Greedy or sampling tree verification from the target's logits [n+1, V]; the roots
+    decide output position `position`."""
     if params.greedy:
         return verify_tree_greedy(draft_tokens, parents, logits.argmax(-1))
-    return verify_tree_sampling(draft_tokens, parents, draft_probs, logits_to_probs(logits, params), generator)
+    target_probs = logits_to_probs(logits, params)
+    return verify_tree_sampling(draft_tokens, parents, draft_probs, target_probs, draws, position)

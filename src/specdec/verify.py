@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.sampling import sample
+from specdec.sampling import Draws, as_draws, sample_at
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,8 @@ def verify_sampling(
     draft_tokens: torch.Tensor,
     draft_probs: torch.Tensor | None,
     target_probs: torch.Tensor,
-    generator: torch.Generator | None,
+    draws: Draws | torch.Generator | None,
+    position: int = 0,
 ) -> VerifyResult:
     """Lossless speculative sampling (Leviathan et al. 2023; Chen et al. 2023).
 
@@ -46,24 +47,37 @@ def verify_sampling(
     draft_probs:  [k, V] the distribution each draft token was sampled from, or None for a
                   deterministic drafter (treated as one-hot on the drafted token)
     target_probs: [k+1, V] the target's (temperature/top-k/top-p processed) distributions
+    draws:        the request's random draws (sampling.PositionDraws), or a torch.Generator
+    position:     the output position of the first verified token, which keys its draws
+
+    A deterministic draft takes the target's own sample at each position (`sample_at`) and
+    is accepted exactly when it equals it: for a one-hot draft that is rejection sampling,
+    and the reply is token for token the one plain sampling draws with the same seed.
     """
+    draws = as_draws(draws)
+    if draft_probs is None:
+        return _verify_one_hot(draft_tokens.tolist(), target_probs, draws, position)
     k = draft_tokens.shape[0]
     positions = torch.arange(k)
     target_of_draft = target_probs[positions, draft_tokens]  # [k]
-    if draft_probs is None:
-        accept_prob = target_of_draft
-    else:
-        draft_of_draft = draft_probs[positions, draft_tokens]  # [k]
-        accept_prob = (target_of_draft / draft_of_draft.clamp_min(1e-30)).clamp(max=1.0)
-    uniform = torch.rand(k, generator=generator, dtype=target_probs.dtype)  # [k]
-    rejected = (uniform >= accept_prob).nonzero()
-    n = int(rejected[0, 0]) if rejected.numel() else k
-    if n == k:
-        return VerifyResult(k, int(sample(target_probs[k], generator)), k)
-    residual = residual_distribution(
-        target_probs[n], None if draft_probs is None else draft_probs[n], int(draft_tokens[n])
-    )
-    return VerifyResult(n, int(sample(residual, generator)), k)
+    draft_of_draft = draft_probs[positions, draft_tokens]  # [k]
+    accept_prob = (target_of_draft / draft_of_draft.clamp_min(1e-30)).clamp(max=1.0)  # [k]
+    for n in range(k):
+        if float(draws.uniforms(position + n, 1)) >= float(accept_prob[n]):
+            residual = residual_distribution(target_probs[n], draft_probs[n], int(draft_tokens[n]))
+            return VerifyResult(n, sample_at(residual, draws, position + n), k)
+    return VerifyResult(k, sample_at(target_probs[k], draws, position + k), k)
+
+
+def _verify_one_hot(draft_tokens: list[int], target_probs: torch.Tensor, draws: Draws, position: int) -> VerifyResult:
+    """Accept while each draft token equals the target's sample at its position; the first
+    sample that differs (or the one after the last draft) is the next token."""
+    k = len(draft_tokens)
+    for n, drafted in enumerate(draft_tokens):
+        token = sample_at(target_probs[n], draws, position + n)
+        if token != drafted:
+            return VerifyResult(n, token, k)  # the recovered token: the target's own sample
+    return VerifyResult(k, sample_at(target_probs[k], draws, position + k), k)
 
 
 def residual_distribution(

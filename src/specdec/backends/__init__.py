@@ -131,17 +131,18 @@ def forward_batch(sequences: list[Backend], token_lists: list[list[int]]) -> lis
 # PrefixCache in the given mode, from the options a user gave (None values already dropped);
 # it raises a one-line SpecdecError for an option it does not know.
 BackendFactory = Callable[..., Backend]
-REGISTRY: Registry[BackendFactory] = Registry("backend", __name__, ("hf", "native"), "backend")
+REGISTRY: Registry[BackendFactory] = Registry("backend", __name__, ("hf", "native", "auto"), "backend")
 register, available = REGISTRY.register, REGISTRY.available
 
 
 def make_backend(kind: str, target, prefix_cache: bool | str = "prompt", **options) -> Backend:
     """A fresh backend (its own KV cache) over the loaded target's weights.
 
-    `prefix_cache` is the PrefixCache mode (prompt|decoded|off; True and False stand for prompt
-    and off). Options (None values are ignored) are the backend's own: `specdec generate
-    --help` lists them; native takes precision (fp32|bf16|int8|int4), device, max_length,
-    slots and compile.
+    `kind` is hf, native or auto (native where it runs the target's architecture, else hf:
+    backends/auto.py). `prefix_cache` is the PrefixCache mode (prompt|decoded|off; True and
+    False stand for prompt and off). Options (None values are ignored) are the backend's own:
+    `specdec generate --help` lists them; native takes precision (fp32|bf16|int8|int4),
+    device, max_length, slots and compile.
     """
     factory = REGISTRY.lookup(kind)
     mode = prefix_cache_mode(prefix_cache)

@@ -43,6 +43,17 @@ def prefill_chunks(token_ids: list[int], start: int) -> list[list[int]]:
     return chunks
 
 
+def chunk_end(start: int, stop: int, budget: int | None) -> int:
+    """Where a prefill of positions start..stop pauses when it may feed `budget` more tokens
+    (None: no limit): on a chunk boundary, and at least one chunk on, so that a prefill fed
+    over several scheduler steps runs the very chunks, and gives the very bits, of a whole one."""
+    if budget is None or stop - start <= budget:
+        return stop
+    end = start + budget
+    next_boundary = start + PREFILL_CHUNK - start % PREFILL_CHUNK
+    return min(stop, max(end - end % PREFILL_CHUNK, next_boundary))
+
+
 class PrefixCache:
     """Remembers which cached tokens came from prefills, so that a later prompt starting with
     them keeps their keys and values and prefills only the rest: prefix caching with one

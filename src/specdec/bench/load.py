@@ -127,7 +127,8 @@ async def run_config(url, sessions, concurrency, drafter, args, headers) -> dict
             for turn, user in enumerate(turns):
                 messages.append({"role": "user", "content": user})
                 body = {"model": args.model, "messages": messages, "max_tokens": args.max_tokens,
-                        "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True}}
+                        "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True},
+                        "return_spec_decode": True}  # the per-request statistics are opt-in
                 if drafter is not None:
                     body["drafter"] = drafter
                 res = await one_request(client, url, body, headers)

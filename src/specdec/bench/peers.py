@@ -8,6 +8,12 @@ prompt token ids as the methods.
   quantized, so its tokens may differ from the float baseline; its match count is reported
   but is not a losslessness failure.
 
+Prefix reuse, as each tool does it in service: the `llamacpp` peer keeps its KV cache across
+turns and questions and feeds only what follows the longest prefix it already holds (the
+earlier turns' prompts and replies), as llama-server's prompt cache does; the `hf` peers run
+`generate()`, which prefills every prompt whole; specdec's methods reuse what
+`--prefix-cache` says (prompt: earlier prompts; decoded: their replies too).
+
 Peers cannot constrain their output: they decode tool sessions without the grammar.
 """
 
@@ -109,9 +115,11 @@ class LlamaCppPeer(Runner):
     name = "llamacpp"
     exact = False  # quantized GGUF weights, not the float weights the baseline runs
 
-    def __init__(self, gguf_path, eos_token_ids: set[int], n_ctx: int, threads: int | None = None):
+    def __init__(self, gguf_path, eos_token_ids: set[int], n_ctx: int, threads: int | None = None,
+                 reuse_prefix: bool = True):
         from llama_cpp import Llama  # optional extra
 
+        self.reuse_prefix = reuse_prefix  # False: a cold prefill every turn
         threads = threads or torch.get_num_threads()  # the same thread budget as the torch runners
         self.llm = Llama(
             model_path=str(gguf_path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
@@ -120,10 +128,13 @@ class LlamaCppPeer(Runner):
         self.eos = set(eos_token_ids) | {self.llm.token_eos()}
 
     def run(self, prompt_ids, max_new_tokens, temperature, seed, constraint=None) -> TurnRecord:
-        self.llm.reset()  # no prefix reuse from the previous turn: the other runners prefill too
+        if not self.reuse_prefix:
+            self.llm.reset()
         if temperature > 0:
             self.llm.set_seed(seed)
         tokens: list[int] = []
+        # reset=True keeps the longest prefix the KV cache shares with the prompt (llama-cpp-python
+        # drops only the rest), so a conversation's next turn feeds just its new tokens
         for token in self.llm.generate(
             list(prompt_ids), temp=temperature, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0,
             repeat_penalty=1.0, reset=True,

@@ -48,6 +48,11 @@ class Drafter:
         """Called once by the engine with its target backend. Drafters that read the
         target's own states (eagle reads its hidden states) keep it; others ignore it."""
 
+    def scope(self, tenant: str) -> None:
+        """Called by the server before `begin` with the request's tenant (its API key and
+        cache_salt). Drafters that learn across requests (suffix's global trie) keep what they
+        learn per tenant, so no caller's drafts reveal another's text; others ignore it."""
+
     def propose(self, context_ids: list[int], k: int) -> Draft:
         raise NotImplementedError
 

@@ -330,8 +330,8 @@ class EagleDrafter(Drafter):
         levels form the tree, listed best first: parents come before children (a path's score
         only falls), and each node's first child is its likeliest, as `first_path` expects.
 
-        The tree is deterministic (probs None): under sampling, recursive rejection with one-hot
-        drafts keeps the target's distribution exactly (tree.verify_tree_sampling)."""
+        The tree is deterministic (probs None): under sampling, verification follows the
+        target's own sample down it, which keeps its distribution exactly (tree.verify_tree_sampling)."""
         dev = feature.device
         slot0 = n - 1  # head slots from here on hold tree nodes (the exact context is below)
         logp = torch.log_softmax(self._logits(feature), -1)  # [V'] scores of the roots

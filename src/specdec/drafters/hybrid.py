@@ -62,6 +62,10 @@ class HybridDrafter(Drafter):
         for child in self.children:
             child.bind_target(backend)
 
+    def scope(self, tenant: str) -> None:
+        for child in self.children:
+            child.scope(tenant)
+
     def propose(self, context_ids: list[int], k: int) -> Draft:
         self._last = None
         if k <= 0:

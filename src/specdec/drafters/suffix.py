@@ -4,7 +4,8 @@ Two suffix tries, each holding every substring of up to `depth` tokens of its do
 occurrence counts:
 - a per-request one over the prompt and the output so far, extended as tokens are accepted;
 - a global one over the outputs of earlier requests, shared by every `suffix` drafter of the
-  process (behind a lock) and bounded in nodes: the oldest requests are evicted first.
+  process (behind a lock) and bounded in nodes: the oldest requests are evicted first. The
+  server keeps one per tenant (`Drafter.scope`), so callers never learn each other's text.
 
 A proposal starts, in each trie, at the longest suffix of the context that has been followed
 by something before, and follows the most frequent continuation while the path's empirical
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 
 from specdec.drafters import Draft, Drafter, DrafterSpec, register
 from specdec.errors import SpecdecError
@@ -203,18 +204,19 @@ def merged_tree(
 
 
 class SuffixStore:
-    """The process-wide trie over earlier requests' outputs, bounded in nodes (FIFO eviction).
+    """The trie over earlier requests' outputs (of one tenant), bounded in nodes (FIFO eviction).
 
     `version` changes whenever the trie does, so a request's cursor into it knows when to
     re-match instead of trusting a node that may have been freed.
     """
 
-    def __init__(self, depth: int, max_nodes: int):
+    def __init__(self, depth: int, max_nodes: int, group: TenantStores | None = None):
         self.trie = SuffixTrie(depth)
         self.max_nodes = max_nodes
         self.lock = threading.Lock()
         self.docs: deque[list[int]] = deque()
         self.version = 0
+        self.group = group  # the tenants' stores this one is bounded with
 
     def add(self, doc: list[int]) -> None:
         if len(doc) < 2:
@@ -225,21 +227,56 @@ class SuffixStore:
             while self.trie.num_nodes > self.max_nodes and self.docs:
                 self.trie.remove(self.docs.popleft())
             self.version += 1
+        if self.group is not None:
+            self.group.trim(keep=self)
 
 
-_STORES: dict[tuple[str, str], SuffixStore] = {}
+class TenantStores:
+    """One `SuffixStore` per tenant (an API key, plus a request's `cache_salt`), so that what
+    one caller sent or received never shapes another caller's drafts, nor the acceptance its
+    responses report. Bounded together: past `max_nodes` nodes in all, the stores of the least
+    recently served tenants are dropped whole."""
+
+    def __init__(self, depth: int, max_nodes: int):
+        self.depth, self.max_nodes = depth, max_nodes
+        self._stores: OrderedDict[str, SuffixStore] = OrderedDict()  # least recently served first
+        self._lock = threading.Lock()
+
+    def get(self, tenant: str = "") -> SuffixStore:
+        with self._lock:
+            store = self._stores.get(tenant)
+            if store is None:
+                store = self._stores[tenant] = SuffixStore(self.depth, self.max_nodes, self)
+            self._stores.move_to_end(tenant)
+            return store
+
+    def trim(self, keep: SuffixStore) -> None:
+        with self._lock:
+            total = sum(store.trie.num_nodes for store in self._stores.values())
+            for tenant, store in list(self._stores.items()):
+                if total <= self.max_nodes:
+                    break
+                if store is not keep:
+                    total -= store.trie.num_nodes
+                    del self._stores[tenant]
+
+    def __len__(self) -> int:
+        return len(self._stores)
+
+
+_STORES: dict[tuple[str, str], TenantStores] = {}
 _STORES_LOCK = threading.Lock()
 
 
-def shared_store(target: str, spec: str, depth: int, max_nodes: int) -> SuffixStore:
-    """One store per (target, drafter spec string) for the whole process: every drafter made
-    from the same spec shares it, while differently configured ones (say, two methods in one
-    benchmark) never see each other's outputs."""
+def shared_store(target: str, spec: str, depth: int, max_nodes: int) -> TenantStores:
+    """One set of tenant stores per (target, drafter spec string) for the whole process: every
+    drafter made from the same spec shares it, while differently configured ones (say, two
+    methods in one benchmark) never see each other's outputs."""
     with _STORES_LOCK:
-        store = _STORES.get((target, spec))
-        if store is None:
-            store = _STORES[(target, spec)] = SuffixStore(depth, max_nodes)
-        return store
+        stores = _STORES.get((target, spec))
+        if stores is None:
+            stores = _STORES[(target, spec)] = TenantStores(depth, max_nodes)
+        return stores
 
 
 class SuffixDrafter(Drafter):
@@ -257,10 +294,12 @@ class SuffixDrafter(Drafter):
         eos_token_ids: set[int] | None = None,
         prompt_tail: int = 8,
         branch_prob: float = 0.3,
+        stores: TenantStores | None = None,
     ):
         if store is not None and store.trie.depth != depth:
             raise ValueError("the global store was built with another depth")
         self.store = store
+        self.stores = stores  # where `scope` finds a tenant's store; None: `store` serves everyone
         self.depth, self.min_prob, self.factor = depth, min_prob, factor
         self.tree, self.max_nodes, self.width, self.branch_prob = tree, max_nodes, width, branch_prob
         self.eos = eos_token_ids or set()
@@ -273,6 +312,11 @@ class SuffixDrafter(Drafter):
         self._doc: list[int] = []
         self._prompt_len = len(prompt_ids)
         self._gnode, self._gversion = ROOT, -1
+
+    def scope(self, tenant: str) -> None:
+        if self.stores is not None:
+            self.store = self.stores.get(tenant)
+            self._gnode, self._gversion = ROOT, -1
 
     def begin(self, prompt_ids, params, generator) -> None:
         self._reset(prompt_ids)
@@ -355,6 +399,6 @@ def _make(spec: DrafterSpec, target) -> Drafter:
             raise ValueError("nodes, width and global_nodes must be >= 1")
     except ValueError as e:
         raise SpecdecError(f"bad suffix options in {spec.text!r}: {e}", "drafter") from e
-    store = shared_store(getattr(target, "name", ""), spec.text, depth, global_nodes) if use_global else None
+    stores = shared_store(getattr(target, "name", ""), spec.text, depth, global_nodes) if use_global else None
     eos = set(getattr(target, "eos_token_ids", set()))
-    return SuffixDrafter(store, depth, eos_token_ids=eos, **kwargs)
+    return SuffixDrafter(stores.get() if stores is not None else None, depth, eos_token_ids=eos, stores=stores, **kwargs)

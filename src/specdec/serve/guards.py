@@ -1,5 +1,5 @@
 """HTTP hardening as pure ASGI middleware (BaseHTTPMiddleware would break the disconnect
-detection that cancels generation): a request body size limit and an optional bearer key."""
+detection that cancels generation): a request body size limit and optional bearer keys."""
 
 from __future__ import annotations
 
@@ -52,12 +52,17 @@ class BodyLimit:
             await _send_json(send, 413, error_body(413, f"the request body exceeds {self.max_bytes} bytes"))
 
 
-class ApiKeyAuth:
-    """Bearer key on /v1; sha256 digests compared with hmac.compare_digest (constant time)."""
+TENANT = "specdec.tenant"  # the scope key where ApiKeyAuth leaves the caller's tenant
 
-    def __init__(self, app, api_key: str):
+
+class ApiKeyAuth:
+    """Bearer keys on /v1 (key -> tenant). The sha256 digest of the given key is compared
+    with every known digest by hmac.compare_digest, so the time taken does not depend on
+    which key matched or how much of one did. The matching key's tenant goes into the scope."""
+
+    def __init__(self, app, api_keys: dict[str, str]):
         self.app = app
-        self._digest = hashlib.sha256(api_key.encode()).digest()
+        self._digests = [(hashlib.sha256(key.encode()).digest(), tenant) for key, tenant in api_keys.items()]
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not scope["path"].startswith("/v1") or scope["method"] == "OPTIONS":
@@ -65,9 +70,14 @@ class ApiKeyAuth:
         auth = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, token = auth.partition(b" ")
         given = hashlib.sha256(token.strip()).digest()
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(given, self._digest):
+        tenant = None
+        for digest, name in self._digests:
+            if hmac.compare_digest(given, digest):
+                tenant = name
+        if scheme.lower() != b"bearer" or tenant is None:
             body = error_body(401, "Incorrect or missing API key (send Authorization: Bearer <key>).")
             return await _send_json(send, 401, body, {"www-authenticate": "Bearer"})
+        scope[TENANT] = tenant
         return await self.app(scope, receive, send)
 
 

@@ -9,6 +9,11 @@ OpenAI's and vLLM's fields we know but do not implement (NOT_SUPPORTED) say so; 
 fields whose value we cannot honour (n > 1, penalties, logit_bias, ...) are refused by
 `unsupported()`. Accepted without effect on the output: `user`, `safety_identifier`,
 `metadata`, `prompt_cache_key` (metadata and routing hints) and `store: false`.
+`cache_salt` (vLLM's) splits the caller's tenant (serve/tenants.py); `return_spec_decode`
+asks for the per-request `spec_decode` statistics, which are off by default.
+
+Every string of a request must be valid Unicode: JSON's `\ud800` escape parses to a lone
+UTF-16 surrogate, which no tokenizer can encode; `unencodable_field` names the first one.
 """
 
 from __future__ import annotations
@@ -47,12 +52,17 @@ def error_body(status: int, message: str, param: str | None = None, type_: str |
         message = message[: MAX_ERROR_MESSAGE - 3] + "..."
     return {
         "error": {
-            "message": message,
+            "message": _printable(message),
             "type": type_ or _ERROR_TYPES.get(status, "invalid_request_error"),
-            "param": param[:128] if param else None,
+            "param": _printable(param[:128]) if param else None,
             "code": status,
         }
     }
+
+
+def _printable(text: str) -> str:
+    """Text that encodes as UTF-8: a lone surrogate from the request becomes its escape."""
+    return text if text.isascii() else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 # Fields of OpenAI's and vLLM's request schemas that this server does not implement; sent,
@@ -67,7 +77,7 @@ NOT_SUPPORTED = frozenset({
     "return_tokens_as_token_ids", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
     "guided_decoding_backend", "structured_outputs", "chat_template", "chat_template_kwargs",
     "add_generation_prompt", "continue_final_message", "documents", "add_special_tokens", "priority",
-    "request_id", "cache_salt", "vllm_xargs", "kv_transfer_params",
+    "request_id", "vllm_xargs", "kv_transfer_params",
 })
 _HINTS = {
     "functions": "use tools", "function_call": "use tool_choice", "image_url": "only text content parts are",
@@ -83,6 +93,7 @@ def validation_error(errors: list[dict]) -> tuple[str, str | None]:
     huge error)."""
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
     first = next((e for e in errors if e.get("type") == "extra_forbidden"), first)
+    first = next((e for e in errors if e.get("type") == "string_unicode"), first)  # a lone surrogate
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
         return f"the request body is not valid JSON: {str(detail)[:200]}", None
@@ -91,6 +102,8 @@ def validation_error(errors: list[dict]) -> tuple[str, str | None]:
     param = ""
     for p in parts:
         param += f"[{p}]" if isinstance(p, int) else (f".{p}" if param else str(p))
+    if first.get("type") == "string_unicode":  # loc () when a field's name is the bad text
+        return not_unicode(param or "a field name in the request body"), param or None
     if not param:
         return f"the request body must be a JSON object: {first.get('msg', '')}", None
     if first.get("type") == "extra_forbidden":
@@ -160,7 +173,10 @@ class _Sampling(_Strict):
     prompt_cache_key: str | None = Field(default=None, max_length=512)
     metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=16)] | None = None
     store: bool | None = None  # only false: nothing is stored
-    # Extensions: the speculative settings of this request.
+    # Scopes the prefix cache and the suffix drafter's state within the caller's tenant (vLLM's field).
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=512)
+    # Extensions: the speculative settings of this request, and its statistics in the response.
+    return_spec_decode: bool | None = Field(default=None, description="add the spec_decode statistics")
     drafter: str | None = Field(default=None, max_length=512, description="drafter spec, e.g. ngram or none")
     k: int | Literal["auto"] | None = Field(default=None, description=f"draft length, 0..{MAX_K} or auto")
 
@@ -216,6 +232,40 @@ def unsupported(req: _Sampling) -> tuple[str, str] | None:
         except SpecdecError as e:
             return "k", e.message
     return None
+
+
+def unencodable_field(value, path: str = "") -> str | None:
+    """The param (`messages[0].content`) of the first string, or dict key, in a request that
+    is not valid Unicode (a lone surrogate), else None."""
+    if isinstance(value, str):
+        return None if value.isascii() or _encodes(value) else (path or "body")
+    if isinstance(value, BaseModel):
+        items = ((name, getattr(value, name)) for name in type(value).model_fields)
+    elif isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list | tuple):
+        return next((p for i, v in enumerate(value) if (p := unencodable_field(v, f"{path}[{i}]"))), None)
+    else:
+        return None
+    for key, v in items:
+        if isinstance(key, str) and not (key.isascii() or _encodes(key)):
+            return path or "body"
+        if p := unencodable_field(v, f"{path}.{key}" if path else str(key)):
+            return p
+    return None
+
+
+def not_unicode(param: str) -> str:
+    return (f"{param} is not valid text: it holds a lone UTF-16 surrogate (such as the JSON escape \\ud800 "
+            "without its pair), which cannot be encoded")
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def stop_list(stop: str | list[str] | None) -> list[str] | None:
@@ -281,7 +331,7 @@ class ResponseBuilder:
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def full(self, text: str | None, finish_reason: str, usage_: dict, spec: dict,
+    def full(self, text: str | None, finish_reason: str, usage_: dict, spec: dict | None,
              tool_calls: list[dict] | None = None, logprobs: dict | None = None) -> dict:
         if self.chat:
             message = {"role": "assistant", "content": text}
@@ -292,7 +342,10 @@ class ResponseBuilder:
             choice = {"index": 0, "text": text, "logprobs": logprobs}
         choice["finish_reason"] = finish_reason
         body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
-        return {**body, "usage": usage_, "spec_decode": spec}
+        body["usage"] = usage_
+        if spec is not None:  # asked for with return_spec_decode
+            body["spec_decode"] = spec
+        return body
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False,
               delta: dict | None = None, logprobs: dict | None = None) -> dict:

@@ -1,14 +1,19 @@
 """Continuous batching for the server: a bounded request queue and one model worker thread.
 
 Every scheduler step:
-1. admits waiting requests (prefill) while fewer than `max_batch` are active;
+1. admits waiting requests while fewer than `max_batch` are active: a cache slot, a drafter,
+   `engine.Sequence.start`;
 2. drops cancelled and timed-out requests, returning their cache slot;
-3. lets every active request draft (`engine.Sequence.plan`), with k capped by the load policy;
-4. scores all drafts in one `backends.forward_batch` (a true batched forward when the
+3. prefills new prompts a few chunks at a time (`LoadPolicy.prefill_tokens` a step, all
+   prefilling requests together), so a long prompt does not freeze the running streams;
+4. lets every prefilled request draft (`engine.Sequence.plan`), with k capped by the load policy;
+5. scores all drafts in one `backends.forward_batch` (a true batched forward when the
    backend has a pool, one forward per sequence otherwise);
-5. verifies, rolls back and emits per request (`engine.Sequence.advance`).
+6. verifies, rolls back and emits per request (`engine.Sequence.advance`).
 Requests join between steps and finish independently. Each request has its own drafter,
-controller, generator and k, so the step logic is exactly Engine's.
+controller, generator and k, so the step logic is exactly Engine's. An exception in one
+request's part of a step (drafting, prefill, scoring, verifying, finishing) fails that
+request alone; a batched forward that fails is retried one sequence at a time.
 
 The worker talks to the outside only through `GenRequest.emit(kind, payload)`, called from
 the worker thread with kind "started" (prefilled), "delta" (text, streamed requests only),
@@ -27,14 +32,17 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specdec.backends import Backend, forward_batch, make_backend
+from specdec.backends import Backend, forward_batch
 from specdec.config import EngineConfig, split_k
 from specdec.controller import ScoreCosts
-from specdec.drafters import Drafter, make_drafter
+from specdec.drafters import Drafter
 from specdec.engine import GenerationResult, Sequence
 from specdec.errors import SpecdecError
 from specdec.grammar import GrammarMatcher
 from specdec.sampling import SamplingParams
+from specdec.serve.slots import BackendSlots, DrafterPool, LoadPolicy
+
+__all__ = ["GenRequest", "LoadPolicy", "QueueFull", "RequestTimeout", "Scheduler", "ServerShutdown"]
 
 log = logging.getLogger("specdec.scheduler")
 _ids = itertools.count()
@@ -70,6 +78,7 @@ class GenRequest:
     timeout_s: float | None = None
     grammar: GrammarMatcher | None = None  # the reply's constraint (response_format, tool calls); fresh per request
     logprobs: int | None = None  # None: off; n: each token's logprob and n likeliest (streamed: "logprobs" events)
+    tenant: str = ""  # whose prefix caches and suffix trie this request may use and feed (API key + cache_salt)
     id: int = field(default_factory=lambda: next(_ids))
     submitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -80,88 +89,6 @@ class GenRequest:
 
     def expired(self, now: float) -> bool:
         return self.timeout_s is not None and now - self.submitted_at > self.timeout_s
-
-
-@dataclass
-class LoadPolicy:
-    """How much to speculate when many requests share one target forward.
-
-    A saturated batch is compute-bound, so extra draft tokens stop being nearly free. The
-    tokens scored per step, all requests together, are capped at `max_batch_tokens`: each of
-    n active requests drafts at most max_batch_tokens // n - 1 tokens (0 turns speculation off),
-    and above `spec_off_above` active requests speculation is off altogether.
-    """
-
-    max_batch_tokens: int = 128  # 0: no cap
-    spec_off_above: int = 0  # 0: never
-
-    def k_cap(self, num_active: int) -> int | None:
-        if self.spec_off_above and num_active > self.spec_off_above:
-            return 0
-        if not self.max_batch_tokens or num_active == 0:
-            return None
-        return max(0, self.max_batch_tokens // num_active - 1)
-
-
-class BackendSlots:
-    """Per-request KV caches over the shared target weights.
-
-    With a pooled backend (its `pool` is a `SlotPool`) a slot is a sequence of the pool;
-    otherwise it is a fresh backend from `make_backend`. A slot whose request ended keeps its
-    cache: the next request goes to the free slot that holds the longest prefix of its prompt
-    (`PrefixCache`), so agents that resend their conversation, or share a system prompt and
-    tool list, skip most of their prefill.
-    """
-
-    def __init__(self, kind: str, target, options: dict | None = None, prefix_cache: str = "prompt"):
-        self.kind, self.target, self.options = kind, target, dict(options or {})
-        self.prefix_cache = prefix_cache  # every slot's prefix cache runs in this mode
-        first = self._new_backend()
-        self.pool = first.pool
-        self.max_length = int(first.max_length)
-        self._free: list[Backend] = [first]  # least recently released first
-        self.in_use = 0
-
-    def _new_backend(self) -> Backend:
-        return make_backend(self.kind, self.target, prefix_cache=self.prefix_cache, **self.options)
-
-    def acquire(self, prompt_ids: list[int] | None = None) -> Backend:
-        """A slot for a request; the one whose cache holds the longest prefix of `prompt_ids`."""
-        hits = [b.prefix_cache.cached_prefix(prompt_ids) if prompt_ids else 0 for b in self._free]
-        best = max(range(len(hits)), key=hits.__getitem__) if hits else None
-        if best is not None and (hits[best] > 0 or not self._can_grow()):
-            backend = self._free.pop(best)  # a hit, or else the least recently used slot
-        elif self.pool is not None:
-            backend = self.pool.new_sequence()  # in the pool's prefix cache mode
-        else:
-            backend = self._new_backend()
-        self.in_use += 1
-        return backend
-
-    def _can_grow(self) -> bool:
-        return self.pool is None or self.pool.free_slots > 0
-
-    def release(self, backend: Backend, keep_cache: bool = True) -> None:
-        self.in_use -= 1
-        if not keep_cache:
-            backend.reset()
-        self._free.append(backend)
-
-
-class DrafterPool:
-    """Drafter instances by spec text. One instance serves one request at a time (`begin`
-    resets it); idle instances are reused so a model drafter is not reloaded per request."""
-
-    def __init__(self, target, device: str | None = None):
-        self.target, self.device = target, device
-        self._idle: dict[str, list[Drafter]] = {}
-
-    def acquire(self, spec: str) -> Drafter:
-        idle = self._idle.get(spec)
-        return idle.pop() if idle else make_drafter(spec, self.target, self.device)
-
-    def release(self, spec: str, drafter: Drafter) -> None:
-        self._idle.setdefault(spec, []).append(drafter)
 
 
 @dataclass
@@ -183,16 +110,20 @@ class Scheduler:
         engine: EngineConfig | None = None,  # drafter, k, backend (+ options), prefix cache, draft device
         max_batch: int = 16,
         max_queue: int = 64,
-        policy: LoadPolicy | None = None,
+        policy: LoadPolicy | None = None,  # speculation and prefill per step
         metrics=None,
+        cache_slots: int | None = None,  # KV caches kept, in use and idle (default max_batch)
     ):
         if max_batch < 1 or max_queue < 0:
             raise SpecdecError(f"need max_batch >= 1 and max_queue >= 0, got {max_batch}, {max_queue}", "max_batch")
+        if cache_slots is not None and cache_slots < max_batch:
+            raise SpecdecError(f"cache_slots must be at least max_batch ({max_batch}), got {cache_slots}", "cache_slots")
         self.engine = engine = engine or EngineConfig()
         self.target, self.tokenizer = target, target.tokenizer
         self.eos_token_ids = target.eos_token_ids
         self.default_drafter, self.default_k = engine.drafter, engine.k
-        self.slots = BackendSlots(engine.backend, target, engine.backend_options, engine.prefix_cache)
+        self.slots = BackendSlots(engine.backend, target, engine.backend_options, engine.prefix_cache,
+                                  max_slots=cache_slots or max_batch)
         self.max_length = self.slots.max_length
         # What scoring n tokens costs, timed once now and then learned from steps that scored
         # one sequence alone; shared by every request's adaptive controller, as in Engine.
@@ -285,9 +216,31 @@ class Scheduler:
                 self._fail(a, RequestTimeout(f"the request timed out after {a.req.timeout_s:g}s"))
         if not self._active:
             return False
-        cap = self.policy.k_cap(len(self._active))
+        self._prefill()
+        decoding = [a for a in self._active if not a.seq.prefilling]
+        if decoding:
+            self._decode(decoding)
+        return True
+
+    def _prefill(self) -> None:
+        """Feed prompts, oldest request first, up to the step's prefill budget."""
+        budget = self.policy.prefill_tokens
+        for a in [a for a in self._active if a.seq.prefilling]:
+            if budget <= 0:
+                break
+            try:
+                budget -= a.seq.prefill_step(budget)
+            except Exception as e:
+                self._fail(a, e)
+                continue
+            if not a.seq.prefilling:
+                _emit(a.req, "started", None)
+
+    def _decode(self, decoding: list[_Active]) -> None:
+        """Draft, score, verify and emit for every prefilled request."""
+        cap = self.policy.k_cap(len(decoding))
         planned: list[tuple[_Active, list[int]]] = []
-        for a in list(self._active):
+        for a in decoding:
             try:
                 tokens = a.seq.plan(cap, tree=True)
             except Exception as e:
@@ -298,20 +251,16 @@ class Scheduler:
             else:
                 planned.append((a, tokens))
         if not planned:
-            return True
-        try:
-            logits, times = self._score(planned)
-        except Exception as e:
-            log.exception("target forward failed")
-            for a, _ in planned:
-                self._fail(a, e)
-            return True
+            return
+        logits, times = self._score(planned)
         self.num_steps += 1
         self.max_batch_seen = max(self.max_batch_seen, len(planned))
         if self.metrics is not None:
             self.metrics.observe_batch(len(planned), sum(len(t) for _, t in planned))
         for (a, _), row, score_s in zip(planned, logits, times, strict=True):
             try:
+                if isinstance(row, Exception):
+                    raise row
                 delta = a.seq.advance(row, score_s, solo=len(planned) == 1)
             except Exception as e:
                 self._fail(a, e)
@@ -319,33 +268,52 @@ class Scheduler:
             if a.req.first_token_at is None and a.seq.generated:
                 a.req.first_token_at = time.perf_counter()
             _stream_step(a, delta)
+            if self.metrics is not None:  # spec-decode counters and inter-token latency, per step
+                self.metrics.observe_step(a.req.id, a.seq.stats, len(a.seq.generated))
             if a.seq.done:
                 self._complete(a)
-        return True
 
     def _score(self, planned: list[tuple[_Active, list[int]]]) -> tuple[list, list[float]]:
-        """logits [len(tokens_i), V] per sequence, and the score time each one saw.
+        """logits [len(tokens_i), V] per sequence (or the exception its forward raised), and
+        the score time each one saw.
 
         Chains go through one `forward_batch` (a pool) or one forward each; a token tree
         (a drafter's tree, when the backend has tree attention) gets its own forward_tree.
+        A batched forward that fails is retried one sequence at a time, so that one bad
+        sequence fails alone.
         """
         n = len(planned)
         out: list = [None] * n
         times = [0.0] * n
         chains = [i for i, (a, _) in enumerate(planned) if a.seq.tree_parents is None]
-        if self.batched and chains:
+        if self.batched and len(chains) > 1:
+            lengths = [planned[i][0].backend.length for i in chains]
             t0 = time.perf_counter()
-            rows = forward_batch([planned[i][0].backend for i in chains], [planned[i][1] for i in chains])
-            for i, row in zip(chains, rows, strict=True):
-                out[i], times[i] = row, time.perf_counter() - t0
+            try:
+                rows = forward_batch([planned[i][0].backend for i in chains], [planned[i][1] for i in chains])
+            except Exception:
+                log.warning("a batched forward failed; scoring its sequences one at a time", exc_info=True)
+                for i, length in zip(chains, lengths, strict=True):
+                    backend = planned[i][0].backend
+                    try:
+                        backend.rollback(min(length, backend.length))
+                    except Exception as e:
+                        out[i] = e
+            else:
+                for i, row in zip(chains, rows, strict=True):
+                    out[i], times[i] = row, time.perf_counter() - t0
         for i, (a, tokens) in enumerate(planned):
             if out[i] is not None:
                 continue
             t0 = time.perf_counter()
-            if a.seq.tree_parents is not None:
-                out[i] = a.backend.forward_tree(tokens, a.seq.tree_parents)  # [len(tokens), V]
-            else:
-                out[i] = forward_batch([a.backend], [tokens])[0]
+            try:
+                if a.seq.tree_parents is not None:
+                    out[i] = a.backend.forward_tree(tokens, a.seq.tree_parents)  # [len(tokens), V]
+                else:
+                    out[i] = forward_batch([a.backend], [tokens])[0]
+            except Exception as e:
+                log.warning("the target forward of request %d failed", a.req.id, exc_info=True)
+                out[i] = e
             times[i] = time.perf_counter() - t0
         return out, times
 
@@ -366,40 +334,54 @@ class Scheduler:
             self._start(req)
 
     def _start(self, req: GenRequest) -> None:
+        """Give the request a drafter and a cache slot and start its Sequence; with chunked
+        prefill (`LoadPolicy.prefill_tokens`) the steps feed its prompt, else it is fed now."""
         drafter = backend = None
         spec = self.default_drafter
+        chunked = self.policy.prefill_tokens > 0
         try:
             spec, spec_k = (self.default_drafter, None) if req.drafter is None else split_k(req.drafter)
             k = req.k if req.k is not None else spec_k if spec_k is not None else self.default_k
             drafter = self.drafters.acquire(spec)
-            backend = self.slots.acquire(req.prompt_ids)
+            drafter.scope(req.tenant)  # what it learns across requests stays the tenant's
+            backend = self.slots.acquire(req.prompt_ids, req.tenant)
             drafter.bind_target(backend)  # drafters that read the target's states follow this request's cache
             seq = Sequence(
                 backend, drafter, req.prompt_ids, self.engine.decode_params(req.params), req.max_new_tokens, k,
                 self.tokenizer, self.eos_token_ids, req.stop, req.seed, track_text=req.stream or bool(req.stop),
                 costs=self.costs, grammar=req.grammar, logprobs=req.logprobs, draft_forced=self.engine.draft_forced,
             )
-            seq.start()
+            seq.start(prefill=not chunked)
         except Exception as e:
+            if not isinstance(e, SpecdecError):
+                log.error("request %d failed to start: %r", req.id, e)
             if backend is not None:
                 self.slots.release(backend, keep_cache=False)
-            if drafter is not None:
-                self.drafters.release(spec, drafter)
+            if drafter is not None and isinstance(e, SpecdecError):
+                self.drafters.release(spec, drafter)  # a drafter that raised is not trusted again
             self._forget()
             _emit(req, "error", e)
             return
         self._active.append(_Active(req, seq, backend, drafter, spec))
-        _emit(req, "started", None)
+        if not seq.prefilling:
+            _emit(req, "started", None)
 
     def _complete(self, a: _Active) -> None:
-        final = a.seq.finish()
+        try:
+            final = a.seq.finish()
+        except Exception as e:  # a drafter's end() or the text tracker: this request alone
+            self._fail(a, e)
+            return
         if final and a.req.stream:
             _emit(a.req, "delta", final)
         result: GenerationResult = a.seq.result
         latency = time.perf_counter() - a.req.submitted_at
         self._latency_ema = 0.8 * self._latency_ema + 0.2 * latency
         if self.metrics is not None:
-            self.metrics.observe_request(a.req, result, latency)
+            try:
+                self.metrics.observe_request(a.req, result, latency)
+            except Exception:
+                log.exception("metrics for request %d failed", a.req.id)
         self._release(a)
         _emit(a.req, "done", result)
 
@@ -415,7 +397,7 @@ class Scheduler:
             return
         self._active.remove(a)
         if self.metrics is not None:
-            self.metrics.observe_spec(a.seq.stats)
+            self.metrics.observe_spec(a.seq.stats, a.req.id)
         self.slots.release(a.backend, keep_cache=reuse_drafter)  # a failed request's cache is not trusted
         if reuse_drafter:
             self.drafters.release(a.spec, a.drafter)

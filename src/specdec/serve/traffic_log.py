@@ -9,12 +9,17 @@ more than `max_bytes`. One record:
      "output": "...", "meta": {"target": "smollm2-135m", ...}}
 
 The target's outputs are its own samples, so they are on-policy distillation data as they are.
+The server writes through `QueuedTrafficLog`: a request handler only queues its record
+(bounded; a full queue drops it), and one writer thread serializes and writes, so a slow or
+stuck disk never blocks the event loop.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import queue
 import re
 import threading
 import time
@@ -23,7 +28,9 @@ from pathlib import Path
 
 from specdec.errors import SpecdecError
 
+log = logging.getLogger("specdec.server")
 DEFAULT_MAX_BYTES = 256 * 2**20
+DEFAULT_MAX_PENDING = 1024
 _SEGMENTS_PER_BOUND = 4
 _NAME = re.compile(r"^traffic-(\d{6,})\.jsonl$")
 
@@ -70,6 +77,49 @@ class TrafficLog:
                 break
             path.unlink(missing_ok=True)
             total -= size
+
+
+class QueuedTrafficLog:
+    """A TrafficLog written by its own thread. `record` never blocks: it queues the record
+    and returns False when `max_pending` records already wait (the record is dropped and
+    counted in `dropped`). `prompt` may be a zero-argument callable, called by the writer
+    (detokenizing a prompt given as ids is work the caller need not do)."""
+
+    def __init__(self, log_: TrafficLog, max_pending: int = DEFAULT_MAX_PENDING):
+        self.log = log_
+        self.dropped = 0
+        self._queue: queue.Queue = queue.Queue(max_pending)
+        self._thread = threading.Thread(target=self._write_forever, name="specdec-traffic-log", daemon=True)
+        self._thread.start()
+
+    def record(self, prompt, output: str, meta: dict | None = None) -> bool:
+        try:
+            self._queue.put_nowait((prompt, output, meta))
+        except queue.Full:
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % 1000 == 0:
+                log.warning("traffic log: the writer is behind; %d records dropped so far", self.dropped)
+            return False
+        return True
+
+    def _write_forever(self) -> None:
+        while (item := self._queue.get()) is not None:
+            prompt, output, meta = item
+            try:
+                self.log.record(prompt() if callable(prompt) else prompt, output, meta)
+            except Exception as e:  # a full disk or a bad record must not stop the writer
+                log.warning("traffic log write failed: %s", e)
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Write what is queued (waiting at most `timeout` seconds), then stop the writer."""
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:
+            return  # the writer is stuck (a hung disk): it is a daemon thread, leave it
+        self._thread.join(timeout)
 
 
 def _segments(directory: Path) -> list[Path]:

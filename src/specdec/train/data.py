@@ -28,6 +28,7 @@ from specdec.engine import Engine
 from specdec.errors import SpecdecError
 from specdec.prompts import encode
 from specdec.serve.traffic_log import read_traffic
+from specdec.tools import tool_plan
 
 DATA_FORMAT = "specdec-distill-data"
 
@@ -41,10 +42,12 @@ class Source:
     text: str | None = None  # a raw-text prompt (no chat template)
     logged_output: str | None = None  # the target's answer, from a traffic log
     logged_stop: bool = False  # the logged answer ended with EOS
+    tools: list[dict] | None = None  # the request's tools, shown to the model as the server showed them
     category: str = ""
 
     def key(self) -> str:
-        return json.dumps([self.turns, self.messages, self.text, self.logged_output], sort_keys=True)
+        fields = [self.turns, self.messages, self.text, self.logged_output] + ([self.tools] if self.tools else [])
+        return json.dumps(fields, sort_keys=True)
 
     def first_prompt(self) -> str | list[dict]:
         """The prompt used to measure τ: chat messages, or raw text (no chat template)."""
@@ -93,13 +96,15 @@ def _parse_source(obj, where: str) -> Source:
     raise SpecdecError(f"{where}: expected a 'turns', 'messages' or 'prompt' field", "data")
 
 
-def _valid_messages(msgs) -> bool:
-    return (
-        isinstance(msgs, list)
-        and bool(msgs)
-        and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in msgs)
-    )
+def _valid_messages(msgs, tool_messages: bool = False) -> bool:
+    """A list of {role, content} messages; with `tool_messages`, an assistant message may
+    carry `tool_calls` instead of content (prompts.encode checks the calls themselves)."""
+    def valid(m) -> bool:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            return False
+        return isinstance(m.get("content"), str) or (tool_messages and m.get("content") is None
+                                                      and bool(m.get("tool_calls")))
+    return isinstance(msgs, list) and bool(msgs) and all(valid(m) for m in msgs)
 
 
 def sources_from_logs(directory: str | os.PathLike, target_name: str) -> tuple[list[Source], int]:
@@ -111,14 +116,15 @@ def sources_from_logs(directory: str | os.PathLike, target_name: str) -> tuple[l
             skipped += 1  # another model's outputs are not this target's distribution
             continue
         prompt = rec["prompt"]
-        stop = meta.get("finish_reason") == "stop"
+        stop = meta.get("finish_reason") in ("stop", "tool_calls")  # both ended with EOS
+        tools = meta.get("tools") or None
         if isinstance(prompt, str):
             if meta.get("chat", True):
                 sources.append(Source(turns=[prompt], logged_output=rec["output"], logged_stop=stop))
             else:
                 sources.append(Source(text=prompt, logged_output=rec["output"], logged_stop=stop))
-        elif _valid_messages(prompt):
-            sources.append(Source(messages=prompt, logged_output=rec["output"], logged_stop=stop))
+        elif _valid_messages(prompt, tool_messages=True):
+            sources.append(Source(messages=prompt, logged_output=rec["output"], logged_stop=stop, tools=tools))
         else:
             skipped += 1
     if not sources:
@@ -166,7 +172,8 @@ def _generate_sequences(engine, source: Source, settings: DataSettings, seed: in
     if source.logged_output is not None:
         prompt = source.text if source.text is not None else (source.messages or [
             {"role": "user", "content": source.turns[0]}])
-        ids = encode(tok, prompt, chat=source.text is None, max_length=engine.backend.max_length)
+        plan = tool_plan(source.tools) if source.tools else None
+        ids = encode(tok, prompt, chat=source.text is None, max_length=engine.backend.max_length, tools=plan)
         out = tok.encode(source.logged_output, add_special_tokens=False)
         if source.logged_stop and tok.eos_token_id is not None:
             out.append(tok.eos_token_id)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specdec.backends.native.attention import ones_column, padded, plan_chain, plan_tree
 from specdec.backends.native.layer import DECODE_ATTENTION_MAX, KVRow
 from specdec.backends.prefix_cache import PrefixCache, chunked_prefill, prefix_cache_mode
 from specdec.errors import SpecdecError
@@ -38,9 +39,11 @@ class CachePool:
         if not 1 <= max_length <= cfg.max_positions:
             raise SpecdecError(f"max_length must be in 1..{cfg.max_positions}, got {max_length}", "max_length")
         self.model, self.slots, self.max_length = model, slots, max_length
-        shape = (cfg.num_layers, slots, cfg.num_kv_heads, max_length, cfg.head_dim)
+        # whole attention chunks, so that the last one can be read in full (attention.py)
+        shape = (cfg.num_layers, slots, cfg.num_kv_heads, padded(max_length), cfg.head_dim)
         self.k = torch.zeros(shape, dtype=kv_dtype, device=model.device)
-        self.v = torch.zeros(shape, dtype=kv_dtype, device=model.device)
+        self.v = ones_column(torch.zeros(shape, dtype=kv_dtype, device=model.device))  # [..., head_dim + 1]
+        self.group = cfg.num_heads // cfg.num_kv_heads  # query heads per kv head
         self.cos, self.sin = model.rope_tables(max_length)  # [max_length, head_dim]
         self._free = list(range(slots - 1, -1, -1))
         self.prefix_mode = prefix_cache_mode(prefix_cache)
@@ -68,7 +71,7 @@ class CachePool:
 
         Lists of more than DECODE_ATTENTION_MAX tokens, or all of them with `prompt`, are
         prompt chunks: one causal pass each, through the dense layers where there are some.
-        Shorter lists are decode chains, scored query by query."""
+        Shorter lists are decode chains, scored by the batch-invariant attention (attention.py)."""
         if len(sequences) != len(token_lists):
             raise ValueError("one token list per sequence")
         if len({id(s) for s in sequences}) != len(sequences):
@@ -104,10 +107,7 @@ class CachePool:
                 ids = list(ids) + [ids[-1]] * (t - len(ids))
             tokens.extend(ids)
             positions.extend(range(start, start + t))
-            mask = None  # a short chain attends query by query, bit-identical to decode steps
-            if dense:  # a prompt chunk: one causal pass
-                mask = torch.ones(t, start + t, dtype=torch.bool, device=self.model.device).tril(start)
-            rows.append(KVRow(seq.slot, len(tokens) - t, len(tokens), start, start + t, mask))
+            rows.append(self._row(seq.slot, len(tokens) - t, start, t, dense))
         hidden, logits = self._run(tokens, positions, rows, compiled, lasts if last_only else None, dense)
         out, offset, row = [], 0, 0
         for seq, ids in zip(sequences, token_lists, strict=True):
@@ -120,6 +120,15 @@ class CachePool:
             seq._store_hidden(seq._length, hidden[offset:end])
             seq._length, offset = seq._length + len(ids), end
         return out
+
+    def _row(self, slot: int, first: int, start: int, t: int, dense: bool) -> KVRow:
+        """Packed rows first.. of a sequence whose t tokens go to cache positions start..."""
+        if dense:  # a prompt chunk: one causal pass
+            mask = torch.ones(t, start + t, dtype=torch.bool, device=self.model.device).tril(start)
+            return KVRow(slot, first, first + t, start, start + t, mask)
+        # a decode chain: batch-invariant attention, bit-identical to one-token steps
+        plan = plan_chain(start + t, t, self.group, self.model.device)
+        return KVRow(slot, first, first + t, start, start + t, None, plan=plan)
 
     def _run(self, tokens, positions, rows, compiled=False, logits_at=None, dense=False) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [N, hidden] on the model's device, logits [N, V] on the cpu."""
@@ -164,7 +173,8 @@ class NativeSequence:
 
     @property
     def supports_tree(self) -> bool:
-        # tree attention runs eagerly, and a compiled model's decode steps must all be compiled
+        # trees run eagerly, and a compiled model's decode steps must all be compiled (so that it
+        # agrees with itself; compiling tree forwards too is still to do)
         return not self.pool.model.compiled
 
     @property
@@ -230,7 +240,8 @@ class NativeSequence:
         if t == 0:
             return torch.empty(0, self.vocab_size)
         depths = tree_depths(parents)
-        row = KVRow(self.slot, 0, t, base, base + t, None, tree=(depth_first(parents), depths), tree_kv=[])
+        row = KVRow(self.slot, 0, t, base, base + t, None, tree=(depth_first(parents), depths), tree_kv=[],
+                    plan=plan_tree(base, parents, depths, self.pool.group, self.device))
         hidden, logits = self.pool._run(list(token_ids), [base + d for d in depths], [row])
         self._store_hidden(base, hidden)
         self._length, self._tree = base + t, (base, list(parents), row.tree_kv)
@@ -248,7 +259,7 @@ class NativeSequence:
         end = base + len(indices)
         for layer, (k_nodes, v_nodes) in enumerate(tree_kv):  # [T, kv_heads, dim] each
             self.pool.k[layer, self.slot, :, base:end] = k_nodes.index_select(0, path).transpose(0, 1)
-            self.pool.v[layer, self.slot, :, base:end] = v_nodes.index_select(0, path).transpose(0, 1)
+            self.pool.v[layer, self.slot, :, base:end, :-1] = v_nodes.index_select(0, path).transpose(0, 1)
         if indices != list(range(len(indices))):
             src = path + base
             if self._keep_hidden:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specdec.backends.native.attention import attention as batch_invariant_attention
 from specdec.backends.native.quant import FusedLinear, Linear
 from specdec.errors import SpecdecError
 
@@ -73,6 +74,7 @@ class KVRow:
     # (see tree_attention); the nodes' keys and values of every layer are kept in tree_kv.
     tree: tuple[list[int], list[int]] | None = None
     tree_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    plan: object = None  # attention.KeyPlan: the keys each query sees, shared by all layers
 
 
 class DecoderLayer(torch.nn.Module):
@@ -87,25 +89,44 @@ class DecoderLayer(torch.nn.Module):
         self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down  # qkv -> q, k, v; gate_up -> gate, up
         self.heads, self.kv_heads, self.dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.eps, self.gqa = config.rms_eps, config.num_heads != config.num_kv_heads
+        # the dtype the kernels take (bf16 for int4/int8): norms and the activation write it
+        # directly, and the kernels' outputs join the fp32 residual stream by type promotion
+        self.act_dtype = activation_dtype(qkv)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, rows: list[KVRow]) -> torch.Tensor:
         # x [N, hidden]; cos, sin [N, 1, dim]; caches [slots, kv_heads, max_length, dim]
-        n, hidden = x.shape
-        h = F.rms_norm(x, (hidden,), self.attn_norm, self.eps)
-        q, k, v = self.qkv(h)
-        q = rope(q.view(n, self.heads, self.dim), cos, sin)  # [N, heads, dim]
-        k = rope(k.view(n, self.kv_heads, self.dim), cos, sin)  # [N, kv_heads, dim]
-        attn = attention(q, k, v.view(n, self.kv_heads, self.dim), k_cache, v_cache, rows, self.gqa)
-        x = x + self.o(attn.reshape(n, self.heads * self.dim))
-        h = F.rms_norm(x, (hidden,), self.mlp_norm, self.eps)
-        gate, up = self.gate_up(h)
-        return x + self.down(F.silu(gate) * up)
+        n, heads, kv_heads, dim = x.shape[0], self.heads, self.kv_heads, self.dim
+        qkv = self.qkv.joined(rms_norm(x, self.attn_norm, self.eps, self.act_dtype)).float()
+        qk = rope(qkv[:, : (heads + kv_heads) * dim].view(n, heads + kv_heads, dim), cos, sin)  # q and k at once
+        q, k = qk[:, :heads], qk[:, heads:]  # [N, heads, dim], [N, kv_heads, dim]
+        v = qkv[:, (heads + kv_heads) * dim :].view(n, kv_heads, dim)
+        attn = batch_invariant_attention(q, k, v, k_cache, v_cache, rows, self.gqa)
+        # .forward: the linears are plain modules (no hooks), and __call__ costs each of them
+        x = x + self.o.forward(attn.reshape(n, heads * dim).to(self.act_dtype))  # fp32 + act_dtype -> fp32
+        gate, up = self.gate_up.forward(rms_norm(x, self.mlp_norm, self.eps, self.act_dtype))
+        return x + self.down.forward(silu_mul(gate, up, self.act_dtype))
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     # x [N, heads, dim]; see NativeModel.rope_tables
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    # x [N, hidden] fp32 -> [N, hidden] in the kernels' dtype. Hand-written variants with fewer
+    # reductions measured no faster on one core: at this width every op costs its dispatch.
+    out = F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return out if out.dtype == dtype else out.to(dtype)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # SwiGLU in fp32, rounded once to the kernels' dtype
+    return F.silu(gate.float(), inplace=True).mul_(up).to(dtype)
+
+
+def activation_dtype(linear) -> torch.dtype:
+    return getattr(linear, "act_dtype", torch.float32)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -23,19 +23,21 @@ import torch
 import torch.nn.functional as F
 
 from specdec.backends.native.cache import COMPILE_BUCKETS, CachePool, NativeSequence
+from specdec.backends.native.cpu import forced_fallback
 from specdec.backends.native.gguf import read_gguf
-from specdec.backends.native.layer import DecoderLayer, KVRow, NativeConfig
-from specdec.backends.native.quant import PRECISIONS, FusedLinear, Linear, make_linear
+from specdec.backends.native.layer import DecoderLayer, KVRow, NativeConfig, rms_norm
+from specdec.backends.native.quant import LM_HEADS, PRECISIONS, FusedLinear, Linear, make_linear, make_lm_head
 from specdec.errors import SpecdecError
 
-NATIVE_OPTIONS = ("precision", "device", "max_length", "slots", "compile")
+NATIVE_OPTIONS = ("precision", "device", "max_length", "slots", "compile", "lm_head")
 
 
 class NativeModel:
     """Weights and the forward pass; the cache lives in a `CachePool`."""
 
     def __init__(self, config: NativeConfig, state: dict, precision: str = "fp32", device=None,
-                 inv_freq: torch.Tensor | None = None, attention_scaling: float = 1.0, dense_prompts: bool = False):
+                 inv_freq: torch.Tensor | None = None, attention_scaling: float = 1.0, dense_prompts: bool = False,
+                 lm_head: str = "auto"):
         self.config, self.precision = config, precision
         self.device = torch.device(device or state["model.embed_tokens.weight"].device)
         _check_precision(precision, self.device)
@@ -75,8 +77,9 @@ class NativeModel:
         self.norm = tensor("model.norm.weight")
         if "lm_head.weight" not in state:  # tied embeddings
             state = {**state, "lm_head.weight": self.embed}
-        # int4 keeps the LM head at int8, as 4-bit GGUFs keep their output matrix at 6-8 bits
-        self.lm_head = linear("lm_head", "int8" if precision == "int4" else precision)
+        # int4 keeps the LM head at 8 bits, as 4-bit GGUFs keep their output matrix at 6-8 bits
+        head = weight("lm_head")
+        self.lm_head = make_lm_head(head, bias("lm_head"), precision, lm_head) if isinstance(head, torch.Tensor) else head
         # Prompts (forwards of more than DECODE_ATTENTION_MAX tokens) are compute-bound, and the
         # dense fp32 GEMM runs them faster than the int kernels: with
         # `dense_prompts` they use fp32 layers over the same tensors (no copy when the state
@@ -117,14 +120,14 @@ class NativeModel:
     # ---- construction ------------------------------------------------------------------
 
     @classmethod
-    def from_hf(cls, model: torch.nn.Module, precision: str = "fp32", device=None) -> NativeModel:
+    def from_hf(cls, model: torch.nn.Module, precision: str = "fp32", device=None, lm_head: str = "auto") -> NativeModel:
         """Share the loaded transformers model's tensors (no copy for fp32 on its device)."""
         config = NativeConfig.from_hf(model.config)
         rotary = model.model.rotary_emb  # reuse HF's own frequencies (covers llama3/yarn scaling)
         state = model.state_dict()
         shared = device is None or torch.device(device) == state["model.embed_tokens.weight"].device
         return cls(config, state, precision, device, rotary.inv_freq, float(rotary.attention_scaling),
-                   dense_prompts=shared)  # fp32 prompt layers cost nothing when they share its tensors
+                   dense_prompts=shared, lm_head=lm_head)  # fp32 prompt layers cost nothing when they share its tensors
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, precision: str = "fp32", device=None) -> NativeModel:
@@ -183,7 +186,7 @@ class NativeModel:
         for i, layer in enumerate(layers):
             # calling the module runs its compiled graph, if any; .forward always runs eagerly
             x = (layer if compiled else layer.forward)(x, cos, sin, pool.k[i], pool.v[i], rows)
-        x = F.rms_norm(x, (self.config.hidden_size,), self.norm, self.config.rms_eps)
+        x = rms_norm(x, self.norm, self.config.rms_eps, torch.float32)
         return x, lm_head(x if logits_at is None else x[logits_at]).float()
 
 
@@ -202,13 +205,13 @@ _SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # HF model -> 
 
 
 def native_model_for(hf_model: torch.nn.Module, precision: str = "fp32", device=None,
-                     compile: bool = False) -> NativeModel:
+                     compile: bool = False, lm_head: str = "auto") -> NativeModel:
     """The NativeModel over a loaded HF model, built once per (precision, device) and shared."""
     device = torch.device(device) if device is not None else next(hf_model.parameters()).device
     models = _SHARED.setdefault(hf_model, {})
-    key = (precision, str(device), bool(compile))
+    key = (precision, str(device), bool(compile), lm_head, forced_fallback())
     if key not in models:
-        models[key] = NativeModel.from_hf(hf_model, precision, device)
+        models[key] = NativeModel.from_hf(hf_model, precision, device, lm_head)
     return models[key]
 
 
@@ -272,12 +275,18 @@ def default_precision(device=None) -> str:
 
 
 def make_native_backend(target, prefix_cache: str = "prompt", precision: str | None = None, device=None,
-                        max_length: int | None = None, slots: int = 1, compile: bool = False) -> NativeSequence:
+                        max_length: int | None = None, slots: int = 1, compile: bool = False,
+                        lm_head: str = "auto") -> NativeSequence:
     """A sequence over a fresh pool (its own KV cache) for a LoadedModel's weights."""
     if device is None:
         device = next(target.model.parameters()).device
     device = check_device(device)
-    model = native_model_for(target.model, precision or default_precision(device), device, _flag(compile))
+    if lm_head not in LM_HEADS:
+        raise SpecdecError(f"unknown lm_head {lm_head!r}; choose one of: {', '.join(LM_HEADS)}", "lm_head")
+    try:
+        model = native_model_for(target.model, precision or default_precision(device), device, _flag(compile), lm_head)
+    except ValueError as e:  # lm_head ort8 where it cannot run
+        raise SpecdecError(str(e), "lm_head") from None
     pool = model.new_pool(int(slots), int(max_length) if max_length else None, prefix_cache=prefix_cache)
     if _flag(compile) and not model.compiled:
         model.compile(pool)  # traced on this pool's cache shapes; the seconds are in compile_seconds

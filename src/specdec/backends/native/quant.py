@@ -11,6 +11,10 @@ fp32 and only the matmul input is cast to the kernel's dtype:
   bf16 activations, bf16 scales and zeros. A GGUF's Q4_0/Q4_1 blocks (also 32 along K) map
   onto this format directly, without a float round trip (`from_gguf_blocks`, used by gguf.py).
 
+The LM head has its own choice (`make_lm_head`): on int4/int8 models it runs 8-bit blocks on
+ONNX Runtime where that is installed and batch-invariant on this CPU (ort_linear.py).
+`SPECDEC_CPU_KERNELS=fallback` (cpu.py) forces the pure-PyTorch paths.
+
 bf16/int8/int4 compute every row on its own (bit-identical for 1 or k rows); fp32 and fp16
 GEMMs differ from their one-row results at the ~1e-6 level. fp16, int8 and int4 are CPU
 kernels; on other devices use fp32 or bf16.
@@ -24,10 +28,27 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specdec.backends.native.cpu import forced_fallback, has_int4_kernel
+from specdec.backends.native.ort_linear import OrtBlockLinear, ort_available
+
 PRECISIONS = ("fp32", "bf16", "fp16", "int8", "int4")
 # fbgemm's fp16 GEMM warns of its deprecation (once per process, from C++); we know
 warnings.filterwarnings("ignore", message=r"fbgemm_\w+ is deprecated")
 INT4_GROUP = 32
+# the torch.* binding: the torch.ops.aten packet adds Python overhead to each of 120 calls a step
+_int4_mm = getattr(torch, "_weight_int4pack_mm_for_cpu", None) or torch.ops.aten._weight_int4pack_mm_for_cpu
+
+
+@torch.library.custom_op("specdec::int4_mm", mutates_args=())
+def _int4_mm_compiled(x: torch.Tensor, packed: torch.Tensor, group: int, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """The int4 kernel as compiled graphs call it: Inductor may hand an op it does not know
+    the strides of a column-major buffer, and the kernel wants rows contiguous."""
+    return _int4_mm(x.contiguous(), packed, group, scales_and_zeros)
+
+
+@_int4_mm_compiled.register_fake
+def _(x, packed, group, scales_and_zeros):
+    return x.new_empty(x.shape[0], scales_and_zeros.shape[1])  # [M, N padded to 16]
 
 
 class DenseLinear(torch.nn.Module):
@@ -38,7 +59,7 @@ class DenseLinear(torch.nn.Module):
         weight = weight if dtype is None else weight.to(dtype)
         self.register_buffer("weight", weight, persistent=False)  # [N, K]
         self.register_buffer("bias", None if bias is None else bias.to(weight.dtype), persistent=False)  # [N]
-        self.out_features = weight.shape[0]
+        self.out_features, self.act_dtype = weight.shape[0], weight.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         if x.dtype == self.weight.dtype:
@@ -63,7 +84,7 @@ class FP16Linear(torch.nn.Module):
         self.register_buffer("packed", packed, persistent=False)  # a handle to fbgemm's packed matrix
         bias = torch.zeros(weight.shape[0]) if bias is None else bias.detach().float()
         self.register_buffer("bias", bias, persistent=False)  # [N]; the kernel wants one
-        self.out_features = weight.shape[0]
+        self.out_features, self.act_dtype = weight.shape[0], torch.float32
 
     @torch.compiler.disable  # dynamo cannot trace this op; compiled layers call it eagerly
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
@@ -82,7 +103,7 @@ class Int8Linear(torch.nn.Module):
         self.register_buffer("qweight", qweight, persistent=False)  # [N, K]
         self.register_buffer("scale", scale.to(torch.bfloat16), persistent=False)  # [N]
         self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
-        self.out_features = weight.shape[0]
+        self.out_features, self.act_dtype = weight.shape[0], torch.bfloat16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scale).to(x.dtype)
@@ -109,7 +130,7 @@ class Int4Linear(torch.nn.Module):
         scales_and_zeros = torch.stack([scale, zero], dim=-1).to(torch.bfloat16).contiguous()  # [G, N, 2]
         self.register_buffer("scales_and_zeros", scales_and_zeros, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
-        self.out_features = n
+        self.out_features, self.act_dtype = n, torch.bfloat16
         self._padded = pad > 0
 
     @classmethod
@@ -144,16 +165,17 @@ class Int4Linear(torch.nn.Module):
         return cls(torch.from_numpy(q.astype(np.int32)), scale_t, zero_t, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.to(torch.bfloat16), self.packed, INT4_GROUP, self.scales_and_zeros
-        )
+        # dtype checks in Python: a no-op .to() still costs a dispatch, and a step makes 120 calls
+        mm = _int4_mm_compiled if torch.compiler.is_compiling() else _int4_mm
+        y = mm(x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16), self.packed, INT4_GROUP, self.scales_and_zeros)
         if self._padded:
             y = y[:, : self.out_features]
-        y = y.to(x.dtype)
+        if x.dtype != torch.bfloat16:
+            y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 
-Linear = DenseLinear | FP16Linear | Int8Linear | Int4Linear
+Linear = DenseLinear | FP16Linear | Int8Linear | Int4Linear | OrtBlockLinear
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, precision: str) -> Linear:
@@ -167,10 +189,43 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, precision: str)
     if precision == "int8":
         return Int8Linear(weight, bias)
     if precision == "int4":
-        if weight.shape[1] % INT4_GROUP:  # e.g. tiny test models: fall back to int8
+        if weight.shape[1] % INT4_GROUP or not has_int4_kernel():  # e.g. tiny test models: int8
             return Int8Linear(weight, bias)
         return Int4Linear.from_float(weight, bias)
     raise ValueError(f"unknown precision {precision!r}; choose one of: {', '.join(PRECISIONS)}")
+
+
+LM_HEADS = ("auto", "ort8", "int8", "int4")
+
+
+def make_lm_head(weight: torch.Tensor, bias: torch.Tensor | None, precision: str, kind: str = "auto") -> Linear:
+    """The LM head [V, hidden] for a model in `precision`. Only int4 and int8 models choose
+    (the others keep their precision); `kind`:
+    - "ort8": 8-bit blocks of 32 on ONNX Runtime's MatMulNBits (ort_linear.py), the format of
+      a GGUF's Q8_0 output matrix, int8 activations; used only if it is batch-invariant here;
+    - "int8": per-row int8 on PyTorch's kernel (pure PyTorch; slower, further from fp32);
+    - "int4": PyTorch's int4 kernel (pure PyTorch and fast, but 4-bit logits);
+    - "auto": ort8 where onnxruntime is installed and passes the check, otherwise int8.
+    """
+    if kind not in LM_HEADS:
+        raise ValueError(f"unknown lm_head {kind!r}; choose one of: {', '.join(LM_HEADS)}")
+    if precision not in ("int4", "int8"):
+        return make_linear(weight, bias, precision)
+    if kind in ("auto", "ort8") and bias is None and weight.shape[1] % INT4_GROUP == 0 and weight.device.type == "cpu":
+        head = _ort_lm_head(weight)
+        if head is not None:
+            return head
+        if kind == "ort8":
+            raise ValueError("lm_head ort8 needs onnxruntime and onnx (pip install 'specdec[cpu]') "
+                             "and a batch-invariant MatMulNBits on this cpu")
+    return make_linear(weight, bias, "int4" if kind == "int4" else "int8")
+
+
+def _ort_lm_head(weight: torch.Tensor):
+    if forced_fallback() or not ort_available():
+        return None
+    head = OrtBlockLinear.from_float(weight, bits=8)
+    return head if head.batch_invariant() else None
 
 
 class FusedLinear(torch.nn.Module):
@@ -191,11 +246,17 @@ class FusedLinear(torch.nn.Module):
                 bias = torch.cat([torch.zeros(n) if b is None else b.float().cpu() for b, n in zip(biases, self.sizes, strict=True)])
                 bias = bias.to(weights[0].device)
             self.fused = make_linear(torch.cat([w.detach() for w in weights]), bias, precision)
+        self.act_dtype = getattr(self.fused if self.fused is not None else self.parts[0], "act_dtype", torch.float32)
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:  # [M, K] -> [M, N_i] for each part
         if self.fused is None:
-            return [part(x) for part in self.parts]
-        return list(self.fused(x).split(self.sizes, dim=-1))
+            return [part.forward(x) for part in self.parts]
+        return list(self.fused.forward(x).split(self.sizes, dim=-1))
+
+    def joined(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, sum N_i], the parts side by side
+        if self.fused is None:
+            return torch.cat([part.forward(x) for part in self.parts], dim=-1)
+        return self.fused.forward(x)
 
 
 def _require_cpu(weight: torch.Tensor, precision: str) -> None:

@@ -2,7 +2,7 @@
 
 Adding an endpoint is one module here with `router = APIRouter()` and its routes, plus its
 name in `ROUTE_MODULES`. A route reaches the model through `gateway(request)`, the app's one
-`Gateway` (serve/app.py); errors it raises as `SpecdecError` become OpenAI-shaped 400s.
+`Gateway` (serve/gateway.py); errors it raises as `SpecdecError` become OpenAI-shaped 400s.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 from fastapi import APIRouter, Request
 
-ROUTE_MODULES = ("completions", "models", "health", "metrics")
+ROUTE_MODULES = ("completions", "models", "health", "metrics", "version")
 
 
 def routers() -> Iterator[APIRouter]:

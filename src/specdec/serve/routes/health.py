@@ -1,4 +1,4 @@
-"""GET /health: 200 once the model is loaded, 503 while it loads."""
+"""GET /health: 200 once the model is loaded, 503 while it loads or the server drains."""
 
 from __future__ import annotations
 
@@ -12,4 +12,4 @@ router = APIRouter()
 @router.get("/health")
 async def health(request: Request):
     gw = gateway(request)
-    return {"status": "ok"} if gw.ready else gw.not_ready()
+    return {"status": "ok"} if gw.ready and not gw.draining else gw.not_ready()

@@ -1,0 +1,46 @@
+"""What this CPU offers, for choosing the native backend's kernels.
+
+`SPECDEC_CPU_KERNELS=fallback` forces the pure-PyTorch paths everywhere (what a CPU without
+the fast paths' features runs), so a test or a user can compare the two on one machine.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+
+import torch
+
+FORCE_ENV = "SPECDEC_CPU_KERNELS"
+
+
+@functools.cache
+def cpu_features() -> frozenset[str]:
+    """The CPU's flags as /proc/cpuinfo lists them (avx2, avx512_vnni, amx_int8, ...), plus
+    PyTorch's own dispatch level ("torch:AVX512", "torch:AVX2", ...); empty where unknown."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    flags.update(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "")()
+    if capability:
+        flags.add(f"torch:{capability}")
+    return frozenset(flags)
+
+
+def forced_fallback() -> bool:
+    return os.environ.get(FORCE_ENV, "").lower() == "fallback"
+
+
+def has_int4_kernel() -> bool:
+    """PyTorch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`) is built for x86 and arm64."""
+    if forced_fallback():
+        return False
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and platform.machine().lower() in (
+        "x86_64", "amd64", "aarch64", "arm64")  # fmt: skip

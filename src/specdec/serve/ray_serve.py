@@ -1,0 +1,95 @@
+"""`specdec serve --replicas N [--ray-address ADDR]`: N specdec replicas on Ray Serve behind one
+OpenAI-compatible ingress (ray_ingress.py, ray_replica.py). Needs the ray extra:
+`pip install 'specdec[ray]'`.
+
+Without --ray-address (or with `--ray-address local`, which puts even one replica on Ray) a
+local Ray instance is started with enough logical CPUs for the replicas; with an address, the app joins that cluster (`ray://...` or a GCS address), and is deleted
+from it on exit, leaving the cluster running. Each replica loads the target itself, so the
+model path must exist on every node (or be a built-in name).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import socket
+import sys
+import time
+
+import ray
+from ray import serve
+
+from specdec.errors import SpecdecError
+from specdec.serve.app import ServeConfig
+from specdec.serve.ray_ingress import Ingress
+from specdec.serve.ray_replica import replica_deployment
+
+APP_NAME = "specdec"
+
+
+def build_application(config: ServeConfig, replicas: int, routing: str = "affinity", cpus: float = 1.0,
+                      gpus: float = 0.0):
+    """The Ray Serve application: the ingress bound to one handle per replica deployment."""
+    handles = [replica_deployment(config, i, cpus, gpus) for i in range(replicas)]
+    return Ingress.bind(handles, config.max_batch, routing, config.max_body_bytes, config.request_timeout)
+
+
+def _free_port(host: str) -> int:
+    """Ray Serve's proxy wants a fixed port: ask the OS for a free one."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def start_ray(address: str | None, replicas: int, cpus: float) -> None:
+    """Join the cluster at `address`, or start a local one that fits the replicas."""
+    quiet = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
+    try:
+        if address:
+            ray.init(address=address, log_to_driver=False, configure_logging=False)
+        else:
+            # address="local": a new instance, never a cluster another process left running here
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(replicas * cpus)), **quiet)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        where = f"the Ray cluster at {address}" if address else "a local Ray instance"
+        raise SpecdecError(f"cannot start {where}: {str(e).splitlines()[0]}", "ray_address") from None
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def run_replicas(config: ServeConfig, settings: dict) -> None:
+    """Serve until SIGINT or SIGTERM, then take the app (and a local Ray) down."""
+    host, port = settings["host"], settings["port"] or _free_port(settings["host"])
+    replicas, address = settings["replicas"], settings["ray_address"]
+    if address == "local":  # Ray's own word for a new local instance: even one replica runs on Ray
+        address = None
+    start_ray(address, replicas, settings["replica_cpus"])
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM, like Ctrl-C, ends serve.run's wait too
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        shown = f"[{host}]" if ":" in host else host
+        print(f"specdec serve: listening on http://{shown}:{port} ({replicas} replica(s) on Ray, "
+              f"loading {config.engine.target})", file=sys.stderr, flush=True)
+        app = build_application(config, replicas, settings["routing"], settings["replica_cpus"],
+                                settings["replica_gpus"])
+        try:
+            serve.run(app, name=APP_NAME, route_prefix="/")
+        except RuntimeError as e:  # a replica's constructor failed (say, the model did not load)
+            raise SpecdecError(f"the replicas did not start: {str(e).splitlines()[0]}") from None
+        print("specdec serve: ready", file=sys.stderr, flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if address:
+            with contextlib.suppress(Exception):
+                serve.delete(APP_NAME)
+        else:
+            serve.shutdown()
+            ray.shutdown()

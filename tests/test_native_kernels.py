@@ -1,0 +1,151 @@
+"""The native backend's CPU kernel choices (issue 15): dispatch and its forced pure-PyTorch
+fallback, bit-for-bit batch invariance per row of every linear a default model uses, the
+8-bit LM head against GGUF's Q8_0 blocks, and speculative == plain greedy on both paths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from specdec import Engine, SpecdecError
+from specdec.backends import make_backend
+from specdec.backends.native.cpu import FORCE_ENV, cpu_features
+from specdec.backends.native.model import NativeModel
+from specdec.backends.native.ort_linear import OrtBlockLinear, ort_available, quantize_symmetric
+from specdec.backends.native.quant import Int4Linear, Int8Linear, make_linear, make_lm_head
+
+needs_ort = pytest.mark.skipif(not ort_available(), reason="onnxruntime/onnx not installed")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(seed=3)
+
+
+@pytest.fixture(params=["fast", "fallback"])
+def kernels(request, monkeypatch):
+    """Each test runs on this CPU's fast paths and with the pure-PyTorch fallback forced."""
+    if request.param == "fallback":
+        monkeypatch.setenv(FORCE_ENV, "fallback")
+    else:
+        monkeypatch.delenv(FORCE_ENV, raising=False)
+    return request.param
+
+
+def rows_are_invariant(layer, k: int, dtype: torch.dtype, max_rows: int = 9) -> bool:
+    """Row i of an M-row call equals the same row called alone, bit for bit, for every M."""
+    x = torch.randn(max_rows, k, generator=torch.Generator().manual_seed(k)).to(dtype)
+    with torch.no_grad():
+        alone = [layer(x[i : i + 1].clone())[0] for i in range(max_rows)]
+        for m in range(2, max_rows + 1):
+            out = layer(x[:m].clone())
+            if not all(torch.equal(out[i], alone[i]) for i in range(m)):
+                return False
+    return True
+
+
+def test_cpu_features_are_read():
+    features = cpu_features()
+    assert isinstance(features, frozenset)
+    assert any(f.startswith("torch:") for f in features) or not features
+
+
+def test_dispatch_follows_the_forced_fallback(kernels):
+    w = torch.randn(96, 64)
+    head = make_lm_head(w, None, "int4")
+    if kernels == "fallback":
+        assert isinstance(head, Int8Linear)
+        assert isinstance(make_linear(w, None, "int4"), Int8Linear)
+    else:
+        assert isinstance(head, OrtBlockLinear if ort_available() else Int8Linear)
+        assert isinstance(make_linear(w, None, "int4"), Int4Linear)
+    assert isinstance(make_lm_head(w, None, "int4", "int4"), Int4Linear if kernels == "fast" else Int8Linear)
+    assert isinstance(make_lm_head(w, None, "int4", "int8"), Int8Linear)
+    assert make_lm_head(w, None, "bf16").weight.dtype == torch.bfloat16  # other precisions keep theirs
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_default_linear_is_batch_invariant(target, kernels, threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model = NativeModel.from_hf(target.model, "int4")
+        layer = model.layers[0]
+        linears = [layer.qkv.fused, layer.o, layer.gate_up.fused, layer.down, model.lm_head]
+        for linear in linears:
+            k = linear.in_features if isinstance(linear, OrtBlockLinear) else target.model.config.hidden_size
+            if linear is layer.down:
+                k = target.model.config.intermediate_size
+            dtype = getattr(linear, "act_dtype", torch.float32)
+            assert rows_are_invariant(linear, k, dtype), type(linear).__name__
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_ort
+def test_ort_head_takes_q8_0_blocks_exactly():
+    """Dequantized Q8_0 (d fp16 per 32 weights, q in -127..127, |q| = 127 somewhere in each
+    block, as llama.cpp quantizes) comes back as the same q and d."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(-127, 128, (48, 4, 32), generator=gen)
+    q[:, :, 0] = 127 * torch.where(torch.rand(48, 4, generator=gen) < 0.5, -1, 1)
+    d = (torch.rand(48, 4, generator=gen) * 0.01 + 1e-4).half().float()
+    u, scale = quantize_symmetric((q * d[..., None]).reshape(48, 128), bits=8)
+    assert torch.equal(scale, d)
+    assert torch.equal(u.reshape(48, 4, 32).long() - 128, q)
+
+
+@needs_ort
+@pytest.mark.parametrize("bits", [8, 4])
+def test_ort_linear_tracks_the_dense_product(bits):
+    gen = torch.Generator().manual_seed(1)
+    w, x = torch.randn(80, 96, generator=gen) * 0.1, torch.randn(5, 96, generator=gen)
+    y = OrtBlockLinear.from_float(w, bits=bits)(x)
+    err = (y - x @ w.T).norm() / (x @ w.T).norm()
+    assert err < (0.02 if bits == 8 else 0.2)
+
+
+@pytest.mark.parametrize("drafter", ["ngram:min=1", "suffix"])
+def test_speculative_equals_plain_greedy_on_both_paths(target, kernels, drafter):
+    plain = Engine(target=target, drafter="none", backend="native")
+    spec = Engine(target=target, drafter=drafter, k=4, backend="native")
+    head = spec.backend.pool.model.lm_head
+    assert isinstance(head, Int8Linear if kernels == "fallback" or not ort_available() else OrtBlockLinear)
+    accepted = drafted = 0
+    for prompt in ["def add(a, b):", "The quick brown fox", '{"name": "search"']:
+        result = spec.generate(prompt, max_new_tokens=32, chat=False)
+        assert result.token_ids == plain.generate(prompt, max_new_tokens=32, chat=False).token_ids
+        accepted += result.stats.num_accepted_tokens
+        drafted += result.stats.num_draft_tokens
+    assert drafted > 0 and accepted > 0, "nothing drafted and accepted: the test would pass vacuously"
+
+
+def test_chain_scoring_equals_one_token_steps(target, kernels):
+    tokens = torch.randint(5, 300, (30,), generator=torch.Generator().manual_seed(4)).tolist()
+    chain, steps = make_backend("native", target), make_backend("native", target)
+    chain.prefill(tokens[:20])
+    steps.prefill(tokens[:20])
+    one_by_one = torch.cat([steps.forward([t]) for t in tokens[20:]])
+    assert torch.equal(chain.forward(tokens[20:]), one_by_one)
+
+
+def test_bad_lm_head_option_is_a_specdec_error(target):
+    with pytest.raises(SpecdecError, match="unknown lm_head"):
+        make_backend("native", target, lm_head="fp8")
+
+
+def test_ort8_head_without_onnxruntime_is_a_specdec_error(target, monkeypatch):
+    monkeypatch.setenv(FORCE_ENV, "fallback")
+    with pytest.raises(SpecdecError, match="lm_head ort8 needs onnxruntime"):
+        make_backend("native", target, lm_head="ort8")
+
+
+@pytest.mark.slow
+def test_real_model_head_is_the_gguf_q8_0_matrix(smollm2):
+    """SmolLM2's tied embedding is Q8_0 in its GGUF: the 8-bit head holds those very blocks."""
+    if not ort_available():
+        pytest.skip("onnxruntime/onnx not installed")
+    w = smollm2.model.get_output_embeddings().weight.detach()
+    u, scale = quantize_symmetric(w, bits=8)
+    assert torch.equal((u.float() - 128).reshape(w.shape[0], -1, 32) * scale[..., None], w.reshape(w.shape[0], -1, 32))
