@@ -22,15 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import re
 import statistics
 import subprocess
 import sys
 import threading
 import time
 
-import httpx
 import openai
+import served  # scripts/served.py
 
 SHORT_PROMPTS = [
     "Write a short story about a lighthouse keeper.",
@@ -45,30 +44,10 @@ SHORT_PROMPTS = [
 
 
 def spawn(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "specdec.cli", "serve", "--target", args.target, "--backend", args.backend,
-           "--drafter", args.drafter, "--port", "0", "--max-batch", str(args.streams + args.long_prompts),
-           "--max-prefill-tokens", str(args.max_prefill_tokens), "--served-model-name", "m", *args.server_arg]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    tail: list[str] = []
-    for line in proc.stderr:
-        tail.append(line)
-        if match := re.search(r"listening on (http://\S+)", line):
-            break
-    else:
-        raise SystemExit("the server did not start:\n" + "".join(tail[-20:]))
-    threading.Thread(target=lambda: [tail.append(x) for x in proc.stderr], daemon=True).start()
-    url = match.group(1)
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit("the server exited:\n" + "".join(tail[-20:]))
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    raise SystemExit("the server did not become ready")
+    return served.spawn(["--target", args.target, "--backend", args.backend, "--drafter", args.drafter,
+                         "--max-batch", str(args.streams + args.long_prompts),
+                         "--max-prefill-tokens", str(args.max_prefill_tokens), "--served-model-name", "m",
+                         *args.server_arg])
 
 
 class Streams:

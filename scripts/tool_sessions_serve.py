@@ -15,16 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import subprocess
-import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-import httpx
 import openai
+import served  # scripts/served.py
 import yaml
 
 from specdec.bench.run import DEFAULT_DATA, load_questions
@@ -34,28 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def spawn(config: Path) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "specdec.cli", "serve", "--config", str(config), "--port", "0"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    tail: list[str] = []
-    for line in proc.stderr:
-        tail.append(line)
-        if match := re.search(r"listening on (http://\S+)", line):
-            break
-    else:
-        raise SystemExit("the server did not start:\n" + "".join(tail[-20:]))
-    threading.Thread(target=lambda: [tail.append(x) for x in proc.stderr], daemon=True).start()
-    url = match.group(1)
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit("the server exited:\n" + "".join(tail[-20:]))
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    raise SystemExit("the server did not become ready")
+    return served.spawn(["--config", str(config)])
 
 
 def run_session(client: openai.OpenAI, session, max_tokens: int) -> list[dict]:
