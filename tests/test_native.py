@@ -8,14 +8,12 @@ import types
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from conftest import tiny_llama
 from specdec import Engine, SpecdecError
 from specdec.backends import forward_batch, make_backend
 from specdec.backends.hf import HFBackend
 from specdec.backends.native.model import NativeConfig, NativeModel
-from specdec.backends.native.quant import Int4Linear, make_linear
 from specdec.tree import tree_path
 
 TOL = {"rtol": 1e-4, "atol": 1e-4}
@@ -321,33 +319,6 @@ def test_prompts_run_dense_and_never_share_a_pass_with_steps(target):
 
 
 # ---- quantization ----------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(("precision", "bound"), [("bf16", 0.01), ("fp16", 0.002), ("int8", 0.02), ("int4", 0.15)])
-@pytest.mark.parametrize("rows", [48, 40])  # 40: int4 pads to a multiple of 16
-def test_quantized_linear_error_is_bounded(precision, bound, rows):
-    gen = torch.Generator().manual_seed(0)
-    w, x = torch.randn(rows, 64, generator=gen), torch.randn(5, 64, generator=gen)
-    bias = torch.randn(rows, generator=gen)
-    y = make_linear(w, bias, precision)(x)
-    expected = F.linear(x, w, bias)
-    assert y.shape == expected.shape and y.dtype == torch.float32
-    assert (y - expected).norm() / expected.norm() < bound
-
-
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
-def test_int4_from_gguf_blocks_matches_dequantize(kind):
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize, quantize
-
-    gen = torch.Generator().manual_seed(1)
-    w = torch.randn(32, 96, generator=gen).numpy()
-    qtype = GGMLQuantizationType[kind]
-    blocks = quantize(w, qtype)  # [32, 3 blocks * bytes]
-    x = torch.randn(3, 96, generator=gen)
-    expected = F.linear(x, torch.from_numpy(dequantize(blocks, qtype)))
-    y = Int4Linear.from_gguf_blocks(blocks, kind)(x)
-    assert (y - expected).norm() / expected.norm() < 0.01  # bf16 activations and scales only
 
 
 @pytest.mark.parametrize(("precision", "bound"), [("bf16", 0.02), ("fp16", 0.002), ("int8", 0.05), ("int4", 0.3)])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import tiny_llama
 from specdec import Engine, SpecdecError
@@ -149,3 +150,33 @@ def test_real_model_head_is_the_gguf_q8_0_matrix(smollm2):
     w = smollm2.model.get_output_embeddings().weight.detach()
     u, scale = quantize_symmetric(w, bits=8)
     assert torch.equal((u.float() - 128).reshape(w.shape[0], -1, 32) * scale[..., None], w.reshape(w.shape[0], -1, 32))
+
+
+# ---- quantized linears against their float references -------------------------------------
+
+
+@pytest.mark.parametrize(("precision", "bound"), [("bf16", 0.01), ("fp16", 0.002), ("int8", 0.02), ("int4", 0.15)])
+@pytest.mark.parametrize("rows", [48, 40])  # 40: int4 pads to a multiple of 16
+def test_quantized_linear_error_is_bounded(precision, bound, rows):
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(rows, 64, generator=gen), torch.randn(5, 64, generator=gen)
+    bias = torch.randn(rows, generator=gen)
+    y = make_linear(w, bias, precision)(x)
+    expected = F.linear(x, w, bias)
+    assert y.shape == expected.shape and y.dtype == torch.float32
+    assert (y - expected).norm() / expected.norm() < bound
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_int4_from_gguf_blocks_matches_dequantize(kind):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(32, 96, generator=gen).numpy()
+    qtype = GGMLQuantizationType[kind]
+    blocks = quantize(w, qtype)  # [32, 3 blocks * bytes]
+    x = torch.randn(3, 96, generator=gen)
+    expected = F.linear(x, torch.from_numpy(dequantize(blocks, qtype)))
+    y = Int4Linear.from_gguf_blocks(blocks, kind)(x)
+    assert (y - expected).norm() / expected.norm() < 0.01  # bf16 activations and scales only

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -27,6 +28,7 @@ from hypothesis import strategies as st
 from conftest import save_loaded, tiny_llama
 
 KEY = "sk-test-key"
+TESTS = str(Path(__file__).parent)
 MODEL = "tiny"
 
 
@@ -35,11 +37,15 @@ class ServerProcess:
     default (what their expected replies are computed with); pass backend="auto" for the
     server's own default."""
 
-    def __init__(self, model_dir: str, *args: str, env: dict | None = None, backend: str = "hf"):
+    def __init__(self, model_dir: str, *args: str, env: dict | None = None, backend: str = "hf",
+                 plugin: str | None = None):
+        """`plugin`: a module of tests/ imported before the server starts (it may register a drafter)."""
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         if "--backend" not in args:
             args = ("--backend", backend, *args)
-        cmd = [sys.executable, "-m", "specdec.cli", "serve", "--target", model_dir, "--port", "0", *args]
+        boot = f"import sys; sys.path.insert(0, {TESTS!r}); import {plugin}; " if plugin else "import sys; "
+        boot += "from specdec.cli import main; main(sys.argv[1:])"
+        cmd = [sys.executable, "-c", boot, "serve", "--target", model_dir, "--port", "0", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=full_env)
         self.lines: list[str] = []
         self._listening = threading.Event()
@@ -70,6 +76,9 @@ class ServerProcess:
             self.lines.append(line)
             if "listening on" in line:
                 self._listening.set()
+
+    def client(self, api_key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
 
     def close(self) -> None:
         self.proc.terminate()

@@ -4,14 +4,7 @@ whose drafter raises fails alone while the requests batched with it finish uncha
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import openai
@@ -20,46 +13,7 @@ import pytest
 from conftest import save_loaded, tiny_llama
 from specdec.engine import Engine
 from specdec.models import load_model
-
-TESTS = str(Path(__file__).parent)
-
-
-class Server:
-    """`specdec serve` in a subprocess (after importing `plugin`, a module of tests/, if given),
-    on the hf backend unless told otherwise: the expected replies come from hf Engines."""
-
-    def __init__(self, model_dir: str, *args: str, plugin: str | None = None):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-        boot = f"import sys; sys.path.insert(0, {TESTS!r}); import {plugin}; " if plugin else "import sys; "
-        boot += "from specdec.cli import main; main(sys.argv[1:])"
-        args = args if "--backend" in args else ("--backend", "hf", *args)
-        cmd = [sys.executable, "-c", boot, "serve", "--target", model_dir, "--port", "0", *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-        self.lines: list[str] = []
-        threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True).start()
-        deadline = time.time() + 180
-        while time.time() < deadline and self.proc.poll() is None:
-            found = re.search(r"http://127\.0\.0\.1:(\d+)", "".join(self.lines))
-            if found:
-                self.url = f"http://127.0.0.1:{found.group(1)}"
-                try:
-                    if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                        return
-                except httpx.TransportError:
-                    pass
-            time.sleep(0.1)
-        self.close()
-        raise RuntimeError("server did not become ready:\n" + "".join(self.lines))
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+from test_server import ServerProcess
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +32,7 @@ def test_each_prefix_cache_mode_through_a_real_server(model_dir, mode):
     answer = plain.generate(ids, max_new_tokens=24).token_ids
     turn2 = ids + answer + [4 + (i * 11) % 390 for i in range(20)]
     want = {"off": 0, "prompt": 256, "decoded": len(ids) + len(answer) - 1}[mode]
-    server = Server(model_dir, "--prefix-cache", mode, "--served-model-name", "tiny")
+    server = ServerProcess(model_dir, "--prefix-cache", mode, "--served-model-name", "tiny")
     try:
         client = server.client()
 
@@ -106,8 +60,8 @@ def test_a_request_whose_drafter_raises_fails_alone_on_a_real_server(model_dir):
     four get what they get when served alone, and the server keeps serving."""
     prompts = [f"Request {i}: the quick brown fox jumps over the lazy dog. The quick brown" for i in range(4)]
     poison = "POISON: the quick brown fox jumps over the lazy dog. The quick brown"
-    server = Server(model_dir, "--drafter", "test-faulty", "--max-batch", "8", "--served-model-name", "tiny",
-                    plugin="faulty_drafter_plugin")
+    server = ServerProcess(model_dir, "--drafter", "test-faulty", "--max-batch", "8", "--served-model-name", "tiny",
+                           plugin="faulty_drafter_plugin")
     try:
         client = server.client()
 
