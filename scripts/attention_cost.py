@@ -3,10 +3,10 @@ one target forward of n = 1, 2, 4, 8 tokens after contexts of 100, 1000 and 3000
 each n's cost relative to one token.
 
     python scripts/attention_cost.py [--target smollm2-135m] [--precision int4]
-        [--contexts 100,1000,3000] [--sizes 1,2,4,8] [--repeats 15] [--routine new|old]
+        [--contexts 100,1000,3000] [--sizes 1,2,4,8] [--repeats 15] [--routine kernel|torch]
 
-`--routine old` runs the query-by-query SDPA loop the native backend used before the
-batch-invariant routine (backends/native/attention.py), for a before/after table. Prints one
+`--routine torch` runs the PyTorch implementation of the batch-invariant attention instead of
+the numba kernel (backends/native/attention_kernel.py), for a side-by-side table. Prints one
 line per context and ends with a JSON line.
 """
 
@@ -14,26 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
 import torch
 
 from specdec.backends import make_backend
-from specdec.backends.native import layer
+from specdec.backends.native import attention_kernel
 from specdec.models import load_model
-
-
-def old_routine() -> None:
-    """Route decode chains through the query-by-query loop kept in layer.py, where it still is."""
-    if not hasattr(layer, "attention"):
-        raise SystemExit("the query-by-query routine is no longer in backends/native/layer.py")
-    old = layer.attention
-
-    def query_by_query(q, k, v, k_cache, v_cache, rows, gqa):  # the cache's values without their ones column
-        return old(q, k, v, k_cache, v_cache[..., : q.shape[-1]], rows, gqa)
-
-    layer.batch_invariant_attention = query_by_query
 
 
 def cost(seq, context: list[int], sizes: list[int], repeats: int) -> dict[int, float]:
@@ -61,13 +50,12 @@ def main() -> None:
     p.add_argument("--contexts", default="100,1000,3000")
     p.add_argument("--sizes", default="1,2,4,8")
     p.add_argument("--repeats", type=int, default=15)
-    p.add_argument("--routine", choices=("new", "old"), default="new")
+    p.add_argument("--routine", choices=("kernel", "torch"), default="kernel")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.routine == "old":
-        old_routine()
+    os.environ[attention_kernel.CHOICE_ENV] = args.routine  # read when the cache pool is made
     contexts = [int(c) for c in args.contexts.split(",")]
     sizes = [int(n) for n in args.sizes.split(",")]
     target = load_model(args.target)

@@ -7,7 +7,7 @@ and we report aggregate completion tokens/s, request latency p50/p99, time to fi
 p50/p99 and TPOT, plus acceptance from the responses' `spec_decode`. The last line of stdout
 is one JSON object.
 
-    python -m specdec.bench.load --target smollm2-135m --backend native --concurrency 1,4,8,16
+    python -m specdec.bench.load --target smollm2-135m --concurrency 1,4,8,16
     python -m specdec.bench.load --url http://127.0.0.1:8000 --sessions 16
 
 Speculation off means the request body carries `"drafter": "none"`; on uses the server's
@@ -200,7 +200,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m specdec.bench.load", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="a running server; otherwise one is started with --target")
     p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--backend", default="hf")
+    p.add_argument("--backend", default="auto", help="as specdec serve (auto: native for Llama-family targets, else hf)")
     p.add_argument("--backend-option", action="append", default=[])
     p.add_argument("--drafter", default="ngram", help="the started server's default drafter")
     p.add_argument("--drafter-on", default=None, help="drafter to request when speculation is on (default: server's)")

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from specdec.backends import Backend
+from specdec.backends.native.attention import new_cache
 from specdec.backends.native.layer import DECODE_ATTENTION_MAX, DecoderLayer, KVRow, NativeConfig
 from specdec.backends.native.quant import FusedLinear, make_linear
 from specdec.drafters import Draft, Drafter, DrafterSpec, register
@@ -188,8 +189,7 @@ class LeanHead:
 
     def _alloc(self, length: int) -> None:
         c = self.config
-        self.k = torch.zeros(1, c.num_kv_heads, length, c.head_dim, device=self.device)  # [1, kv_heads, L, dim]
-        self.v = torch.zeros_like(self.k)
+        self.k, self.v = new_cache((1,), c.num_kv_heads, length, c.head_dim, device=self.device)  # see attention.py
         positions = torch.arange(length, device=self.device).float()
         freqs = positions[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)  # the rotation transformers applies (see rope_tables)
@@ -198,10 +198,10 @@ class LeanHead:
         self.cos, self.sin = emb.cos() * self.scaling, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
     def _fit(self, length: int) -> None:
-        if length > self.k.shape[2]:  # grow the cache (doubling), keeping what it holds
+        if length > self.cos.shape[0]:  # grow the cache (doubling), keeping what it holds
             old_k, old_v = self.k, self.v
-            self._alloc(max(2 * old_k.shape[2], length))
-            self.k[:, :, : old_k.shape[2]], self.v[:, :, : old_v.shape[2]] = old_k, old_v
+            self._alloc(max(2 * self.cos.shape[0], length))
+            self.k[..., : old_k.shape[-1]], self.v[:, :, : old_v.shape[2]] = old_k, old_v
 
     @torch.no_grad()
     def forward(self, features: torch.Tensor, embeds: torch.Tensor, past: int) -> torch.Tensor:

@@ -19,6 +19,15 @@ whole chunks before the tree come from the cache, and each node gets its own cop
 tree's last chunks, its ancestors laid out where a chain would hold them (base + depth),
 so every node scores with the bits of a one-token-per-step decode. Prompt chunks and eagle's
 draft trees (rows with an explicit mask) take one SDPA call: nothing verifies them.
+
+Two implementations keep this contract: on the cpu with numba installed, one compiled kernel
+per layer computes each query on its own (attention_kernel.py: batch-invariant by
+construction, and far fewer ops at one query); elsewhere the PyTorch routine below. A cache
+pool picks one when it is made (`plan_chain`, `plan_tree`); they differ in the last bits, so
+a process never mixes them for one cache.
+
+The cache keeps keys transposed, [kv_heads, dim, length], so that a query's scores run along
+contiguous keys; values are [kv_heads, length, dim + 1] with a last column of ones.
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from specdec.backends.native.attention_kernel import attend_kernel, attend_op, usable
 
 CHUNK = 64  # keys per block of the weights @ values reduction, aligned to absolute positions
 BLOCK = 16  # score columns per GEMM: a fixed shape whatever the number of queries
@@ -49,6 +60,28 @@ class KeyPlan:
     blocks: list[QueryBlock]
 
 
+@dataclass
+class KernelPlan:
+    """What each query reads, for attention_kernel (shared by all layers)."""
+
+    limits: torch.Tensor  # [T] int64: query j reads the slot's keys 0 .. limits[j] - 1
+    paths: torch.Tensor  # [T, E] int64: then these of the row's own tokens, a tree path (-1: none)
+
+    def __post_init__(self):
+        self.arrays = (self.limits.numpy(), self.paths.numpy())  # what the eager kernel call takes
+
+
+def new_cache(lead: tuple[int, ...], kv_heads: int, length: int, dim: int, dtype=torch.float32, device=None):
+    """Empty keys [*lead, kv_heads, dim, padded(length)] and values [*lead, kv_heads,
+    padded(length), dim + 1] (whose last column is ones), as `attention` reads them."""
+    keys = torch.zeros(*lead, kv_heads, dim, padded(length), dtype=dtype, device=device)
+    return keys, ones_column(torch.zeros(*lead, kv_heads, padded(length), dim, dtype=dtype, device=device))
+
+
+def uses_kernel(device, kv_dtype: torch.dtype = torch.float32) -> bool:
+    return usable(torch.device(device), kv_dtype)
+
+
 def padded(length: int) -> int:
     """`length` rounded up to whole chunks: how long a cache must be for `attention`."""
     return -(-length // CHUNK) * CHUNK
@@ -69,18 +102,28 @@ def _blocks(t: int, group: int) -> list[tuple[int, int]]:
     return [(first, min(per, t - first)) for first in range(0, t, per)]
 
 
-def plan_chain(kv_len: int, t: int, group: int, device) -> KeyPlan:
+def plan_chain(kv_len: int, t: int, group: int, device, kernel: bool = False) -> KeyPlan | KernelPlan:
     """T queries at positions kv_len - T .. kv_len - 1, each seeing the keys up to its own."""
+    if kernel:
+        return KernelPlan(torch.arange(kv_len - t + 1, kv_len + 1), torch.empty(t, 0, dtype=torch.long))
     keys = padded(kv_len)
     visible = torch.arange(keys, device=device)[:, None] <= torch.arange(kv_len - t, kv_len, device=device)[None, :]
     blocks = [QueryBlock(a, n, _column_bias(visible[:, a : a + n], group)) for a, n in _blocks(t, group)]
     return KeyPlan(keys, blocks)
 
 
-def plan_tree(base: int, parents: list[int], depths: list[int], group: int, device) -> KeyPlan:
+def plan_tree(base: int, parents: list[int], depths: list[int], group: int, device,
+              kernel: bool = False) -> KeyPlan | KernelPlan:
     """Tree nodes after `base` cached tokens (parents[i] < i, -1 for a root): node i at depth d
     sees the cache and, at positions base..base+d, the path from a root down to itself."""
     t = len(parents)
+    if kernel:
+        paths = torch.full((t, max(depths) + 1), -1, dtype=torch.long)
+        for i in range(t):
+            node = i
+            while node >= 0:
+                paths[i, depths[node]], node = node, parents[node]
+        return KernelPlan(torch.full((t,), base, dtype=torch.long), paths)
     split = base // CHUNK * CHUNK  # whole chunks before the tree are shared by all nodes
     head = base - split  # cached keys in the tree's first chunk
     tail = padded(head + max(depths) + 1)
@@ -109,37 +152,45 @@ def ones_column(values: torch.Tensor) -> torch.Tensor:
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               rows: list, gqa: bool) -> torch.Tensor:
     """Store each row's new keys and values, then let its queries attend (see the module doc).
-    q [N, heads, dim], k, v [N, kv_heads, dim]; k_cache [slots, kv_heads, length, dim], v_cache
-    the same with dim or dim + 1 columns (a last column of ones: see ones_column); rows are
-    layer.KVRow (plan: a KeyPlan, or None to make one here). Returns [N, heads, dim]."""
+    q [N, heads, dim], k, v [N, kv_heads, dim]; k_cache [slots, kv_heads, dim, length], v_cache
+    [slots, kv_heads, length, dim + 1] (see new_cache); rows are layer.KVRow (plan: a KeyPlan or
+    KernelPlan, or None to make one here). Returns [N, heads, dim]."""
     outs, dim = [], q.shape[-1]
     group = q.shape[1] // k.shape[1]
     for row in rows:
         t = row.end - row.start
+        if row.plan is None and row.mask is None:
+            kernel = uses_kernel(q.device, k_cache.dtype)
+            row.plan = (plan_tree(row.store, *tree_parents(*row.tree), group, q.device, kernel) if row.tree
+                        else plan_chain(row.kv_len, t, group, q.device, kernel))  # fmt: skip
         if row.tree is not None:
-            outs.append(_tree_row(q, k, v, k_cache, v_cache, row, group))
+            outs.append(_tree_row(q, k, v, k_cache, v_cache, row))
             continue
-        k_cache[row.slot, :, row.store : row.store + t] = k[row.start : row.end].transpose(0, 1)
-        v_cache[row.slot, :, row.store : row.store + t, :dim] = v[row.start : row.end].transpose(0, 1)
+        rows_k, rows_v = k[row.start : row.end], v[row.start : row.end]
+        if isinstance(row.plan, KernelPlan) and not torch.compiler.is_compiling():  # it stores them too
+            outs.append(attend_kernel(q[row.start : row.end], rows_k, rows_v, k_cache, v_cache,
+                                                       row.slot, row.store, *row.plan.arrays))  # fmt: skip
+            continue
+        k_cache[row.slot, :, :, row.store : row.store + t] = rows_k.permute(1, 2, 0)
+        v_cache[row.slot, :, row.store : row.store + t, :dim] = rows_v.transpose(0, 1)
         if row.mask is not None:  # a prompt chunk or an eagle draft tree: one masked pass
             outs.append(_masked_row(q[row.start : row.end], k_cache, v_cache[..., :dim], row, gqa))
-            continue
-        if row.plan is None:
-            row.plan = plan_chain(row.kv_len, t, group, q.device)
-        keys, values = _slot_keys(k_cache, v_cache, row.slot, row.plan.keys)
-        outs.append(attend(q[row.start : row.end], keys, values, row.plan))
+        elif isinstance(row.plan, KernelPlan):
+            outs.append(attend_op(q[row.start : row.end], rows_k, rows_v, k_cache, v_cache,
+                                                   row.slot, row.plan.limits, row.plan.paths))  # fmt: skip
+        else:
+            keys, values = _slot_keys(k_cache, v_cache, row.slot, row.plan.keys)
+            outs.append(attend(q[row.start : row.end], keys, values, row.plan))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
 def _slot_keys(k_cache, v_cache, slot: int, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cache[slot, :, :keys] in fp32, values with their ones column; zero-padded where the
-    cache is shorter (eagle's grows as it goes)."""
-    k_row, v_row = k_cache[slot, :, :keys], v_cache[slot, :, :keys]  # [kv_heads, keys, dim (+ 1)]
+    """Keys [kv_heads, keys, dim] (a view of the transposed cache) and values [kv_heads, keys,
+    dim + 1] of a slot, in fp32; zero-padded where the cache is shorter."""
+    k_row, v_row = k_cache[slot, :, :, :keys].transpose(1, 2), v_cache[slot, :, :keys]
     if k_row.dtype != torch.float32:
         k_row, v_row = k_row.float(), v_row.float()
-    if v_row.shape[2] == k_row.shape[2]:
-        v_row = ones_column(v_row)
     if k_row.shape[1] < keys:
         k_row, v_row = F.pad(k_row, (0, 0, 0, keys - k_row.shape[1])), F.pad(v_row, (0, 0, 0, keys - v_row.shape[1]))
     return k_row, v_row
@@ -149,7 +200,7 @@ def _masked_row(q_row, k_cache, v_cache, row, gqa: bool) -> torch.Tensor:
     q_row = q_row.transpose(0, 1).unsqueeze(0)  # [1, heads, T, dim]
     if q_row.dtype != k_cache.dtype:
         q_row = q_row.to(k_cache.dtype)
-    k_row = k_cache[row.slot : row.slot + 1, :, : row.kv_len]  # [1, kv_heads, S, dim]
+    k_row = k_cache[row.slot : row.slot + 1, :, :, : row.kv_len].transpose(2, 3)  # [1, kv_heads, S, dim]
     v_row = v_cache[row.slot : row.slot + 1, :, : row.kv_len]
     out = F.scaled_dot_product_attention(q_row, k_row, v_row, attn_mask=row.mask, enable_gqa=gqa)
     return out[0].transpose(0, 1)  # [T, heads, dim]
@@ -231,15 +282,17 @@ def _tail_sums(values: torch.Tensor, weights: torch.Tensor, n: int, group: int) 
     return F.pad(sums.reshape(kv_heads, chunks, columns, n * group), (0, BLOCK - n * group))
 
 
-def _tree_row(q, k, v, k_cache, v_cache, row, group: int) -> torch.Tensor:
+def _tree_row(q, k, v, k_cache, v_cache, row) -> torch.Tensor:
     """A token tree: its nodes' keys and values stay out of the cache (kept in row.tree_kv
     for keep()); each node reads the shared chunks from the cache and its own tail."""
-    t, base = row.end - row.start, row.store
+    t, base, plan = row.end - row.start, row.store, row.plan
     k_nodes, v_nodes = k[row.start : row.end], v[row.start : row.end]  # [T, kv_heads, dim]
     row.tree_kv.append((k_nodes, v_nodes))  # for keep(), one entry per layer
-    if row.plan is None:
-        row.plan = plan_tree(base, *tree_parents(*row.tree), group, q.device)
-    plan = row.plan
+    if isinstance(plan, KernelPlan):  # store -1: the nodes' keys stay out of the cache
+        if torch.compiler.is_compiling():
+            raise NotImplementedError("token trees run eagerly")
+        return attend_kernel(q[row.start : row.end], k_nodes, v_nodes, k_cache, v_cache, row.slot,
+                                              -1, *plan.arrays)  # fmt: skip
     keys, values = _slot_keys(k_cache, v_cache, row.slot, base)
     index = torch.cat([block.tail_index for block in plan.blocks]).reshape(-1)
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdec.backends.native.attention import ones_column, padded, plan_chain, plan_tree
+from specdec.backends.native.attention import new_cache, plan_chain, plan_tree, uses_kernel
 from specdec.backends.native.layer import DECODE_ATTENTION_MAX, KVRow
 from specdec.backends.prefix_cache import PrefixCache, chunked_prefill, prefix_cache_mode
 from specdec.errors import SpecdecError
@@ -39,10 +39,11 @@ class CachePool:
         if not 1 <= max_length <= cfg.max_positions:
             raise SpecdecError(f"max_length must be in 1..{cfg.max_positions}, got {max_length}", "max_length")
         self.model, self.slots, self.max_length = model, slots, max_length
-        # whole attention chunks, so that the last one can be read in full (attention.py)
-        shape = (cfg.num_layers, slots, cfg.num_kv_heads, padded(max_length), cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=kv_dtype, device=model.device)
-        self.v = ones_column(torch.zeros(shape, dtype=kv_dtype, device=model.device))  # [..., head_dim + 1]
+        # keys [layers, slots, kv_heads, head_dim, length], values [layers, slots, kv_heads, length,
+        # head_dim + 1], in whole attention chunks (attention.py)
+        self.k, self.v = new_cache((cfg.num_layers, slots), cfg.num_kv_heads, max_length, cfg.head_dim, kv_dtype,
+                                   model.device)  # fmt: skip
+        self.kernel = uses_kernel(model.device, kv_dtype)  # attention_kernel, or the PyTorch routine
         self.group = cfg.num_heads // cfg.num_kv_heads  # query heads per kv head
         self.cos, self.sin = model.rope_tables(max_length)  # [max_length, head_dim]
         self._free = list(range(slots - 1, -1, -1))
@@ -127,7 +128,7 @@ class CachePool:
             mask = torch.ones(t, start + t, dtype=torch.bool, device=self.model.device).tril(start)
             return KVRow(slot, first, first + t, start, start + t, mask)
         # a decode chain: batch-invariant attention, bit-identical to one-token steps
-        plan = plan_chain(start + t, t, self.group, self.model.device)
+        plan = plan_chain(start + t, t, self.group, self.model.device, self.kernel)
         return KVRow(slot, first, first + t, start, start + t, None, plan=plan)
 
     def _run(self, tokens, positions, rows, compiled=False, logits_at=None, dense=False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,7 +242,7 @@ class NativeSequence:
             return torch.empty(0, self.vocab_size)
         depths = tree_depths(parents)
         row = KVRow(self.slot, 0, t, base, base + t, None, tree=(depth_first(parents), depths), tree_kv=[],
-                    plan=plan_tree(base, parents, depths, self.pool.group, self.device))
+                    plan=plan_tree(base, parents, depths, self.pool.group, self.device, self.pool.kernel))
         hidden, logits = self.pool._run(list(token_ids), [base + d for d in depths], [row])
         self._store_hidden(base, hidden)
         self._length, self._tree = base + t, (base, list(parents), row.tree_kv)
@@ -258,7 +259,7 @@ class NativeSequence:
         path = torch.tensor(indices, dtype=torch.long, device=self.device)
         end = base + len(indices)
         for layer, (k_nodes, v_nodes) in enumerate(tree_kv):  # [T, kv_heads, dim] each
-            self.pool.k[layer, self.slot, :, base:end] = k_nodes.index_select(0, path).transpose(0, 1)
+            self.pool.k[layer, self.slot, :, :, base:end] = k_nodes.index_select(0, path).permute(1, 2, 0)
             self.pool.v[layer, self.slot, :, base:end, :-1] = v_nodes.index_select(0, path).transpose(0, 1)
         if indices != list(range(len(indices))):
             src = path + base

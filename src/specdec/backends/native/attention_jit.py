@@ -1,0 +1,189 @@
+"""The numba side of attention_kernel.py: imported on first use (it imports numba), compiled
+once and cached on disk. See attention_kernel.py for the contract."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+LOG2E = np.float32(1.4426950408889634)
+LN2_HI = np.float32(0.693145751953125)  # ln 2 split so that k * LN2_HI is exact (Cody-Waite)
+LN2_LO = np.float32(1.4286067653302226e-06)
+EXP_FLOOR = np.float32(-87.0)  # exp of less is below float32's normal range: weighs ~1e-38
+
+vector, matrix = "float32[::1]", "float32[:, ::1]"  # numba signatures
+
+
+@njit(f"void({vector}, int64, {vector}, int32[::1])", cache=True, nogil=True)
+def exp_nonpositive(s, count, w, bits):  # pragma: no cover - compiled
+    """w[i] = exp(s[i]) for i < count, s <= 0: 2^k times a degree-7 polynomial of the
+    reduced argument, the power of two assembled from its bits."""
+    for i in range(count):
+        x = max(s[i], EXP_FLOOR)
+        k = np.floor(x * LOG2E + np.float32(0.5))
+        r = (x - k * LN2_HI) - k * LN2_LO
+        p = np.float32(1.0 / 5040)
+        p = p * r + np.float32(1.0 / 720)
+        p = p * r + np.float32(1.0 / 120)
+        p = p * r + np.float32(1.0 / 24)
+        p = p * r + np.float32(1.0 / 6)
+        p = p * r + np.float32(0.5)
+        p = p * r + np.float32(1.0)
+        w[i] = p * r + np.float32(1.0)
+        bits[i] = (np.int32(k) + np.int32(127)) << np.int32(23)
+    scale = bits.view(np.float32)
+    for i in range(count):
+        w[i] = w[i] * scale[i]
+
+
+@njit(f"void({matrix}, {matrix}, {matrix}, int64)", cache=True, nogil=True)
+def scores(keys_t, qs, s, count):  # pragma: no cover - compiled
+    """s[r, i] = sum over d, in order, of qs[r, d] * keys_t[d, i] for i < count. Four
+    dims per pass over the scores (unroll and jam): the same roundings, a quarter of the
+    loads and stores."""
+    lanes, dim = qs.shape
+    for r in range(lanes):
+        for i in range(count):
+            s[r, i] = 0
+    d = 0
+    while d + 4 <= dim:
+        k0, k1, k2, k3 = keys_t[d], keys_t[d + 1], keys_t[d + 2], keys_t[d + 3]
+        for r in range(lanes):
+            q0, q1, q2, q3 = qs[r, d], qs[r, d + 1], qs[r, d + 2], qs[r, d + 3]
+            row = s[r]
+            for i in range(count):
+                row[i] = (((row[i] + q0 * k0[i]) + q1 * k1[i]) + q2 * k2[i]) + q3 * k3[i]
+        d += 4
+    for rest in range(d, dim):
+        for r in range(lanes):
+            qd, row, kd = qs[r, rest], s[r], keys_t[rest]
+            for i in range(count):
+                row[i] += qd * kd[i]
+
+
+@njit(f"void({matrix}, {vector}, {vector}, int64)", cache=True, nogil=True)
+def weighted_sum(values, w, acc, count):  # pragma: no cover - compiled
+    """acc[c] += sum over i < count, in order, of w[i] * values[i, c]; four keys per pass."""
+    columns = values.shape[1]
+    i = 0
+    while i + 4 <= count:
+        v0, v1, v2, v3 = values[i], values[i + 1], values[i + 2], values[i + 3]
+        w0, w1, w2, w3 = w[i], w[i + 1], w[i + 2], w[i + 3]
+        for c in range(columns):
+            acc[c] = (((acc[c] + w0 * v0[c]) + w1 * v1[c]) + w2 * v2[c]) + w3 * v3[c]
+        i += 4
+    for rest in range(i, count):
+        wi, vi = w[rest], values[rest]
+        for c in range(columns):
+            acc[c] += wi * vi[c]
+
+
+@njit(f"float32({vector}, int64, {vector})", cache=True, nogil=True)
+def largest(s, count, tops):  # pragma: no cover - compiled
+    """max(s[:count]) (count >= 1) through 16 running maxima: a max is exact in any order,
+    and unlike one running maximum this vectorises."""
+    for lane in range(16):
+        tops[lane] = s[0]
+    i = 0
+    while i + 16 <= count:
+        for lane in range(16):
+            tops[lane] = max(tops[lane], s[i + lane])
+        i += 16
+    top = s[0]
+    for lane in range(16):
+        top = max(top, tops[lane])
+    for rest in range(i, count):
+        top = max(top, s[rest])
+    return top
+
+
+@njit(cache=True, nogil=True)
+def lane(s, w, bits, acc, qs, tops, r, n, path, k_new, v_new, values, h, out):  # pragma: no cover - compiled
+    """One query head (lane r) from its scores over the n cached keys: its path's own keys
+    (a tree), the softmax's weights, and weights @ [values | 1] -> out [dim]."""
+    dim, extra = out.shape[0], path.shape[0]
+    for e in range(extra):  # the tree's own keys: the same sums in the same order
+        node, x = path[e], np.float32(0)
+        for d in range(dim):
+            x += qs[r, d] * k_new[node, h, d]
+        s[r, n + e] = x
+    top = largest(s[r], n + extra, tops)
+    for i in range(n + extra):
+        s[r, i] -= top
+    exp_nonpositive(s[r], n + extra, w[r], bits[r])
+    for c in range(acc.shape[1]):
+        acc[r, c] = 0
+    weighted_sum(values, w[r], acc[r], n)
+    for e in range(extra):
+        node, wi = path[e], w[r, n + e]
+        for c in range(dim):
+            acc[r, c] += wi * v_new[node, h, c]
+        acc[r, dim] += wi * np.float32(1.0)
+    for d in range(dim):
+        out[d] = acc[r, d] / acc[r, dim]
+
+
+@njit(cache=True, nogil=True)
+def head(q, k_new, v_new, keys_t, values, h, limits, paths, widest, scale, out):  # pragma: no cover - compiled
+    """The lanes of kv head h: their scores share the passes over its keys_t [dim, L] and
+    values [L, dim + 1]; each lane then runs on its own."""
+    t, dim, group = q.shape[0], q.shape[2], q.shape[1] // k_new.shape[1]
+    lanes = t * group
+    s = np.empty((lanes, widest + paths.shape[1]), np.float32)
+    w = np.empty_like(s)
+    bits = np.empty(s.shape, np.int32)
+    acc = np.empty((lanes, values.shape[1]), np.float32)
+    qs = np.empty((lanes, dim), np.float32)
+    tops = np.empty(16, np.float32)
+    for j in range(t):
+        for g in range(group):
+            for d in range(dim):
+                qs[j * group + g, d] = q[j, h * group + g, d] * scale
+    scores(keys_t, qs, s, widest)  # a lane ignores the keys past its limit
+    for j in range(t):
+        extra = 0
+        while extra < paths.shape[1] and paths[j, extra] >= 0:
+            extra += 1
+        for g in range(group):
+            lane(s, w, bits, acc, qs, tops, j * group + g, limits[j], paths[j, :extra], k_new, v_new, values, h,
+                 out[j, h * group + g])  # fmt: skip
+
+
+@njit(cache=True, nogil=True)
+def store_rows(k_new, v_new, k_cache, v_cache, slot, store):  # pragma: no cover - compiled
+    for j in range(k_new.shape[0]):
+        for h in range(k_new.shape[1]):
+            for d in range(k_new.shape[2]):
+                k_cache[slot, h, d, store + j] = k_new[j, h, d]
+                v_cache[slot, h, store + j, d] = v_new[j, h, d]
+
+
+rows, cache = "float32[:, :, :]", "float32[:, :, :, ::1]"  # rows may be strided views; caches are whole
+SIGNATURE = f"float32[:, :, ::1]({rows}, {rows}, {rows}, {cache}, {cache}, int64, int64, int64[::1], int64[:, ::1], float32)"
+
+
+@njit(SIGNATURE, cache=True, nogil=True)
+def attend(q, k_new, v_new, k_cache, v_cache, slot, store, limits, paths, scale):  # pragma: no cover - compiled
+    """q [T, heads, dim]; k_new, v_new [T, kv_heads, dim]: the row's own keys and values,
+    written to the slot at positions store.. first unless store < 0; k_cache [slots,
+    kv_heads, dim, L] (keys along the last axis), v_cache [slots, kv_heads, L, dim + 1] (a
+    last column of ones: the normaliser); limits [T]: the slot's keys query j reads;
+    paths [T, E]: the row's own tokens it reads next, a tree path (-1: none).
+    Returns [T, heads, dim]. A lane is one query head."""
+    if store >= 0:
+        store_rows(k_new, v_new, k_cache, v_cache, slot, store)
+    out = np.empty(q.shape, np.float32)
+    for h in range(k_new.shape[1]):
+        head(q, k_new, v_new, k_cache[slot, h], v_cache[slot, h], h, limits, paths, limits.max(), scale, out)
+    return out
+
+
+@njit(SIGNATURE, cache=True, nogil=True, parallel=True)
+def attend_parallel(q, k_new, v_new, k_cache, v_cache, slot, store, limits, paths, scale):  # pragma: no cover
+    """`attend` with its kv heads on numba's threads: the same bits (heads share nothing)."""
+    if store >= 0:
+        store_rows(k_new, v_new, k_cache, v_cache, slot, store)
+    out = np.empty(q.shape, np.float32)
+    for h in prange(k_new.shape[1]):
+        head(q, k_new, v_new, k_cache[slot, h], v_cache[slot, h], h, limits, paths, limits.max(), scale, out)
+    return out

@@ -1,0 +1,83 @@
+"""Attention as one numba kernel per layer: each query computed on its own, so batch-invariant
+by construction (see attention.py for the contract it shares with the PyTorch routine).
+
+A query reads the keys and values of its slot up to its limit, then, for a token tree, its
+ancestors' (and its own) from the tree's nodes, in order of position. Every reduction runs in
+that order, in float32 with separate multiplies and adds (numba compiles without fastmath, so
+LLVM neither reassociates nor fuses them), and the vectorised loops run across keys or value
+columns, never across a reduction. A query's bits therefore do not depend on how many queries
+share the call, nor on whether its keys came from the cache or from the tree's nodes. exp is
+written out in the same basic arithmetic (a libm call would not vectorise, and a vector exp
+could round differently in a loop's remainder).
+
+numba is optional (the `cpu` extra); without it, or with SPECDEC_CPU_KERNELS=fallback, the
+native backend runs the PyTorch routine.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+import torch
+
+from specdec.backends.native.cpu import forced_fallback
+
+CHOICE_ENV = "SPECDEC_ATTENTION"
+
+
+@functools.cache
+def _importable() -> bool:
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def usable(device: torch.device, kv_dtype: torch.dtype) -> bool:
+    """Whether a cache on `device` holding `kv_dtype` is attended by the kernel
+    (SPECDEC_ATTENTION=torch picks the PyTorch routine, for comparisons)."""
+    if os.environ.get(CHOICE_ENV, "").lower() == "torch" or forced_fallback():
+        return False
+    return device.type == "cpu" and kv_dtype == torch.float32 and _importable()
+
+
+@functools.cache
+def _compiled():
+    """The kernel on numba's threads (as many as torch's) where a thread-safe threading layer
+    (OpenMP or TBB) loads, else on the calling thread."""
+    import numba
+
+    from specdec.backends.native.attention_jit import attend, attend_parallel  # compiles, or loads from disk
+
+    threads = torch.get_num_threads()
+    if threads > 1:
+        numba.config.THREADING_LAYER = "threadsafe"
+        try:
+            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+            return attend_parallel
+        except (ValueError, RuntimeError):  # no thread-safe layer here
+            pass
+    return attend
+
+
+def attend_kernel(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot: int, store: int, limits: np.ndarray, paths: np.ndarray) -> torch.Tensor:
+    """The kernel on tensors (see attention_jit.attend for the shapes); returns [T, heads, dim]."""
+    return torch.from_numpy(_compiled()(q.numpy(), k_new.numpy(), v_new.numpy(), k_cache.numpy(), v_cache.numpy(),
+                                        slot, store, limits, paths, np.float32(q.shape[-1] ** -0.5)))  # fmt: skip
+
+
+@torch.library.custom_op("specdec::attend", mutates_args=())
+def attend_op(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+              v_cache: torch.Tensor, slot: int, limits: torch.Tensor, paths: torch.Tensor) -> torch.Tensor:
+    """The kernel as compiled graphs call it (dynamo cannot trace numba); the graph has stored
+    the row's keys and values already."""
+    return attend_kernel(q, k_new, v_new, k_cache, v_cache, slot, -1, limits.numpy(), paths.numpy())
+
+
+@attend_op.register_fake
+def _(q, k_new, v_new, k_cache, v_cache, slot, limits, paths):
+    return q.new_empty(q.shape)
