@@ -6,7 +6,7 @@ each n's cost relative to one token.
         [--contexts 100,1000,3000] [--sizes 1,2,4,8] [--repeats 15] [--routine kernel|torch]
 
 `--routine torch` runs the PyTorch implementation of the batch-invariant attention instead of
-the numba kernel (backends/native/attention_kernel.py), for a side-by-side table. Prints one
+the numba kernel (backends/native/jit_ops.py), for a side-by-side table. Prints one
 line per context and ends with a JSON line.
 """
 
@@ -21,7 +21,7 @@ import time
 import torch
 
 from specdec.backends import make_backend
-from specdec.backends.native import attention_kernel
+from specdec.backends.native import jit_ops
 from specdec.models import load_model
 
 
@@ -55,7 +55,7 @@ def main() -> None:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    os.environ[attention_kernel.CHOICE_ENV] = args.routine  # read when the cache pool is made
+    os.environ[jit_ops.CHOICE_ENV] = args.routine  # read when the cache pool is made
     contexts = [int(c) for c in args.contexts.split(",")]
     sizes = [int(n) for n in args.sizes.split(",")]
     target = load_model(args.target)

@@ -28,8 +28,8 @@ ALLOWED_LATE_IMPORTS: dict[tuple[str, str], str] = {
     ("specdec.serve.cli", "specdec.serve.ray_serve"): (
         "ray_serve needs ray (the ray extra), loaded only for --replicas > 1 or --ray-address"
     ),
-    ("specdec.backends.native.attention_kernel", "specdec.backends.native.attention_jit"): (
-        "attention_jit needs numba (the cpu extra) and compiles its kernels, loaded on a cache's first kernel call"
+    ("specdec.backends.native.jit_ops", "specdec.backends.native.jit"): (
+        "jit needs numba (the cpu extra) and compiles its kernels, loaded on a cache's first kernel call"
     ),
 }
 

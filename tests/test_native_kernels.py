@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from conftest import tiny_llama
 from specdec import Engine, SpecdecError
 from specdec.backends import make_backend
+from specdec.backends.native import jit_ops
 from specdec.backends.native.cpu import FORCE_ENV, cpu_features
 from specdec.backends.native.model import NativeModel
 from specdec.backends.native.ort_linear import OrtBlockLinear, ort_available, quantize_symmetric
@@ -44,6 +45,29 @@ def rows_are_invariant(layer, k: int, dtype: torch.dtype, max_rows: int = 9) -> 
             if not all(torch.equal(out[i], alone[i]) for i in range(m)):
                 return False
     return True
+
+
+@pytest.mark.parametrize("hidden", [576, 64, 37])  # 37: the tail past the 16-lane partial sums
+def test_numba_rms_norm_matches_torch_and_is_row_invariant(hidden):
+    if not jit_ops.importable():
+        pytest.skip("numba is not installed")
+    gen = torch.Generator().manual_seed(hidden)
+    x, weight = torch.randn(9, hidden, generator=gen) * 3, torch.randn(hidden, generator=gen)
+    got = jit_ops.rms_norm_bf16(x, weight, 1e-5)
+    want = F.rms_norm(x, (hidden,), weight, 1e-5)
+    assert got.dtype == torch.bfloat16
+    # within one bf16 step of the fp32 norm (the two sum the squares in different orders)
+    torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=1e-6)
+    assert not torch.equal(got.float(), (want * 1.02).to(torch.bfloat16).float())  # a wrong scale fails
+    assert all(torch.equal(jit_ops.rms_norm_bf16(x[i : i + 1].clone(), weight, 1e-5)[0], got[i]) for i in range(9))
+    x[0, 0] = float("nan")
+    assert jit_ops.rms_norm_bf16(x[:1].clone(), weight, 1e-5).isnan().all()
+
+
+def test_layers_norm_with_numba_only_on_the_fast_path(target, kernels):
+    backend = make_backend("native", target, precision="int4")
+    fast = [layer.fast_norm for layer in backend.pool.model.layers]
+    assert all(fast) if kernels == "fast" and jit_ops.importable() else not any(fast)
 
 
 def test_cpu_features_are_read():

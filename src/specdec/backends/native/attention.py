@@ -21,7 +21,7 @@ so every node scores with the bits of a one-token-per-step decode. Prompt chunks
 draft trees (rows with an explicit mask) take one SDPA call: nothing verifies them.
 
 Two implementations keep this contract: on the cpu with numba installed, one compiled kernel
-per layer computes each query on its own (attention_kernel.py: batch-invariant by
+per layer computes each query on its own (jit_ops.py: batch-invariant by
 construction, and far fewer ops at one query); elsewhere the PyTorch routine below. A cache
 pool picks one when it is made (`plan_chain`, `plan_tree`); they differ in the last bits, so
 a process never mixes them for one cache.
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specdec.backends.native.attention_kernel import attend_kernel, attend_op, usable
+from specdec.backends.native.jit_ops import attend_kernel, attend_op, usable
 
 CHUNK = 64  # keys per block of the weights @ values reduction, aligned to absolute positions
 BLOCK = 16  # score columns per GEMM: a fixed shape whatever the number of queries
@@ -62,7 +62,7 @@ class KeyPlan:
 
 @dataclass
 class KernelPlan:
-    """What each query reads, for attention_kernel (shared by all layers)."""
+    """What each query reads, for jit_ops (shared by all layers)."""
 
     limits: torch.Tensor  # [T] int64: query j reads the slot's keys 0 .. limits[j] - 1
     paths: torch.Tensor  # [T, E] int64: then these of the row's own tokens, a tree path (-1: none)

@@ -132,6 +132,7 @@ class Int4Linear(torch.nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
         self.out_features, self.act_dtype = n, torch.bfloat16
         self._padded = pad > 0
+        self.eager_args = (packed, scales_and_zeros, self.bias)  # plain attributes: see DecoderLayer
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int4Linear:
@@ -166,13 +167,16 @@ class Int4Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         # dtype checks in Python: a no-op .to() still costs a dispatch, and a step makes 120 calls
-        mm = _int4_mm_compiled if torch.compiler.is_compiling() else _int4_mm
-        y = mm(x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16), self.packed, INT4_GROUP, self.scales_and_zeros)
+        if torch.compiler.is_compiling():
+            mm, packed, scales_and_zeros, bias = _int4_mm_compiled, self.packed, self.scales_and_zeros, self.bias
+        else:
+            mm, (packed, scales_and_zeros, bias) = _int4_mm, self.eager_args
+        y = mm(x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16), packed, INT4_GROUP, scales_and_zeros)
         if self._padded:
             y = y[:, : self.out_features]
         if x.dtype != torch.bfloat16:
             y = y.to(x.dtype)
-        return y if self.bias is None else y + self.bias
+        return y if bias is None else y + bias
 
 
 Linear = DenseLinear | FP16Linear | Int8Linear | Int4Linear | OrtBlockLinear

@@ -1,17 +1,20 @@
-"""Attention as one numba kernel per layer: each query computed on its own, so batch-invariant
-by construction (see attention.py for the contract it shares with the PyTorch routine).
+"""The native backend's numba kernels (jit.py) on tensors, and when they run.
 
-A query reads the keys and values of its slot up to its limit, then, for a token tree, its
-ancestors' (and its own) from the tree's nodes, in order of position. Every reduction runs in
-that order, in float32 with separate multiplies and adds (numba compiles without fastmath, so
-LLVM neither reassociates nor fuses them), and the vectorised loops run across keys or value
-columns, never across a reduction. A query's bits therefore do not depend on how many queries
-share the call, nor on whether its keys came from the cache or from the tree's nodes. exp is
-written out in the same basic arithmetic (a libm call would not vectorise, and a vector exp
-could round differently in a loop's remainder).
+- Attention: one kernel per layer computes each query on its own, so batch-invariant by
+  construction (attention.py states the contract it shares with the PyTorch routine). A
+  query reads the keys and values of its slot up to its limit, then, for a token tree, its
+  ancestors' (and its own) from the tree's nodes, in order of position. Every reduction runs
+  in that order, in float32 with separate multiplies and adds (numba compiles without
+  fastmath, so LLVM neither reassociates nor fuses them), and the vectorised loops run across
+  keys or value columns, never across a reduction. A query's bits therefore do not depend on
+  how many queries share the call, nor on whether its keys came from the cache or from the
+  tree's nodes. exp is written out in the same basic arithmetic (a libm call would not
+  vectorise, and a vector exp could round differently in a loop's remainder). The kv heads
+  run on numba's threads (as many as torch's) where a thread-safe layer (OpenMP, TBB) loads.
+- RMSNorm into bf16 (the int4 and int8 kernels' input) in one call per norm, row by row.
 
 numba is optional (the `cpu` extra); without it, or with SPECDEC_CPU_KERNELS=fallback, the
-native backend runs the PyTorch routine.
+native backend runs PyTorch ops (SPECDEC_ATTENTION=torch picks the PyTorch attention alone).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ CHOICE_ENV = "SPECDEC_ATTENTION"
 
 
 @functools.cache
-def _importable() -> bool:
+def importable() -> bool:
     try:
         import numba  # noqa: F401
     except ImportError:
@@ -41,7 +44,7 @@ def usable(device: torch.device, kv_dtype: torch.dtype) -> bool:
     (SPECDEC_ATTENTION=torch picks the PyTorch routine, for comparisons)."""
     if os.environ.get(CHOICE_ENV, "").lower() == "torch" or forced_fallback():
         return False
-    return device.type == "cpu" and kv_dtype == torch.float32 and _importable()
+    return device.type == "cpu" and kv_dtype == torch.float32 and importable()
 
 
 @functools.cache
@@ -50,7 +53,7 @@ def _compiled():
     (OpenMP or TBB) loads, else on the calling thread."""
     import numba
 
-    from specdec.backends.native.attention_jit import attend, attend_parallel  # compiles, or loads from disk
+    from specdec.backends.native.jit import attend, attend_parallel  # compiles, or loads from disk
 
     threads = torch.get_num_threads()
     if threads > 1:
@@ -65,7 +68,7 @@ def _compiled():
 
 def attend_kernel(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slot: int, store: int, limits: np.ndarray, paths: np.ndarray) -> torch.Tensor:
-    """The kernel on tensors (see attention_jit.attend for the shapes); returns [T, heads, dim]."""
+    """The kernel on tensors (see jit.attend for the shapes); returns [T, heads, dim]."""
     return torch.from_numpy(_compiled()(q.numpy(), k_new.numpy(), v_new.numpy(), k_cache.numpy(), v_cache.numpy(),
                                         slot, store, limits, paths, np.float32(q.shape[-1] ** -0.5)))  # fmt: skip
 
@@ -81,3 +84,20 @@ def attend_op(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache
 @attend_op.register_fake
 def _(q, k_new, v_new, k_cache, v_cache, slot, limits, paths):
     return q.new_empty(q.shape)
+
+
+def fast_norm_usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether RMSNorm into `dtype` on `device` runs as rms_norm_bf16."""
+    return dtype == torch.bfloat16 and device.type == "cpu" and not forced_fallback() and importable()
+
+
+def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [N, hidden] fp32 -> RMSNorm(x) * weight [N, hidden] bf16 (jit.rms_norm_bf16)."""
+    return torch.from_numpy(_norm()(x.numpy(), weight.numpy(), np.float32(eps))).view(torch.bfloat16)
+
+
+@functools.cache
+def _norm():
+    from specdec.backends.native.jit import rms_norm_bf16  # compiles, or loads from disk
+
+    return rms_norm_bf16

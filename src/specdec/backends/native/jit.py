@@ -1,5 +1,6 @@
-"""The numba side of attention_kernel.py: imported on first use (it imports numba), compiled
-once and cached on disk. See attention_kernel.py for the contract."""
+"""The native backend's numba kernels (attention, RMSNorm): imported on first use, as it
+imports numba, compiled once and cached on disk. jit_ops.py says when they run and wraps
+them for tensors; attention.py states the attention's contract."""
 
 from __future__ import annotations
 
@@ -186,4 +187,39 @@ def attend_parallel(q, k_new, v_new, k_cache, v_cache, slot, store, limits, path
     out = np.empty(q.shape, np.float32)
     for h in prange(k_new.shape[1]):
         head(q, k_new, v_new, k_cache[slot, h], v_cache[slot, h], h, limits, paths, limits.max(), scale, out)
+    return out
+
+
+@njit("uint16[:, ::1](float32[:, ::1], float32[::1], float32)", cache=True, nogil=True)
+def rms_norm_bf16(x, weight, eps):  # pragma: no cover - compiled
+    """x [N, hidden] fp32 -> RMSNorm(x) * weight as bf16 bits [N, hidden] (rounded to nearest
+    even, as torch's cast), each row on its own: the sum of squares in 16 running partial sums
+    added in a fixed order, so a row's bits do not depend on the other rows. One call for what
+    F.rms_norm and a cast take several ops to do."""
+    rows, hidden = x.shape
+    out = np.empty((rows, hidden), np.uint16)
+    y = np.empty(hidden, np.float32)
+    bits = y.view(np.uint32)
+    partial = np.empty(16, np.float32)
+    body = hidden - hidden % 16
+    for r in range(rows):
+        for lane in range(16):
+            partial[lane] = 0
+        for i in range(0, body, 16):
+            for lane in range(16):
+                partial[lane] += x[r, i + lane] * x[r, i + lane]
+        total = np.float32(0)
+        for lane in range(16):
+            total += partial[lane]
+        for i in range(body, hidden):
+            total += x[r, i] * x[r, i]
+        inv = np.float32(1) / np.sqrt(total / np.float32(hidden) + eps)
+        for i in range(hidden):
+            y[i] = (x[r, i] * inv) * weight[i]
+        for i in range(hidden):
+            b = bits[i]
+            if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):  # NaN stays NaN
+                out[r, i] = np.uint16((b >> np.uint32(16)) | np.uint32(0x40))
+            else:
+                out[r, i] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
     return out
