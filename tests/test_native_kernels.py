@@ -64,9 +64,39 @@ def test_numba_rms_norm_matches_torch_and_is_row_invariant(hidden):
     assert jit_ops.rms_norm_bf16(x[:1].clone(), weight, 1e-5).isnan().all()
 
 
+def test_numba_split_rotate_gives_the_bits_of_the_pytorch_ops():
+    """q, k rotated and v split from a bf16 q|k|v row: the same products and sums, rounded as
+    layer.rope's three ops round them, so the same bits."""
+    if not jit_ops.importable():
+        pytest.skip("numba is not installed")
+    from specdec.backends.native.layer import rope
+
+    heads, kv_heads, dim, n = 9, 3, 64, 5
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=gen).to(torch.bfloat16)
+    cos, sin = torch.randn(n, 1, dim, generator=gen), torch.randn(n, 1, dim, generator=gen)
+    q, k, v = jit_ops.split_rotate(qkv, cos, sin, heads, kv_heads)
+    full = qkv.float()
+    qk = rope(full[:, : (heads + kv_heads) * dim].view(n, heads + kv_heads, dim), cos, sin)
+    assert torch.equal(q, qk[:, :heads]) and torch.equal(k, qk[:, heads:])
+    assert torch.equal(v, full[:, (heads + kv_heads) * dim :].view(n, kv_heads, dim))
+
+
+def test_numba_silu_mul_tracks_pytorch_and_is_row_invariant():
+    if not jit_ops.importable():
+        pytest.skip("numba is not installed")
+    gen = torch.Generator().manual_seed(1)
+    gate_up = (torch.randn(7, 2 * 1536, generator=gen) * 4).to(torch.bfloat16)
+    got = jit_ops.silu_mul_bf16(gate_up)
+    gate, up = gate_up.float().split(1536, dim=-1)
+    torch.testing.assert_close(got.float(), F.silu(gate) * up, rtol=2**-7, atol=1e-5)  # one bf16 step
+    assert not torch.equal(got.float(), (F.silu(gate) * up * 1.02).to(torch.bfloat16).float())
+    assert all(torch.equal(jit_ops.silu_mul_bf16(gate_up[i : i + 1].clone())[0], got[i]) for i in range(7))
+
+
 def test_layers_norm_with_numba_only_on_the_fast_path(target, kernels):
     backend = make_backend("native", target, precision="int4")
-    fast = [layer.fast_norm for layer in backend.pool.model.layers]
+    fast = [layer.fast for layer in backend.pool.model.layers]
     assert all(fast) if kernels == "fast" and jit_ops.importable() else not any(fast)
 
 

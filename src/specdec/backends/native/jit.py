@@ -223,3 +223,64 @@ def rms_norm_bf16(x, weight, eps):  # pragma: no cover - compiled
             else:
                 out[r, i] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
     return out
+
+
+@njit("UniTuple(float32[:, :, ::1], 3)(uint16[:, :], float32[:, :, ::1], float32[:, :, ::1], int64, int64)",
+      cache=True, nogil=True)  # fmt: skip
+def split_rotate(qkv, cos, signed_sin, heads, kv_heads):  # pragma: no cover - compiled
+    """The fused q|k|v projection as bf16 bits [N, (heads + 2 kv_heads) * dim] -> q [N, heads,
+    dim], k and v [N, kv_heads, dim] in fp32, q and k rotated: x * cos + roll(x, dim / 2) *
+    signed_sin, each product and the sum rounded as PyTorch's three ops round them (the same
+    bits as layer.rope). cos, signed_sin: [N, 1, dim]."""
+    rows, dim = qkv.shape[0], cos.shape[2]
+    half = dim // 2
+    q = np.empty((rows, heads, dim), np.float32)
+    k = np.empty((rows, kv_heads, dim), np.float32)
+    v = np.empty((rows, kv_heads, dim), np.float32)
+    bits = np.empty(dim, np.uint32)
+    x = bits.view(np.float32)
+    for r in range(rows):
+        for h in range(heads + 2 * kv_heads):
+            for d in range(dim):
+                bits[d] = np.uint32(qkv[r, h * dim + d]) << np.uint32(16)  # bf16 -> fp32 is exact
+            if h >= heads + kv_heads:
+                for d in range(dim):
+                    v[r, h - heads - kv_heads, d] = x[d]
+                continue
+            out = q[r, h] if h < heads else k[r, h - heads]
+            for d in range(half):
+                out[d] = x[d] * cos[r, 0, d] + x[d + half] * signed_sin[r, 0, d]
+            for d in range(half, dim):
+                out[d] = x[d] * cos[r, 0, d] + x[d - half] * signed_sin[r, 0, d]
+    return q, k, v
+
+
+@njit("uint16[:, ::1](uint16[:, :])", cache=True, nogil=True)
+def silu_mul_bf16(gate_up):  # pragma: no cover - compiled
+    """SwiGLU from the fused gate|up projection as bf16 bits [N, 2 I]: silu(gate) * up in
+    fp32, rounded once to bf16 bits [N, I]. exp as in exp_nonpositive, of -|g|."""
+    rows, inner = gate_up.shape[0], gate_up.shape[1] // 2
+    out = np.empty((rows, inner), np.uint16)
+    bits = np.empty(2 * inner, np.uint32)
+    x = bits.view(np.float32)
+    e = np.empty(inner, np.float32)
+    e_bits = np.empty(inner, np.int32)
+    y = np.empty(inner, np.float32)
+    y_bits = y.view(np.uint32)
+    for r in range(rows):
+        for i in range(2 * inner):
+            bits[i] = np.uint32(gate_up[r, i]) << np.uint32(16)  # bf16 -> fp32 is exact
+        for i in range(inner):
+            e[i] = -abs(x[i])
+        exp_nonpositive(e, inner, e, e_bits)  # exp(-|g|), in place
+        for i in range(inner):
+            g = x[i]
+            sig = np.float32(1) / (np.float32(1) + e[i]) if g >= 0 else e[i] / (np.float32(1) + e[i])
+            y[i] = (g * sig) * x[inner + i]
+        for i in range(inner):
+            b = y_bits[i]
+            if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+                out[r, i] = np.uint16((b >> np.uint32(16)) | np.uint32(0x40))
+            else:
+                out[r, i] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+    return out

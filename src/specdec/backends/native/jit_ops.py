@@ -11,7 +11,8 @@
   tree's nodes. exp is written out in the same basic arithmetic (a libm call would not
   vectorise, and a vector exp could round differently in a loop's remainder). The kv heads
   run on numba's threads (as many as torch's) where a thread-safe layer (OpenMP, TBB) loads.
-- RMSNorm into bf16 (the int4 and int8 kernels' input) in one call per norm, row by row.
+- RMSNorm into bf16 (the int4 and int8 kernels' input) in one call per norm, row by row; the
+  q|k|v projection split, converted to fp32 and rotated in one call; SwiGLU in one call.
 
 numba is optional (the `cpu` extra); without it, or with SPECDEC_CPU_KERNELS=fallback, the
 native backend runs PyTorch ops (SPECDEC_ATTENTION=torch picks the PyTorch attention alone).
@@ -86,18 +87,31 @@ def _(q, k_new, v_new, k_cache, v_cache, slot, limits, paths):
     return q.new_empty(q.shape)
 
 
-def fast_norm_usable(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether RMSNorm into `dtype` on `device` runs as rms_norm_bf16."""
+def fast_layer_usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a layer whose kernels take `dtype` on `device` runs its norms (rms_norm_bf16),
+    its q/k/v split and rotation (split_rotate) and its SwiGLU (silu_mul_bf16) as numba calls."""
     return dtype == torch.bfloat16 and device.type == "cpu" and not forced_fallback() and importable()
+
+
+def split_rotate(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: int,
+                 kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv [N, (heads + 2 kv_heads) * dim] bf16 -> rotated q, k and v in fp32 (jit.split_rotate)."""
+    q, k, v = _jit().split_rotate(qkv.view(torch.uint16).numpy(), cos.numpy(), signed_sin.numpy(), heads, kv_heads)
+    return torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v)
+
+
+def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor:
+    """The fused gate|up projection [N, 2 I] bf16 -> silu(gate) * up [N, I] bf16 (jit.silu_mul_bf16)."""
+    return torch.from_numpy(_jit().silu_mul_bf16(gate_up.view(torch.uint16).numpy())).view(torch.bfloat16)
 
 
 def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [N, hidden] fp32 -> RMSNorm(x) * weight [N, hidden] bf16 (jit.rms_norm_bf16)."""
-    return torch.from_numpy(_norm()(x.numpy(), weight.numpy(), np.float32(eps))).view(torch.bfloat16)
+    return torch.from_numpy(_jit().rms_norm_bf16(x.numpy(), weight.numpy(), np.float32(eps))).view(torch.bfloat16)
 
 
 @functools.cache
-def _norm():
-    from specdec.backends.native.jit import rms_norm_bf16  # compiles, or loads from disk
+def _jit():
+    import specdec.backends.native.jit as jit  # compiles the kernels, or loads them from disk
 
-    return rms_norm_bf16
+    return jit

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.backends.native.attention import attention as batch_invariant_attention
-from specdec.backends.native.jit_ops import fast_norm_usable, rms_norm_bf16
+from specdec.backends.native.jit_ops import fast_layer_usable, rms_norm_bf16, silu_mul_bf16, split_rotate
 from specdec.backends.native.quant import FusedLinear, Linear
 from specdec.errors import SpecdecError
 
@@ -93,29 +93,38 @@ class DecoderLayer(torch.nn.Module):
         # the dtype the kernels take (bf16 for int4/int8): norms and the activation write it
         # directly, and the kernels' outputs join the fp32 residual stream by type promotion
         self.act_dtype = activation_dtype(qkv)
-        self.fast_norm = fast_norm_usable(attn_norm.device, self.act_dtype)  # numba's RMSNorm (jit_ops.py)
+        self.fast = fast_layer_usable(attn_norm.device, self.act_dtype)  # numba's norms and rotation (jit_ops.py)
         # what eager forwards call, as plain attributes: a module's buffers and submodules are
         # found through nn.Module.__getattr__, which costs a layer about 20 slow lookups a step
-        self.eager_parts = (attn_norm, qkv.joined, o.forward, mlp_norm, gate_up.forward, down.forward)
+        self.eager_parts = (attn_norm, qkv.joined, o.forward, mlp_norm, gate_up.forward, down.forward, gate_up.joined)
+        self.fused_gate_up = gate_up.fused is not None and self.act_dtype == torch.bfloat16  # its output is bf16
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, rows: list[KVRow]) -> torch.Tensor:
         # x [N, hidden]; cos, sin [N, 1, dim]; caches [slots, kv_heads, max_length, dim]
         n, heads, kv_heads, dim, act = x.shape[0], self.heads, self.kv_heads, self.dim, self.act_dtype
-        if torch.compiler.is_compiling():  # the registered buffers: one graph serves every layer
+        compiling = torch.compiler.is_compiling()
+        fast = self.fast and not compiling
+        if compiling:  # the registered buffers, so that one compiled graph serves every layer
             parts = (self.attn_norm, self.qkv.joined, self.o.forward, self.mlp_norm, self.gate_up.forward,
-                     self.down.forward)  # fmt: skip
+                     self.down.forward, self.gate_up.joined)  # fmt: skip
         else:
             parts = self.eager_parts
-        attn_norm, qkv_linear, o_linear, mlp_norm, gate_up_linear, down_linear = parts
-        qkv = qkv_linear(rms_norm(x, attn_norm, self.eps, act, self.fast_norm)).float()
-        qk = rope(qkv[:, : (heads + kv_heads) * dim].view(n, heads + kv_heads, dim), cos, sin)  # q and k at once
-        q, k = qk[:, :heads], qk[:, heads:]  # [N, heads, dim], [N, kv_heads, dim]
-        v = qkv[:, (heads + kv_heads) * dim :].view(n, kv_heads, dim)
+        attn_norm, qkv_linear, o_linear, mlp_norm, gate_up_linear, down_linear, gate_up_joined = parts
+        qkv = qkv_linear(rms_norm(x, attn_norm, self.eps, act, fast))
+        if fast and qkv.dtype == torch.bfloat16:
+            q, k, v = split_rotate(qkv, cos, sin, heads, kv_heads)
+        else:
+            qkv = qkv.float()
+            qk = rope(qkv[:, : (heads + kv_heads) * dim].view(n, heads + kv_heads, dim), cos, sin)  # q and k at once
+            q, k = qk[:, :heads], qk[:, heads:]  # [N, heads, dim], [N, kv_heads, dim]
+            v = qkv[:, (heads + kv_heads) * dim :].view(n, kv_heads, dim)
         attn = batch_invariant_attention(q, k, v, k_cache, v_cache, rows, self.gqa)
         # .forward: the linears are plain modules (no hooks), and __call__ costs each of them
         x = x + o_linear(attn.reshape(n, heads * dim).to(act))  # fp32 + act_dtype -> fp32
-        gate, up = gate_up_linear(rms_norm(x, mlp_norm, self.eps, act, self.fast_norm))
+        if fast and self.fused_gate_up:  # one numba call from the fused gate|up output
+            return x + down_linear(silu_mul_bf16(gate_up_joined(rms_norm(x, mlp_norm, self.eps, act, fast))))
+        gate, up = gate_up_linear(rms_norm(x, mlp_norm, self.eps, act, fast))
         return x + down_linear(silu_mul(gate, up, act))
 
 
@@ -128,7 +137,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dty
     # x [N, hidden] fp32 -> [N, hidden] in the kernels' dtype; `fast`: one numba call into bf16
     # (at this width every PyTorch op costs about its dispatch, and F.rms_norm plus a cast is
     # several). Compiled graphs keep F.rms_norm, which Inductor fuses.
-    if fast and not torch.compiler.is_compiling():
+    if fast:
         return rms_norm_bf16(x, weight, eps)
     out = F.rms_norm(x, (x.shape[-1],), weight, eps)
     return out if out.dtype == dtype else out.to(dtype)
