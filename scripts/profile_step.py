@@ -27,7 +27,7 @@ from specdec.backends import make_backend
 from specdec.models import load_model
 
 PROMPT_TOKENS = 40
-PARTS = ("decoder linears", "LM head", "RMSNorm", "rotary", "attention")
+PARTS = ("decoder linears", "LM head", "RMSNorm", "rotary", "attention", "SwiGLU")
 
 
 def _labelled(label: str, fn):
@@ -48,11 +48,14 @@ def instrument(model) -> None:
             for method in ("forward", "joined"):
                 if hasattr(part, method):
                     setattr(part, method, _labelled("decoder linears", getattr(part, method)))
+        # eager layers call their parts through this tuple (layer.py), bound before the wrapping
+        layer.eager_parts = (layer.attn_norm, layer.qkv.joined, layer.o.forward, layer.mlp_norm, layer.gate_up.forward,
+                             layer.down.forward, layer.gate_up.joined)  # fmt: skip
     model.lm_head.forward = _labelled("LM head", model.lm_head.forward)
     if not callable(getattr(layer_mod, "rms_norm", None)):  # layer.py's own wraps F.rms_norm
         F.rms_norm = _labelled("RMSNorm", F.rms_norm)
-    names = (("rms_norm", "RMSNorm"), ("rope", "rotary"), ("attention", "attention"),
-             ("batch_invariant_attention", "attention"))
+    names = (("rms_norm", "RMSNorm"), ("rope", "rotary"), ("split_rotate", "rotary"), ("attention", "attention"),
+             ("batch_invariant_attention", "attention"), ("silu_mul_bf16", "SwiGLU"), ("silu_mul", "SwiGLU"))
     for module in (layer_mod, model_mod):
         for name, label in names:
             if callable(getattr(module, name, None)):

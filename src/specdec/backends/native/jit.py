@@ -190,6 +190,16 @@ def attend_parallel(q, k_new, v_new, k_cache, v_cache, slot, store, limits, path
     return out
 
 
+@njit("void(uint32[::1], uint16[::1])", cache=True, nogil=True)
+def to_bf16_bits(bits, out):  # pragma: no cover - compiled
+    """fp32 bits -> bf16 bits rounded to nearest even, as torch's cast (NaN stays NaN)."""
+    for i in range(bits.shape[0]):
+        b = bits[i]
+        rounded = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+        quiet = (b >> np.uint32(16)) | np.uint32(0x40)
+        out[i] = np.uint16(quiet if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000) else rounded)
+
+
 @njit("uint16[:, ::1](float32[:, ::1], float32[::1], float32)", cache=True, nogil=True)
 def rms_norm_bf16(x, weight, eps):  # pragma: no cover - compiled
     """x [N, hidden] fp32 -> RMSNorm(x) * weight as bf16 bits [N, hidden] (rounded to nearest
@@ -216,12 +226,7 @@ def rms_norm_bf16(x, weight, eps):  # pragma: no cover - compiled
         inv = np.float32(1) / np.sqrt(total / np.float32(hidden) + eps)
         for i in range(hidden):
             y[i] = (x[r, i] * inv) * weight[i]
-        for i in range(hidden):
-            b = bits[i]
-            if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):  # NaN stays NaN
-                out[r, i] = np.uint16((b >> np.uint32(16)) | np.uint32(0x40))
-            else:
-                out[r, i] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+        to_bf16_bits(bits, out[r])
     return out
 
 
@@ -255,7 +260,7 @@ def split_rotate(qkv, cos, signed_sin, heads, kv_heads):  # pragma: no cover - c
     return q, k, v
 
 
-@njit("uint16[:, ::1](uint16[:, :])", cache=True, nogil=True)
+@njit("uint16[:, ::1](uint16[:, ::1])", cache=True, nogil=True)
 def silu_mul_bf16(gate_up):  # pragma: no cover - compiled
     """SwiGLU from the fused gate|up projection as bf16 bits [N, 2 I]: silu(gate) * up in
     fp32, rounded once to bf16 bits [N, I]. exp as in exp_nonpositive, of -|g|."""
@@ -263,6 +268,7 @@ def silu_mul_bf16(gate_up):  # pragma: no cover - compiled
     out = np.empty((rows, inner), np.uint16)
     bits = np.empty(2 * inner, np.uint32)
     x = bits.view(np.float32)
+    a = np.empty(inner, np.float32)
     e = np.empty(inner, np.float32)
     e_bits = np.empty(inner, np.int32)
     y = np.empty(inner, np.float32)
@@ -271,16 +277,10 @@ def silu_mul_bf16(gate_up):  # pragma: no cover - compiled
         for i in range(2 * inner):
             bits[i] = np.uint32(gate_up[r, i]) << np.uint32(16)  # bf16 -> fp32 is exact
         for i in range(inner):
-            e[i] = -abs(x[i])
-        exp_nonpositive(e, inner, e, e_bits)  # exp(-|g|), in place
-        for i in range(inner):
-            g = x[i]
-            sig = np.float32(1) / (np.float32(1) + e[i]) if g >= 0 else e[i] / (np.float32(1) + e[i])
-            y[i] = (g * sig) * x[inner + i]
-        for i in range(inner):
-            b = y_bits[i]
-            if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-                out[r, i] = np.uint16((b >> np.uint32(16)) | np.uint32(0x40))
-            else:
-                out[r, i] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+            a[i] = -abs(x[i])
+        exp_nonpositive(a, inner, e, e_bits)  # exp(-|g|) (apart: an in-place call would not vectorise)
+        for i in range(inner):  # sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) below; no branch
+            numerator = np.float32(1) if x[i] >= 0 else e[i]
+            y[i] = (x[i] * (numerator / (np.float32(1) + e[i]))) * x[inner + i]
+        to_bf16_bits(y_bits, out[r])
     return out

@@ -102,7 +102,7 @@ def split_rotate(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
 
 def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor:
     """The fused gate|up projection [N, 2 I] bf16 -> silu(gate) * up [N, I] bf16 (jit.silu_mul_bf16)."""
-    return torch.from_numpy(_jit().silu_mul_bf16(gate_up.view(torch.uint16).numpy())).view(torch.bfloat16)
+    return torch.from_numpy(_jit().silu_mul_bf16(gate_up.contiguous().view(torch.uint16).numpy())).view(torch.bfloat16)
 
 
 def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
