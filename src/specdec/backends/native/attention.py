@@ -218,7 +218,9 @@ def attend(q_row: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: 
     outs = []
     for block in plan.blocks:
         cols = queries[:, :, block.first : block.first + block.count].reshape(kv_heads, dim, -1)
-        cols = F.pad(cols, (0, BLOCK - cols.shape[2]))  # [kv_heads, dim, BLOCK]
+        # [kv_heads, dim, BLOCK], contiguous: a full block (group 1) would stay a strided view,
+        # and MKL's AVX2 GEMM rounds a transposed operand differently
+        cols = F.pad(cols, (0, BLOCK - cols.shape[2])).contiguous()
         # keys are the GEMM's rows, a block's queries its columns: the same shape every call
         scores = torch.baddbmm(block.bias, keys, cols)  # [kv_heads, S, BLOCK]
         own = None
