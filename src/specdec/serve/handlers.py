@@ -128,10 +128,10 @@ async def complete(gw: Gateway, body, request: Request, chat: bool) -> Response:
             gw.metrics.observe_queue_time(events.started_at - req.submitted_at)
         if first is None:  # the client left while queued
             req.cancel()
-            gw.metrics.aborted("client_disconnect")
+            _count_abort(gw, req, "client_disconnect")
             return Response(status_code=499)
         if first[0] == "error":
-            gw.metrics.aborted(_abort_reason(first[1]))
+            _count_abort(gw, req, _abort_reason(first[1]))
             return error_for(first[1])
         if body.stream:
             events.stop_watching()
@@ -153,7 +153,7 @@ async def _whole(gw: Gateway, req, events: _Events, builder: ResponseBuilder, bo
     while (event := await events.next()) is not None:
         kind, payload = event
         if kind == "error":
-            gw.metrics.aborted(_abort_reason(payload))
+            _count_abort(gw, req, _abort_reason(payload))
             return error_for(payload)
         if kind == "done":
             record(gw, body, chat, payload, ctx)
@@ -163,7 +163,7 @@ async def _whole(gw: Gateway, req, events: _Events, builder: ResponseBuilder, bo
             lps = gw.logprob_format.request(chat, req.logprobs or 0).whole(payload.logprobs)
             return JSONResponse(builder.full(text, payload.finish_reason, use, spec, payload.tool_calls, lps))
     req.cancel()  # the client disconnected: stop generating, free the cache slot
-    gw.metrics.aborted("client_disconnect")
+    _count_abort(gw, req, "client_disconnect")
     return Response(status_code=499)
 
 
@@ -202,14 +202,19 @@ async def _stream(gw: Gateway, req, events: _Events, builder: ResponseBuilder, b
                 break
             elif kind == "error":  # headers are sent: an error event the OpenAI SDKs raise on
                 ended = True
-                gw.metrics.aborted(_abort_reason(payload))
+                _count_abort(gw, req, _abort_reason(payload))
                 yield sse(json.loads(error_for(payload).body))
                 break
         yield sse("[DONE]")
     finally:
         if not ended:
-            gw.metrics.aborted("client_disconnect")
+            _count_abort(gw, req, "client_disconnect")
         req.cancel()  # a disconnect cancels this generator; the worker frees the slot
+
+
+def _count_abort(gw: Gateway, req, reason: str) -> None:
+    if req.claim_end():  # not when the worker has counted it finished
+        gw.metrics.aborted(reason)
 
 
 def record(gw: Gateway, body, chat: bool, result, ctx: dict) -> None:

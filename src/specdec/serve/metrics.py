@@ -19,7 +19,8 @@ streamed client sees it), request_queue_time_seconds (arrival until the schedule
 the request). Gauges: num_requests_running, num_requests_waiting, kv_cache_usage_perc (the
 fraction of KV-cache slots held by running requests). Counters: request_success{finished_reason},
 num_requests_rejected{reason} (refused before running: queue full, shutting down),
-num_requests_aborted{reason} (ended early: client_disconnect, timeout, error, shutdown).
+num_requests_aborted{reason} (ended early: client_disconnect, timeout, error, shutdown; a request
+is counted once, as a success or an abort, whichever its worker or its handler claims first).
 """
 
 from __future__ import annotations

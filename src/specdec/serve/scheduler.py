@@ -83,9 +83,19 @@ class GenRequest:
     submitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     cancelled: bool = False  # set from any thread; the worker drops the request at its next step
+    # how the request ended is counted once: as a success by the worker, or as an abort by its
+    # handler, whichever claims it first (a request can finish as its client leaves)
+    _ended: bool = field(default=False, repr=False)
+    _end_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def cancel(self) -> None:
         self.cancelled = True
+
+    def claim_end(self) -> bool:
+        """True for the first caller only: that caller counts how the request ended."""
+        with self._end_lock:
+            first, self._ended = not self._ended, True
+            return first
 
     def expired(self, now: float) -> bool:
         return self.timeout_s is not None and now - self.submitted_at > self.timeout_s
@@ -377,7 +387,7 @@ class Scheduler:
         result: GenerationResult = a.seq.result
         latency = time.perf_counter() - a.req.submitted_at
         self._latency_ema = 0.8 * self._latency_ema + 0.2 * latency
-        if self.metrics is not None:
+        if self.metrics is not None and a.req.claim_end():
             try:
                 self.metrics.observe_request(a.req, result, latency)
             except Exception:
