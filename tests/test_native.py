@@ -13,7 +13,7 @@ from conftest import tiny_llama
 from specdec import Engine, SpecdecError
 from specdec.backends import forward_batch, make_backend
 from specdec.backends.hf import HFBackend
-from specdec.backends.native.model import NativeConfig, NativeModel
+from specdec.backends.native.model import NativeConfig, NativeModel, prompt_precision
 from specdec.tree import tree_path
 
 TOL = {"rtol": 1e-4, "atol": 1e-4}
@@ -301,12 +301,15 @@ def test_quantized_scoring_is_batch_invariant(target, precision):
 
 
 def test_prompts_run_dense_and_never_share_a_pass_with_steps(target):
-    """With a quantized precision, prompts (over 32 tokens) run the fp32 layers over the same
-    tensors, and a batch that mixes prompts and steps is split, so a step's bits never
-    depend on what it was batched with."""
+    """With a quantized precision, prompts (over 32 tokens) run dense layers (bf16 where the
+    CPU multiplies bf16 natively, else fp32 over the same tensors), and a batch that mixes
+    prompts and steps is split, so a step's bits never depend on what it was batched with."""
     tokens = random_tokens(60, seed=31)
-    fp32 = make_backend("native", target, precision="fp32")
     int4 = make_backend("native", target, precision="int4")
+    # a model whose own layers and head are the int4 model's prompt layers and head
+    reference = NativeModel.from_hf(target.model, prompt_precision(torch.device("cpu"), "int4"))
+    reference.dense, reference.lm_head = None, int4.pool.model.dense[1]
+    fp32 = reference.new_pool().new_sequence()
     assert torch.equal(int4.prefill(tokens[:40]), fp32.prefill(tokens[:40]))
     alone = int4.forward(tokens[40:43])  # a step: int4 layers
     assert not torch.equal(alone, fp32.forward(tokens[40:43]))
