@@ -408,17 +408,12 @@ def test_32_concurrent_clients_with_disconnects(server, http):
             break
         time.sleep(0.2)
     assert m["specdec:num_requests_running"] == 0 and m["specdec:num_requests_waiting"] == 0
-    def total(metrics: dict, prefix: str) -> float:
-        return sum(v for k, v in metrics.items() if k.startswith(prefix))
-
-    done = total(m, "specdec:request_success_total") - done_before
-    aborted = total(m, "specdec:num_requests_aborted_total") - total(before, "specdec:num_requests_aborted_total")
-    dropped = sum(mode.startswith("drop") for mode, _ in results)
-    # every request ends once, as a success or an abort; a dropped one may still have finished
-    # (its answer ended before the server saw the client go)
-    assert done + aborted == len(plans), (done, aborted)
-    assert completed + sum(mode == "finished_anyway" for mode, _ in results) <= done
-    assert aborted <= dropped
+    done = sum(v for k, v in m.items() if k.startswith("specdec:request_success_total")) - done_before
+    aborted = sum(v for k, v in m.items() if k.startswith("specdec:num_requests_aborted_total")) - sum(
+        v for k, v in before.items() if k.startswith("specdec:num_requests_aborted_total"))  # fmt: skip
+    # every request ends once, as a success or an abort (a dropped one may have finished first)
+    assert done + aborted == len(plans) and aborted <= sum(mode.startswith("drop") for mode, _ in results)
+    assert done >= completed + sum(mode == "finished_anyway" for mode, _ in results)
     assert m['specdec:batch_size_bucket{le="1.0"}'] < m["specdec:batch_size_count"]  # batched steps
     assert httpx.get(server.url + "/health").status_code == 200
 

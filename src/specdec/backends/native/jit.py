@@ -151,12 +151,15 @@ def head(q, k_new, v_new, keys_t, values, h, limits, paths, widest, scale, out):
 
 
 @njit(cache=True, nogil=True)
-def store_rows(k_new, v_new, k_cache, v_cache, slot, store):  # pragma: no cover - compiled
-    for j in range(k_new.shape[0]):
-        for h in range(k_new.shape[1]):
-            for d in range(k_new.shape[2]):
-                k_cache[slot, h, d, store + j] = k_new[j, h, d]
-                v_cache[slot, h, store + j, d] = v_new[j, h, d]
+def begin(q, k_new, v_new, k_cache, v_cache, slot, store):  # pragma: no cover - compiled
+    """Write the row's keys and values at store.. (unless store < 0); the output [T, heads, dim]."""
+    if store >= 0:
+        for j in range(k_new.shape[0]):
+            for h in range(k_new.shape[1]):
+                for d in range(k_new.shape[2]):
+                    k_cache[slot, h, d, store + j] = k_new[j, h, d]
+                    v_cache[slot, h, store + j, d] = v_new[j, h, d]
+    return np.empty(q.shape, np.float32)
 
 
 rows, cache = "float32[:, :, :]", "float32[:, :, :, ::1]"  # rows may be strided views; caches are whole
@@ -171,22 +174,18 @@ def attend(q, k_new, v_new, k_cache, v_cache, slot, store, limits, paths, scale)
     last column of ones: the normaliser); limits [T]: the slot's keys query j reads;
     paths [T, E]: the row's own tokens it reads next, a tree path (-1: none).
     Returns [T, heads, dim]. A lane is one query head."""
-    if store >= 0:
-        store_rows(k_new, v_new, k_cache, v_cache, slot, store)
-    out = np.empty(q.shape, np.float32)
+    out, widest = begin(q, k_new, v_new, k_cache, v_cache, slot, store), limits.max()
     for h in range(k_new.shape[1]):
-        head(q, k_new, v_new, k_cache[slot, h], v_cache[slot, h], h, limits, paths, limits.max(), scale, out)
+        head(q, k_new, v_new, k_cache[slot, h], v_cache[slot, h], h, limits, paths, widest, scale, out)
     return out
 
 
 @njit(SIGNATURE, cache=True, nogil=True, parallel=True)
 def attend_parallel(q, k_new, v_new, k_cache, v_cache, slot, store, limits, paths, scale):  # pragma: no cover
     """`attend` with its kv heads on numba's threads: the same bits (heads share nothing)."""
-    if store >= 0:
-        store_rows(k_new, v_new, k_cache, v_cache, slot, store)
-    out = np.empty(q.shape, np.float32)
+    out, widest = begin(q, k_new, v_new, k_cache, v_cache, slot, store), limits.max()
     for h in prange(k_new.shape[1]):
-        head(q, k_new, v_new, k_cache[slot, h], v_cache[slot, h], h, limits, paths, limits.max(), scale, out)
+        head(q, k_new, v_new, k_cache[slot, h], v_cache[slot, h], h, limits, paths, widest, scale, out)
     return out
 
 
