@@ -8,7 +8,7 @@ import openai
 import pytest
 import torch
 
-from test_server import KEY, MODEL, PROMPTS, ServerProcess, log_dir, model_dir  # noqa: F401  (fixtures)
+from served_helpers import KEY, MODEL, PROMPTS, ServerProcess, log_dir, model_dir  # noqa: F401  (fixtures)
 
 
 @pytest.fixture(scope="module")

@@ -16,12 +16,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import tiny_llama
+from served_helpers import PROMPTS, ServerProcess, assert_error_shape, model_dir  # noqa: F401  (fixture)
 from specdec import __version__
 from specdec.config import EngineConfig
 from specdec.sampling import SamplingParams
 from specdec.serve.metrics import ServerMetrics
 from specdec.serve.scheduler import GenRequest, Scheduler
-from test_server import PROMPTS, ServerProcess, assert_error_shape, model_dir  # noqa: F401  (fixture)
 
 MODEL = "tiny"
 KEYS = {"sk-alice": "alice", "sk-bob": "bob"}

@@ -11,9 +11,9 @@ import openai
 import pytest
 
 from conftest import save_loaded, tiny_llama
+from served_helpers import ServerProcess
 from specdec.engine import Engine
 from specdec.models import load_model
-from test_server import ServerProcess
 
 
 @pytest.fixture(scope="module")

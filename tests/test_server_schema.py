@@ -10,8 +10,8 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from served_helpers import ServerProcess, assert_error_shape, model_dir  # noqa: F401  (fixture)
 from specdec.serve.app import ServeConfig, create_app
-from test_server import ServerProcess, assert_error_shape, model_dir  # noqa: F401  (fixture)
 
 KEY = "sk-schema"
 MAX_TOKENS = 4  # generated requests keep their fields; only the length is capped, to keep the run short

@@ -18,12 +18,12 @@ import torch
 
 import specdec.serve.gateway as gateway_mod
 from conftest import save_loaded, tiny_llama, tiny_tokenizer
+from served_helpers import PROMPTS, ServerProcess, assert_error_shape
 from specdec.serve.app import ServeConfig
 from specdec.serve.gateway import Gateway
 from specdec.serve.protocol import CompletionRequest
 from specdec.serve.tokenize import TokenizerPool
 from specdec.serve.traffic_log import QueuedTrafficLog, TrafficLog, read_traffic
-from test_server import PROMPTS, ServerProcess, assert_error_shape
 
 LONG_PROMPT = "fox " * 2000  # past the context: tokenizing it is the only way to find out
 

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import save_loaded, tiny_llama
-from test_server import JSON, ServerProcess, assert_error_shape
+from served_helpers import JSON, ServerProcess, assert_error_shape
 from test_tools import TOOLS, valid_args
 
 MODEL = "tiny"
