@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from conftest import tiny_llama
 from specdec import Engine, SpecdecError
 from specdec.backends import make_backend
-from specdec.backends.native import jit_ops
+from specdec.backends.native import attention, jit_ops
 from specdec.backends.native.cpu import FORCE_ENV, cpu_features
 from specdec.backends.native.model import NativeModel
 from specdec.backends.native.ort_linear import OrtBlockLinear, ort_available, quantize_symmetric
@@ -80,6 +80,40 @@ def test_numba_split_rotate_gives_the_bits_of_the_pytorch_ops():
     qk = rope(full[:, : (heads + kv_heads) * dim].view(n, heads + kv_heads, dim), cos, sin)
     assert torch.equal(q, qk[:, :heads]) and torch.equal(k, qk[:, heads:])
     assert torch.equal(v, full[:, (heads + kv_heads) * dim :].view(n, kv_heads, dim))
+
+
+def test_numba_add_rms_norm_gives_the_bits_of_the_add_then_the_norm():
+    if not jit_ops.importable():
+        pytest.skip("numba is not installed")
+    gen = torch.Generator().manual_seed(2)
+    x, weight = torch.randn(5, 576, generator=gen) * 3, torch.randn(576, generator=gen)
+    delta = torch.randn(5, 576, generator=gen).to(torch.bfloat16)
+    total, normed = jit_ops.add_rms_norm_bf16(x, delta, weight, 1e-5)
+    assert torch.equal(total, x + delta)  # PyTorch's promoting add
+    assert torch.equal(normed, jit_ops.rms_norm_bf16(x + delta, weight, 1e-5))
+    assert not torch.equal(normed, jit_ops.rms_norm_bf16(x, weight, 1e-5))  # the delta counts
+
+
+@pytest.mark.parametrize(("past", "t"), [(0, 1), (37, 1), (100, 4), (250, 9)])
+def test_rotate_attend_gives_the_bits_of_its_three_steps(past, t):
+    """One call for a chain row (rotation, attention, the cast to bf16) against split_rotate,
+    the attention kernel and torch's cast, each cache written by its own path."""
+    if not attention.uses_kernel("cpu"):
+        pytest.skip("numba is not installed")
+    heads, kv_heads, dim = 9, 3, 64
+    gen = torch.Generator().manual_seed(past + t)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, generator=gen).to(torch.bfloat16)
+    cos, sin = torch.randn(t, 1, dim, generator=gen), torch.randn(t, 1, dim, generator=gen)
+    caches = [attention.new_cache((2,), kv_heads, 300, dim) for _ in range(2)]
+    for k_cache, v_cache in caches:
+        k_cache.copy_(torch.randn(k_cache.shape, generator=torch.Generator().manual_seed(7)))
+        v_cache[..., :dim] = torch.randn(v_cache[..., :dim].shape, generator=torch.Generator().manual_seed(8))
+    limits, paths = attention.plan_chain(past + t, t, heads // kv_heads, "cpu", kernel=True).arrays
+    fused = jit_ops.rotate_attend(qkv, cos, sin, heads, kv_heads, *caches[0], 1, past, limits, paths)
+    q, k, v = jit_ops.split_rotate(qkv, cos, sin, heads, kv_heads)
+    steps = jit_ops.attend_kernel(q, k, v, *caches[1], 1, past, limits, paths).reshape(t, heads * dim)
+    assert fused.dtype == torch.bfloat16 and torch.equal(fused, steps.to(torch.bfloat16))
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])  # both stored
 
 
 def test_numba_silu_mul_tracks_pytorch_and_is_row_invariant():

@@ -185,6 +185,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
+def kernel_chain_row(rows: list, group: int, device, kv_dtype: torch.dtype):
+    """The forward's row when it is a single chain row that the kernel attends (its plan made
+    here if need be, as `attention` would make it), else None: such a row may rotate, attend
+    and cast in one call (jit_ops.rotate_attend)."""
+    if len(rows) != 1 or rows[0].tree is not None or rows[0].mask is not None:
+        return None
+    row = rows[0]
+    if row.plan is None and uses_kernel(device, kv_dtype):
+        row.plan = plan_chain(row.kv_len, row.end - row.start, group, device, kernel=True)
+    return row if isinstance(row.plan, KernelPlan) else None
+
+
 def _slot_keys(k_cache, v_cache, slot: int, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys [kv_heads, keys, dim] (a view of the transposed cache) and values [kv_heads, keys,
     dim + 1] of a slot, in fp32; zero-padded where the cache is shorter."""

@@ -39,34 +39,54 @@ def exp_nonpositive(s, count, w, bits):  # pragma: no cover - compiled
 
 @njit(f"void({matrix}, {matrix}, {matrix}, int64)", cache=True, nogil=True)
 def scores(keys_t, qs, s, count):  # pragma: no cover - compiled
-    """s[r, i] = sum over d, in order, of qs[r, d] * keys_t[d, i] for i < count. Four
-    dims per pass over the scores (unroll and jam): the same roundings, a quarter of the
-    loads and stores."""
+    """s[r, i] = sum over d, in order, of qs[r, d] * keys_t[d, i] for i < count. Four dims
+    per pass over the scores and four lanes per pass over the keys (unroll and jam): the same
+    roundings, a fraction of the loads and stores. Lanes come in fours (pad with zero rows)."""
     lanes, dim = qs.shape
     for r in range(lanes):
         for i in range(count):
             s[r, i] = 0
-    d = 0
-    while d + 4 <= dim:
-        k0, k1, k2, k3 = keys_t[d], keys_t[d + 1], keys_t[d + 2], keys_t[d + 3]
-        for r in range(lanes):
+    for r in range(0, lanes - lanes % 4, 4):
+        s0, s1, s2, s3 = s[r], s[r + 1], s[r + 2], s[r + 3]
+        d = 0
+        while d + 4 <= dim:
+            k0, k1, k2, k3 = keys_t[d], keys_t[d + 1], keys_t[d + 2], keys_t[d + 3]
+            a0, a1, a2, a3 = qs[r, d], qs[r, d + 1], qs[r, d + 2], qs[r, d + 3]
+            b0, b1, b2, b3 = qs[r + 1, d], qs[r + 1, d + 1], qs[r + 1, d + 2], qs[r + 1, d + 3]
+            c0, c1, c2, c3 = qs[r + 2, d], qs[r + 2, d + 1], qs[r + 2, d + 2], qs[r + 2, d + 3]
+            e0, e1, e2, e3 = qs[r + 3, d], qs[r + 3, d + 1], qs[r + 3, d + 2], qs[r + 3, d + 3]
+            for i in range(count):
+                x0, x1, x2, x3 = k0[i], k1[i], k2[i], k3[i]
+                s0[i] = (((s0[i] + a0 * x0) + a1 * x1) + a2 * x2) + a3 * x3
+                s1[i] = (((s1[i] + b0 * x0) + b1 * x1) + b2 * x2) + b3 * x3
+                s2[i] = (((s2[i] + c0 * x0) + c1 * x1) + c2 * x2) + c3 * x3
+                s3[i] = (((s3[i] + e0 * x0) + e1 * x1) + e2 * x2) + e3 * x3
+            d += 4
+        for rest in range(d, dim):
+            for x in range(r, r + 4):
+                qd, row, kd = qs[x, rest], s[x], keys_t[rest]
+                for i in range(count):
+                    row[i] += qd * kd[i]
+    for r in range(lanes - lanes % 4, lanes):
+        row, d = s[r], 0
+        while d + 4 <= dim:
+            k0, k1, k2, k3 = keys_t[d], keys_t[d + 1], keys_t[d + 2], keys_t[d + 3]
             q0, q1, q2, q3 = qs[r, d], qs[r, d + 1], qs[r, d + 2], qs[r, d + 3]
-            row = s[r]
             for i in range(count):
                 row[i] = (((row[i] + q0 * k0[i]) + q1 * k1[i]) + q2 * k2[i]) + q3 * k3[i]
-        d += 4
-    for rest in range(d, dim):
-        for r in range(lanes):
-            qd, row, kd = qs[r, rest], s[r], keys_t[rest]
+            d += 4
+        for rest in range(d, dim):
+            qd, kd = qs[r, rest], keys_t[rest]
             for i in range(count):
                 row[i] += qd * kd[i]
 
 
-@njit(f"void({matrix}, {vector}, {vector}, int64)", cache=True, nogil=True)
-def weighted_sum(values, w, acc, count):  # pragma: no cover - compiled
-    """acc[c] += sum over i < count, in order, of w[i] * values[i, c]; four keys per pass."""
+@njit(f"void({matrix}, {vector}, {vector}, int64, int64)", cache=True, nogil=True)
+def weighted_sum(values, w, acc, start, count):  # pragma: no cover - compiled
+    """acc[c] += sum over start <= i < count, in order, of w[i] * values[i, c]; four keys per
+    pass (start is a multiple of four: the passes fall where they would from 0)."""
     columns = values.shape[1]
-    i = 0
+    i = start
     while i + 4 <= count:
         v0, v1, v2, v3 = values[i], values[i + 1], values[i + 2], values[i + 3]
         w0, w1, w2, w3 = w[i], w[i + 1], w[i + 2], w[i + 3]
@@ -77,6 +97,28 @@ def weighted_sum(values, w, acc, count):  # pragma: no cover - compiled
         wi, vi = w[rest], values[rest]
         for c in range(columns):
             acc[c] += wi * vi[c]
+
+
+@njit(f"void({matrix}, {matrix}, {matrix}, int64, int64)", cache=True, nogil=True)
+def weighted_sum4(values, w, acc, r, count):  # pragma: no cover - compiled
+    """weighted_sum for lanes r .. r + 3 at once over keys 0 .. count - 1 (a multiple of four):
+    each lane's sums in its own order, while a pass loads the four value rows once for all
+    four lanes (the loads, not the multiplies, bound the single-lane loop)."""
+    columns = values.shape[1]
+    a0, a1, a2, a3 = acc[r], acc[r + 1], acc[r + 2], acc[r + 3]
+    w0, w1, w2, w3 = w[r], w[r + 1], w[r + 2], w[r + 3]
+    for i in range(0, count, 4):
+        v0, v1, v2, v3 = values[i], values[i + 1], values[i + 2], values[i + 3]
+        x00, x01, x02, x03 = w0[i], w0[i + 1], w0[i + 2], w0[i + 3]
+        x10, x11, x12, x13 = w1[i], w1[i + 1], w1[i + 2], w1[i + 3]
+        x20, x21, x22, x23 = w2[i], w2[i + 1], w2[i + 2], w2[i + 3]
+        x30, x31, x32, x33 = w3[i], w3[i + 1], w3[i + 2], w3[i + 3]
+        for c in range(columns):
+            p0, p1, p2, p3 = v0[c], v1[c], v2[c], v3[c]
+            a0[c] = (((a0[c] + x00 * p0) + x01 * p1) + x02 * p2) + x03 * p3
+            a1[c] = (((a1[c] + x10 * p0) + x11 * p1) + x12 * p2) + x13 * p3
+            a2[c] = (((a2[c] + x20 * p0) + x21 * p1) + x22 * p2) + x23 * p3
+            a3[c] = (((a3[c] + x30 * p0) + x31 * p1) + x32 * p2) + x33 * p3
 
 
 @njit(f"float32({vector}, int64, {vector})", cache=True, nogil=True)
@@ -99,10 +141,10 @@ def largest(s, count, tops):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True)
-def lane(s, w, bits, acc, qs, tops, r, n, path, k_new, v_new, values, h, out):  # pragma: no cover - compiled
-    """One query head (lane r) from its scores over the n cached keys: its path's own keys
-    (a tree), the softmax's weights, and weights @ [values | 1] -> out [dim]."""
-    dim, extra = out.shape[0], path.shape[0]
+def lane_weights(s, w, bits, qs, tops, r, n, path, k_new, h):  # pragma: no cover - compiled
+    """Lane r's softmax numerators w[r, :n + E] (E = len(path)) from its scores over the n
+    cached keys and its path's own keys (a tree), less their maximum."""
+    dim, extra = qs.shape[1], path.shape[0]
     for e in range(extra):  # the tree's own keys: the same sums in the same order
         node, x = path[e], np.float32(0)
         for d in range(dim):
@@ -112,10 +154,14 @@ def lane(s, w, bits, acc, qs, tops, r, n, path, k_new, v_new, values, h, out):  
     for i in range(n + extra):
         s[r, i] -= top
     exp_nonpositive(s[r], n + extra, w[r], bits[r])
-    for c in range(acc.shape[1]):
-        acc[r, c] = 0
-    weighted_sum(values, w[r], acc[r], n)
-    for e in range(extra):
+
+
+@njit(cache=True, nogil=True)
+def lane_finish(w, acc, r, n, path, v_new, h, out):  # pragma: no cover - compiled
+    """Lane r's output from acc[r] = its weights @ [values | 1] over the cache: its path's own
+    values, then the division by the normaliser -> out [dim]."""
+    dim = out.shape[0]
+    for e in range(path.shape[0]):
         node, wi = path[e], w[r, n + e]
         for c in range(dim):
             acc[r, c] += wi * v_new[node, h, c]
@@ -125,29 +171,54 @@ def lane(s, w, bits, acc, qs, tops, r, n, path, k_new, v_new, values, h, out):  
 
 
 @njit(cache=True, nogil=True)
-def head(q, k_new, v_new, keys_t, values, h, limits, paths, widest, scale, out):  # pragma: no cover - compiled
-    """The lanes of kv head h: their scores share the passes over its keys_t [dim, L] and
-    values [L, dim + 1]; each lane then runs on its own."""
-    t, dim, group = q.shape[0], q.shape[2], q.shape[1] // k_new.shape[1]
-    lanes = t * group
-    s = np.empty((lanes, widest + paths.shape[1]), np.float32)
+def weighted_sums(values, w, acc, counts):  # pragma: no cover - compiled
+    """acc[r] = w[r, :counts[r]] @ values[:counts[r]] for every lane r: four lanes at a time as
+    far as all four have keys (weighted_sum4), each lane on its own after that."""
+    lanes = acc.shape[0]
+    acc[:] = 0
+    r = 0
+    while r + 4 <= lanes:
+        shared = min(counts[r], counts[r + 1], counts[r + 2], counts[r + 3]) // 4 * 4
+        weighted_sum4(values, w, acc, r, shared)
+        for x in range(r, r + 4):
+            weighted_sum(values, w[x], acc[x], shared, counts[x])
+        r += 4
+    for x in range(r, lanes):
+        weighted_sum(values, w[x], acc[x], 0, counts[x])
+
+
+@njit(cache=True, nogil=True)
+def head(q, k_new, v_new, keys_t, values, h, first, last, limits, paths, widest, scale,
+         out):  # pragma: no cover - compiled
+    """Lanes first .. last - 1 of kv head h (lane r: query r // group, its head r % group of
+    the group): their scores and their weighted sums share the passes over its keys_t
+    [dim, L] and values [L, dim + 1]. A lane's bits do not depend on which lanes share them."""
+    dim, group = q.shape[2], q.shape[1] // k_new.shape[1]
+    lanes = last - first
+    jammed = -(-lanes // 4) * 4  # up to three idle lanes (zero weights) fill the last four
+    s = np.empty((jammed, widest + paths.shape[1]), np.float32)
     w = np.empty_like(s)
+    w[lanes:] = 0
     bits = np.empty(s.shape, np.int32)
-    acc = np.empty((lanes, values.shape[1]), np.float32)
-    qs = np.empty((lanes, dim), np.float32)
+    acc = np.empty((jammed, values.shape[1]), np.float32)
+    qs = np.zeros((jammed, dim), np.float32)
     tops = np.empty(16, np.float32)
-    for j in range(t):
-        for g in range(group):
+    counts, extras = np.empty(jammed, np.int64), np.zeros(jammed, np.int64)
+    for x in range(jammed):
+        j, g = min(first + x, last - 1) // group, (first + x) % group
+        counts[x] = limits[j]
+        if x < lanes:
+            while extras[x] < paths.shape[1] and paths[j, extras[x]] >= 0:
+                extras[x] += 1
             for d in range(dim):
-                qs[j * group + g, d] = q[j, h * group + g, d] * scale
+                qs[x, d] = q[j, h * group + g, d] * scale
     scores(keys_t, qs, s, widest)  # a lane ignores the keys past its limit
-    for j in range(t):
-        extra = 0
-        while extra < paths.shape[1] and paths[j, extra] >= 0:
-            extra += 1
-        for g in range(group):
-            lane(s, w, bits, acc, qs, tops, j * group + g, limits[j], paths[j, :extra], k_new, v_new, values, h,
-                 out[j, h * group + g])  # fmt: skip
+    for x in range(lanes):
+        lane_weights(s, w, bits, qs, tops, x, counts[x], paths[(first + x) // group, : extras[x]], k_new, h)
+    weighted_sums(values, w, acc, counts)
+    for x in range(lanes):
+        j, g = (first + x) // group, (first + x) % group
+        lane_finish(w, acc, x, counts[x], paths[j, : extras[x]], v_new, h, out[j, h * group + g])
 
 
 @njit(cache=True, nogil=True)
@@ -175,17 +246,23 @@ def attend(q, k_new, v_new, k_cache, v_cache, slot, store, limits, paths, scale)
     paths [T, E]: the row's own tokens it reads next, a tree path (-1: none).
     Returns [T, heads, dim]. A lane is one query head."""
     out, widest = begin(q, k_new, v_new, k_cache, v_cache, slot, store), limits.max()
+    lanes = q.shape[0] * q.shape[1] // k_new.shape[1]
     for h in range(k_new.shape[1]):
-        head(q, k_new, v_new, k_cache[slot, h], v_cache[slot, h], h, limits, paths, widest, scale, out)
+        head(q, k_new, v_new, k_cache[slot, h], v_cache[slot, h], h, 0, lanes, limits, paths, widest, scale, out)
     return out
 
 
 @njit(SIGNATURE, cache=True, nogil=True, parallel=True)
 def attend_parallel(q, k_new, v_new, k_cache, v_cache, slot, store, limits, paths, scale):  # pragma: no cover
-    """`attend` with its kv heads on numba's threads: the same bits (heads share nothing)."""
+    """`attend` on numba's threads, four lanes of a head per work item: the same bits (a
+    lane's do not depend on the lanes that share its pass)."""
     out, widest = begin(q, k_new, v_new, k_cache, v_cache, slot, store), limits.max()
-    for h in prange(k_new.shape[1]):
-        head(q, k_new, v_new, k_cache[slot, h], v_cache[slot, h], h, limits, paths, widest, scale, out)
+    lanes, kv_heads = q.shape[0] * q.shape[1] // k_new.shape[1], k_new.shape[1]
+    quads = -(-lanes // 4)
+    for item in prange(kv_heads * quads):  # four lanes of one head per item: even shares of work
+        h, first = item // quads, item % quads * 4
+        head(q, k_new, v_new, k_cache[slot, h], v_cache[slot, h], h, first, min(first + 4, lanes), limits, paths,
+             widest, scale, out)  # fmt: skip
     return out
 
 
@@ -199,34 +276,60 @@ def to_bf16_bits(bits, out):  # pragma: no cover - compiled
         out[i] = np.uint16(quiet if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000) else rounded)
 
 
+@njit(cache=True, nogil=True)
+def norm_row(x, weight, eps, y, partial, out):  # pragma: no cover - compiled
+    """out = bf16 bits of RMSNorm(x) * weight for one row x [hidden]: the sum of squares in 16
+    running partial sums added in a fixed order, so a row's bits do not depend on other rows.
+    y [hidden] float32 and partial [16] are scratch."""
+    hidden = x.shape[0]
+    body = hidden - hidden % 16
+    for lane in range(16):
+        partial[lane] = 0
+    for i in range(0, body, 16):
+        for lane in range(16):
+            partial[lane] += x[i + lane] * x[i + lane]
+    total = np.float32(0)
+    for lane in range(16):
+        total += partial[lane]
+    for i in range(body, hidden):
+        total += x[i] * x[i]
+    inv = np.float32(1) / np.sqrt(total / np.float32(hidden) + eps)
+    for i in range(hidden):
+        y[i] = (x[i] * inv) * weight[i]
+    to_bf16_bits(y.view(np.uint32), out)
+
+
 @njit("uint16[:, ::1](float32[:, ::1], float32[::1], float32)", cache=True, nogil=True)
 def rms_norm_bf16(x, weight, eps):  # pragma: no cover - compiled
     """x [N, hidden] fp32 -> RMSNorm(x) * weight as bf16 bits [N, hidden] (rounded to nearest
-    even, as torch's cast), each row on its own: the sum of squares in 16 running partial sums
-    added in a fixed order, so a row's bits do not depend on the other rows. One call for what
-    F.rms_norm and a cast take several ops to do."""
+    even, as torch's cast), each row on its own (norm_row). One call for what F.rms_norm and
+    a cast take several ops to do."""
     rows, hidden = x.shape
     out = np.empty((rows, hidden), np.uint16)
-    y = np.empty(hidden, np.float32)
-    bits = y.view(np.uint32)
-    partial = np.empty(16, np.float32)
-    body = hidden - hidden % 16
+    y, partial = np.empty(hidden, np.float32), np.empty(16, np.float32)
     for r in range(rows):
-        for lane in range(16):
-            partial[lane] = 0
-        for i in range(0, body, 16):
-            for lane in range(16):
-                partial[lane] += x[r, i + lane] * x[r, i + lane]
-        total = np.float32(0)
-        for lane in range(16):
-            total += partial[lane]
-        for i in range(body, hidden):
-            total += x[r, i] * x[r, i]
-        inv = np.float32(1) / np.sqrt(total / np.float32(hidden) + eps)
-        for i in range(hidden):
-            y[i] = (x[r, i] * inv) * weight[i]
-        to_bf16_bits(bits, out[r])
+        norm_row(x[r], weight, eps, y, partial, out[r])
     return out
+
+
+@njit("Tuple((float32[:, ::1], uint16[:, ::1]))(float32[:, ::1], uint16[:, ::1], float32[::1], float32)",
+      cache=True, nogil=True)  # fmt: skip
+def add_rms_norm_bf16(x, delta, weight, eps):  # pragma: no cover - compiled
+    """The residual add and the next norm in one call: x [N, hidden] fp32 plus delta as bf16
+    bits (widened exactly, then one fp32 add: the bits of PyTorch's promoting add) -> the sum
+    and rms_norm_bf16 of it."""
+    rows, hidden = x.shape
+    total, out = np.empty((rows, hidden), np.float32), np.empty((rows, hidden), np.uint16)
+    wide = np.empty(hidden, np.uint32)
+    widened = wide.view(np.float32)
+    y, partial = np.empty(hidden, np.float32), np.empty(16, np.float32)
+    for r in range(rows):
+        for i in range(hidden):
+            wide[i] = np.uint32(delta[r, i]) << np.uint32(16)  # bf16 -> fp32 is exact
+        for i in range(hidden):
+            total[r, i] = x[r, i] + widened[i]
+        norm_row(total[r], weight, eps, y, partial, out[r])
+    return total, out
 
 
 @njit("UniTuple(float32[:, :, ::1], 3)(uint16[:, :], float32[:, :, ::1], float32[:, :, ::1], int64, int64)",
@@ -283,3 +386,31 @@ def silu_mul_bf16(gate_up):  # pragma: no cover - compiled
             y[i] = (x[i] * (numerator / (np.float32(1) + e[i]))) * x[inner + i]
         to_bf16_bits(y_bits, out[r])
     return out
+
+
+@njit(cache=True, nogil=True)
+def bf16_rows(out):  # pragma: no cover - compiled
+    """[T, heads, dim] fp32 -> bf16 bits [T, heads * dim], rounded as torch's cast."""
+    flat = out.reshape(out.shape[0], out.shape[1] * out.shape[2])
+    bits = np.empty(flat.shape, np.uint16)
+    for j in range(flat.shape[0]):
+        to_bf16_bits(flat[j].view(np.uint32), bits[j])
+    return bits
+
+
+@njit(cache=True, nogil=True)
+def rotate_attend(qkv, cos, signed_sin, heads, kv_heads, k_cache, v_cache, slot, store, limits, paths,
+                  scale):  # pragma: no cover - compiled
+    """split_rotate, attend and the cast of its output to bf16 in one call, for one chain row:
+    qkv bf16 bits [T, (heads + 2 kv_heads) * dim] -> bf16 bits [T, heads * dim]. The same
+    functions as the three separate steps, so the same bits."""
+    q, k, v = split_rotate(qkv, cos, signed_sin, heads, kv_heads)
+    return bf16_rows(attend(q, k, v, k_cache, v_cache, slot, store, limits, paths, scale))
+
+
+@njit(cache=True, nogil=True)
+def rotate_attend_parallel(qkv, cos, signed_sin, heads, kv_heads, k_cache, v_cache, slot, store, limits, paths,
+                           scale):  # pragma: no cover - compiled
+    """`rotate_attend` with the kv heads on numba's threads (attend_parallel)."""
+    q, k, v = split_rotate(qkv, cos, signed_sin, heads, kv_heads)
+    return bf16_rows(attend_parallel(q, k, v, k_cache, v_cache, slot, store, limits, paths, scale))

@@ -49,28 +49,28 @@ def usable(device: torch.device, kv_dtype: torch.dtype) -> bool:
 
 
 @functools.cache
-def _compiled():
-    """The kernel on numba's threads (as many as torch's) where a thread-safe threading layer
-    (OpenMP or TBB) loads, else on the calling thread."""
+def _compiled() -> tuple:
+    """(attend, rotate_attend): on numba's threads (as many as torch's) where a thread-safe
+    threading layer (OpenMP or TBB) loads, else on the calling thread."""
     import numba
 
-    from specdec.backends.native.jit import attend, attend_parallel  # compiles, or loads from disk
+    from specdec.backends.native import jit  # compiles, or loads from disk
 
     threads = torch.get_num_threads()
     if threads > 1:
         numba.config.THREADING_LAYER = "threadsafe"
         try:
             numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-            return attend_parallel
+            return jit.attend_parallel, jit.rotate_attend_parallel
         except (ValueError, RuntimeError):  # no thread-safe layer here
             pass
-    return attend
+    return jit.attend, jit.rotate_attend
 
 
 def attend_kernel(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slot: int, store: int, limits: np.ndarray, paths: np.ndarray) -> torch.Tensor:
     """The kernel on tensors (see jit.attend for the shapes); returns [T, heads, dim]."""
-    return torch.from_numpy(_compiled()(q.numpy(), k_new.numpy(), v_new.numpy(), k_cache.numpy(), v_cache.numpy(),
+    return torch.from_numpy(_compiled()[0](q.numpy(), k_new.numpy(), v_new.numpy(), k_cache.numpy(), v_cache.numpy(),
                                         slot, store, limits, paths, np.float32(q.shape[-1] ** -0.5)))  # fmt: skip
 
 
@@ -103,6 +103,24 @@ def split_rotate(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
 def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor:
     """The fused gate|up projection [N, 2 I] bf16 -> silu(gate) * up [N, I] bf16 (jit.silu_mul_bf16)."""
     return torch.from_numpy(_jit().silu_mul_bf16(gate_up.contiguous().view(torch.uint16).numpy())).view(torch.bfloat16)
+
+
+def rotate_attend(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: int, kv_heads: int,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot: int, store: int, limits: np.ndarray,
+                  paths: np.ndarray) -> torch.Tensor:
+    """split_rotate, attend_kernel and the cast to bf16 in one call (jit.rotate_attend), for a
+    chain row: qkv [T, (heads + 2 kv_heads) * dim] bf16 -> [T, heads * dim] bf16."""
+    scale = np.float32(cos.shape[-1] ** -0.5)
+    bits = _compiled()[1](qkv.view(torch.uint16).numpy(), cos.numpy(), signed_sin.numpy(), heads, kv_heads,
+                          k_cache.numpy(), v_cache.numpy(), slot, store, limits, paths, scale)  # fmt: skip
+    return torch.from_numpy(bits).view(torch.bfloat16)
+
+
+def add_rms_norm_bf16(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, hidden] fp32 + delta [N, hidden] bf16 -> (the fp32 sum, rms_norm_bf16 of it)."""
+    total, bits = _jit().add_rms_norm_bf16(x.numpy(), delta.view(torch.uint16).numpy(), weight.numpy(), np.float32(eps))
+    return torch.from_numpy(total), torch.from_numpy(bits).view(torch.bfloat16)
 
 
 def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -13,7 +13,15 @@ import torch
 import torch.nn.functional as F
 
 from specdec.backends.native.attention import attention as batch_invariant_attention
-from specdec.backends.native.jit_ops import fast_layer_usable, rms_norm_bf16, silu_mul_bf16, split_rotate
+from specdec.backends.native.attention import kernel_chain_row
+from specdec.backends.native.jit_ops import (
+    add_rms_norm_bf16,
+    fast_layer_usable,
+    rms_norm_bf16,
+    rotate_attend,
+    silu_mul_bf16,
+    split_rotate,
+)
 from specdec.backends.native.quant import FusedLinear, Linear
 from specdec.errors import SpecdecError
 
@@ -112,20 +120,37 @@ class DecoderLayer(torch.nn.Module):
             parts = self.eager_parts
         attn_norm, qkv_linear, o_linear, mlp_norm, gate_up_linear, down_linear, gate_up_joined = parts
         qkv = qkv_linear(rms_norm(x, attn_norm, self.eps, act, fast))
-        if fast and qkv.dtype == torch.bfloat16:
+        fast_qkv = fast and qkv.dtype == torch.bfloat16
+        row = kernel_chain_row(rows, heads // kv_heads, x.device, k_cache.dtype) if fast_qkv else None
+        if row is not None:  # one chain row: rotation, attention and the cast in one numba call
+            attn = rotate_attend(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, row.slot, row.store,
+                                 *row.plan.arrays)  # fmt: skip
+        else:
+            attn = self._attention(qkv, cos, sin, k_cache, v_cache, rows, fast_qkv).reshape(n, heads * dim).to(act)
+        # .forward: the linears are plain modules (no hooks), and __call__ costs each of them
+        delta = o_linear(attn)
+        if fast and delta.dtype == torch.bfloat16:  # the residual add and the norm in one call
+            x, h = add_rms_norm_bf16(x, delta, mlp_norm, self.eps)
+        else:
+            x = x + delta  # fp32 + act_dtype -> fp32
+            h = rms_norm(x, mlp_norm, self.eps, act, fast)
+        if fast and self.fused_gate_up:  # one numba call from the fused gate|up output
+            return x + down_linear(silu_mul_bf16(gate_up_joined(h)))
+        gate, up = gate_up_linear(h)
+        return x + down_linear(silu_mul(gate, up, act))
+
+    def _attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, rows: list[KVRow], fast: bool) -> torch.Tensor:
+        # qkv [N, (heads + 2 kv_heads) * dim] -> [N, heads, dim] in q's dtype
+        n, heads, kv_heads, dim = qkv.shape[0], self.heads, self.kv_heads, self.dim
+        if fast:
             q, k, v = split_rotate(qkv, cos, sin, heads, kv_heads)
         else:
             qkv = qkv.float()
             qk = rope(qkv[:, : (heads + kv_heads) * dim].view(n, heads + kv_heads, dim), cos, sin)  # q and k at once
             q, k = qk[:, :heads], qk[:, heads:]  # [N, heads, dim], [N, kv_heads, dim]
             v = qkv[:, (heads + kv_heads) * dim :].view(n, kv_heads, dim)
-        attn = batch_invariant_attention(q, k, v, k_cache, v_cache, rows, self.gqa)
-        # .forward: the linears are plain modules (no hooks), and __call__ costs each of them
-        x = x + o_linear(attn.reshape(n, heads * dim).to(act))  # fp32 + act_dtype -> fp32
-        if fast and self.fused_gate_up:  # one numba call from the fused gate|up output
-            return x + down_linear(silu_mul_bf16(gate_up_joined(rms_norm(x, mlp_norm, self.eps, act, fast))))
-        gate, up = gate_up_linear(rms_norm(x, mlp_norm, self.eps, act, fast))
-        return x + down_linear(silu_mul(gate, up, act))
+        return batch_invariant_attention(q, k, v, k_cache, v_cache, rows, self.gqa)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
