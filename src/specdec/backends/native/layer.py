@@ -110,6 +110,15 @@ class DecoderLayer(torch.nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, rows: list[KVRow]) -> torch.Tensor:
         # x [N, hidden]; cos, sin [N, 1, dim]; caches [slots, kv_heads, max_length, dim]
+        x, delta = self.forward_open(x, None, cos, sin, k_cache, v_cache, rows)
+        return x + delta  # fp32 + act_dtype -> fp32
+
+    def forward_open(self, x: torch.Tensor, pending: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     rows: list[KVRow]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The layer on input x + pending (pending: the previous layer's last output, not yet
+        added, or None), returning its output the same way, so that each residual add joins
+        the norm after it in one call; `forward` adds up."""
         n, heads, kv_heads, dim, act = x.shape[0], self.heads, self.kv_heads, self.dim, self.act_dtype
         compiling = torch.compiler.is_compiling()
         fast = self.fast and not compiling
@@ -119,7 +128,8 @@ class DecoderLayer(torch.nn.Module):
         else:
             parts = self.eager_parts
         attn_norm, qkv_linear, o_linear, mlp_norm, gate_up_linear, down_linear, gate_up_joined = parts
-        qkv = qkv_linear(rms_norm(x, attn_norm, self.eps, act, fast))
+        x, h = self._add_norm(x, pending, attn_norm, fast)
+        qkv = qkv_linear(h)
         fast_qkv = fast and qkv.dtype == torch.bfloat16
         row = kernel_chain_row(rows, heads // kv_heads, x.device, k_cache.dtype) if fast_qkv else None
         if row is not None:  # one chain row: rotation, attention and the cast in one numba call
@@ -128,16 +138,21 @@ class DecoderLayer(torch.nn.Module):
         else:
             attn = self._attention(qkv, cos, sin, k_cache, v_cache, rows, fast_qkv).reshape(n, heads * dim).to(act)
         # .forward: the linears are plain modules (no hooks), and __call__ costs each of them
-        delta = o_linear(attn)
-        if fast and delta.dtype == torch.bfloat16:  # the residual add and the norm in one call
-            x, h = add_rms_norm_bf16(x, delta, mlp_norm, self.eps)
-        else:
-            x = x + delta  # fp32 + act_dtype -> fp32
-            h = rms_norm(x, mlp_norm, self.eps, act, fast)
+        x, h = self._add_norm(x, o_linear(attn), mlp_norm, fast)
         if fast and self.fused_gate_up:  # one numba call from the fused gate|up output
-            return x + down_linear(silu_mul_bf16(gate_up_joined(h)))
+            return x, down_linear(silu_mul_bf16(gate_up_joined(h)))
         gate, up = gate_up_linear(h)
-        return x + down_linear(silu_mul(gate, up, act))
+        return x, down_linear(silu_mul(gate, up, act))
+
+    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                  fast: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        # (x + delta, its norm in the kernels' dtype); the add and the norm in one call on the fast path
+        if delta is None:
+            return x, rms_norm(x, weight, self.eps, self.act_dtype, fast)
+        if fast and delta.dtype == torch.bfloat16:
+            return add_rms_norm_bf16(x, delta, weight, self.eps)
+        x = x + delta  # fp32 + act_dtype -> fp32
+        return x, rms_norm(x, weight, self.eps, self.act_dtype, fast)
 
     def _attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, rows: list[KVRow], fast: bool) -> torch.Tensor:

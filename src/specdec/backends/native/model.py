@@ -184,9 +184,14 @@ class NativeModel:
         layers, lm_head = self.dense if dense and self.dense else (self.layers, self.lm_head)
         x = F.embedding(token_ids, self.embed)  # [N, hidden]
         cos, sin = pool.cos[positions].unsqueeze(1), pool.sin[positions].unsqueeze(1)  # [N, 1, dim]
-        for i, layer in enumerate(layers):
-            # calling the module runs its compiled graph, if any; .forward always runs eagerly
-            x = (layer if compiled else layer.forward)(x, cos, sin, pool.k[i], pool.v[i], rows)
+        if compiled:  # calling the module runs its compiled graph
+            for i, layer in enumerate(layers):
+                x = layer(x, cos, sin, pool.k[i], pool.v[i], rows)
+        else:  # each residual add joins the norm after it (forward_open)
+            pending = None
+            for i, layer in enumerate(layers):
+                x, pending = layer.forward_open(x, pending, cos, sin, pool.k[i], pool.v[i], rows)
+            x = x + pending
         x = rms_norm(x, self.norm, self.config.rms_eps, torch.float32)
         return x, lm_head(x if logits_at is None else x[logits_at]).float()
 
