@@ -48,30 +48,43 @@ def usable(device: torch.device, kv_dtype: torch.dtype) -> bool:
     return device.type == "cpu" and kv_dtype == torch.float32 and importable()
 
 
+# Below this many (keys x query heads) a call stays on the calling thread: starting numba's
+# threads costs more than they save on short contexts (same bits either way).
+PARALLEL_WORK = 4096
+
+
 @functools.cache
 def _compiled() -> tuple:
-    """(attend, rotate_attend): on numba's threads (as many as torch's) where a thread-safe
-    threading layer (OpenMP or TBB) loads, else on the calling thread."""
+    """((attend, rotate_attend) on the calling thread, the same on numba's threads): the
+    second pair runs on as many threads as torch's where a thread-safe threading layer (OpenMP
+    or TBB) loads, else it is the first."""
     import numba
 
     from specdec.backends.native import jit  # compiles, or loads from disk
 
+    serial = jit.attend, jit.rotate_attend
     threads = torch.get_num_threads()
     if threads > 1:
         numba.config.THREADING_LAYER = "threadsafe"
         try:
             numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-            return jit.attend_parallel, jit.rotate_attend_parallel
+            return serial, (jit.attend_parallel, jit.rotate_attend_parallel)
         except (ValueError, RuntimeError):  # no thread-safe layer here
             pass
-    return jit.attend, jit.rotate_attend
+    return serial, serial
+
+
+def _kernels(limits: np.ndarray, query_heads: int) -> tuple:
+    serial, parallel = _compiled()
+    return parallel if int(limits[-1]) * query_heads >= PARALLEL_WORK else serial
 
 
 def attend_kernel(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slot: int, store: int, limits: np.ndarray, paths: np.ndarray) -> torch.Tensor:
     """The kernel on tensors (see jit.attend for the shapes); returns [T, heads, dim]."""
-    return torch.from_numpy(_compiled()[0](q.numpy(), k_new.numpy(), v_new.numpy(), k_cache.numpy(), v_cache.numpy(),
-                                        slot, store, limits, paths, np.float32(q.shape[-1] ** -0.5)))  # fmt: skip
+    attend = _kernels(limits, q.shape[0] * q.shape[1])[0]
+    return torch.from_numpy(attend(q.numpy(), k_new.numpy(), v_new.numpy(), k_cache.numpy(), v_cache.numpy(),
+                                   slot, store, limits, paths, np.float32(q.shape[-1] ** -0.5)))  # fmt: skip
 
 
 @torch.library.custom_op("specdec::attend", mutates_args=())
@@ -111,8 +124,9 @@ def rotate_attend(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
     """split_rotate, attend_kernel and the cast to bf16 in one call (jit.rotate_attend), for a
     chain row: qkv [T, (heads + 2 kv_heads) * dim] bf16 -> [T, heads * dim] bf16."""
     scale = np.float32(cos.shape[-1] ** -0.5)
-    bits = _compiled()[1](qkv.view(torch.uint16).numpy(), cos.numpy(), signed_sin.numpy(), heads, kv_heads,
-                          k_cache.numpy(), v_cache.numpy(), slot, store, limits, paths, scale)  # fmt: skip
+    kernel = _kernels(limits, qkv.shape[0] * heads)[1]
+    bits = kernel(qkv.view(torch.uint16).numpy(), cos.numpy(), signed_sin.numpy(), heads, kv_heads,
+                  k_cache.numpy(), v_cache.numpy(), slot, store, limits, paths, scale)  # fmt: skip
     return torch.from_numpy(bits).view(torch.bfloat16)
 
 
