@@ -27,7 +27,8 @@ from specdec.backends import make_backend
 from specdec.models import load_model
 
 PROMPT_TOKENS = 40
-PARTS = ("decoder linears", "LM head", "RMSNorm", "rotary", "attention", "SwiGLU")
+PARTS = ("decoder linears", "LM head", "RMSNorm", "residual add + RMSNorm", "rotary", "attention",
+         "rotary + attention + cast", "SwiGLU")
 
 
 def _labelled(label: str, fn):
@@ -55,7 +56,8 @@ def instrument(model) -> None:
     if not callable(getattr(layer_mod, "rms_norm", None)):  # layer.py's own wraps F.rms_norm
         F.rms_norm = _labelled("RMSNorm", F.rms_norm)
     names = (("rms_norm", "RMSNorm"), ("rope", "rotary"), ("split_rotate", "rotary"), ("attention", "attention"),
-             ("batch_invariant_attention", "attention"), ("silu_mul_bf16", "SwiGLU"), ("silu_mul", "SwiGLU"))
+             ("batch_invariant_attention", "attention"), ("silu_mul_bf16", "SwiGLU"), ("silu_mul", "SwiGLU"),
+             ("add_rms_norm_bf16", "residual add + RMSNorm"), ("rotate_attend", "rotary + attention + cast"))
     for module in (layer_mod, model_mod):
         for name, label in names:
             if callable(getattr(module, name, None)):

@@ -5,8 +5,10 @@ invariance per row (row 0 of a one-row call == row 0 of an eight-row call, bit f
     taskset -c 1 python scripts/weight_kernels.py [--threads 1] [--rounds 15]
 
 Candidates: PyTorch's int4 kernel (`_weight_int4pack_mm_for_cpu`, bf16 activations, the
-decoder's default), its int8 kernel (`_weight_int8pack_mm`, the LM head's old path), dense
-bf16 and fp32 `F.linear`, and, where onnxruntime and onnx are installed, ONNX Runtime's
+decoder's default), its int8 kernel (`_weight_int8pack_mm`, the LM head's old path), int8
+weights times int8 activations on `torch._int_mm` (one scale per weight row and per input
+row: integer sums, so batch-invariant whatever the GEMM's blocking), dense bf16 and fp32
+`F.linear`, and, where onnxruntime and onnx are installed, ONNX Runtime's
 `MatMulNBits` with 8-bit and 4-bit blocks of 32 at accuracy_level 4 (int8 activations) and 0
 (fp32). The candidates are timed in turns, round after round, and each figure is the median
 over rounds, so a busy machine slows them alike; compare within one run. Ends with a JSON line.
@@ -31,11 +33,27 @@ LAYERS = 30
 ROWS = (1, 2, 4, 8)
 
 
+class DynamicInt8Linear(torch.nn.Module):
+    """W8A8: int8 weights (a scale per output row) times int8 activations (a scale per input
+    row) on torch._int_mm, the int32 sums rescaled in fp32."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.scale = (weight.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # [N]
+        self.qweight_t = torch.round(weight / self.scale[:, None]).to(torch.int8).contiguous().t()  # [K, N]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] fp32 -> [M, N] fp32
+        x_scale = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0  # [M, 1]
+        y = torch._int_mm(torch.round(x / x_scale).to(torch.int8), self.qweight_t)
+        return y.float() * x_scale * self.scale
+
+
 def candidates() -> dict:
     """name -> (maker(weight) -> module, input dtype)."""
     out = {
         "torch int4": (Int4Linear.from_float, torch.bfloat16),
         "torch int8": (Int8Linear, torch.bfloat16),
+        "torch w8a8 (_int_mm)": (DynamicInt8Linear, torch.float32),
         "dense bf16": (lambda w: DenseLinear(w, dtype=torch.bfloat16), torch.bfloat16),
         "dense fp32": (lambda w: DenseLinear(w, dtype=torch.float32), torch.float32),
     }
