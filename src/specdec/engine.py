@@ -20,7 +20,14 @@ from specdec.config import EngineConfig
 from specdec.controller import AdaptiveK, ScoreCosts, make_controller
 from specdec.drafters import Drafter, make_drafter
 from specdec.errors import SpecdecError
-from specdec.grammar import MAX_FORCED, ConstrainedDraft, Constraint, GrammarMatcher, request_constraint
+from specdec.grammar import (
+    CLOSING_RESERVE,
+    MAX_FORCED,
+    ConstrainedDraft,
+    Constraint,
+    GrammarMatcher,
+    request_constraint,
+)
 from specdec.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from specdec.models import LoadedModel, load_model
 from specdec.prompts import Prompt, encode
@@ -350,7 +357,8 @@ class Sequence:
         self._step = None
         constrained, self._constrained = self._constrained, None
         if constrained is not None:  # mask every scored row; the grammar-rejected token joins unscored
-            logits = self.grammar.mask_logits(logits, [self.context[-1], *draft_tokens])  # [k+1, V]
+            closing_from = max(0, self.max_new_tokens - CLOSING_RESERVE - len(self.generated))  # row i: output at + i
+            logits = self.grammar.mask_logits(logits, [self.context[-1], *draft_tokens], closing_from)  # [k+1, V]
             draft_tokens, draft_probs = constrained.for_verification()
         num_forced = constrained.num_forced if constrained is not None else 0
         t2 = time.perf_counter()

@@ -19,13 +19,20 @@ regex) and matches it token by token. A constrained step (`Sequence.plan` / `adv
 
 EOS is allowed exactly when the grammar is accepting. Once the grammar is stopped (nothing
 but EOS could follow) the reply ends there, without generating the EOS.
+
+Closing before the limit: when the whole reply is structure (a JSON object or schema, a
+required or named tool call: `Constraint.closes`), in the last CLOSING_RESERVE tokens it
+may emit, a row whose allowed tokens include a closing one (a token of only `"`, `}` and `]`, or EOS) keeps only
+those, so a JSON value or tool call that would run into max_tokens (a small model repeating
+itself inside a string) is closed within it rather than cut. The rule depends on the output
+position alone, so plain and speculative decoding apply it alike.
 """
 
 from __future__ import annotations
 
 import json
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import llguidance
 import torch
@@ -39,6 +46,9 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 # Forced tokens scored in one step, at most. Each saves a whole forward, while it widens the
 # forward by one row; this bounds the width like AdaptiveK.k_max bounds a draft.
 MAX_FORCED = 16
+# The last tokens of a reply's budget in which a constrained row prefers closing tokens.
+CLOSING_RESERVE = 24
+_CLOSERS = frozenset('"}]')
 _BITS = torch.arange(32, dtype=torch.int32)
 
 
@@ -49,6 +59,9 @@ class Constraint:
     grammar: str  # what llguidance.LLMatcher takes
     kind: str  # "json_object", "json_schema" or "grammar"
     name: str | None = None  # the schema's name in an OpenAI response_format
+    # the whole reply is structure (JSON, a required tool call), so it is closed near the
+    # limit (CLOSING_RESERVE); not for grammars that allow free text
+    closes: bool = False
 
 
 def _one_line(message: str) -> str:
@@ -64,7 +77,8 @@ def _checked(grammar: str, kind: str, name: str | None = None) -> Constraint:
 
 def json_object() -> Constraint:
     """Any JSON object (OpenAI's JSON mode)."""
-    return _checked(llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, JSON_OPTIONS), "json_object")
+    return replace(_checked(llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, JSON_OPTIONS),
+                            "json_object"), closes=True)  # fmt: skip
 
 
 def json_schema(schema: dict | str, strict: bool = False, name: str | None = None) -> Constraint:
@@ -78,7 +92,7 @@ def json_schema(schema: dict | str, strict: bool = False, name: str | None = Non
     if not isinstance(schema, dict):
         raise SpecdecError(f"invalid json schema: expected an object, got {type(schema).__name__}", "response_format")
     grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, JSON_OPTIONS, {"lenient": not strict})
-    return _checked(grammar, "json_schema", name)
+    return replace(_checked(grammar, "json_schema", name), closes=True)
 
 
 def grammar(text: str, syntax: str = "lark") -> Constraint:
@@ -131,6 +145,23 @@ def request_constraint(response_format: dict | Constraint | None = None, schema:
 
 
 _TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CLOSING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {EOS ids: mask}
+
+
+def closing_tokens(tokenizer, eos_token_ids: set[int]) -> torch.Tensor:
+    """[llguidance's vocab size] bool: the tokens made only of `"`, `}` and `]` (spaces
+    aside), and EOS; built once per tokenizer (a pass over the vocabulary)."""
+    per_tokenizer = _CLOSING.setdefault(tokenizer, {})
+    key = tuple(sorted(eos_token_ids))
+    if key not in per_tokenizer:
+        ll = ll_tokenizer(tokenizer, eos_token_ids)
+        mask = torch.zeros(ll.vocab_size, dtype=torch.bool)
+        for token in range(ll.vocab_size):
+            text = ll.decode_bytes([token]).decode("utf-8", "replace").strip()
+            mask[token] = bool(text) and set(text) <= _CLOSERS and not ll.is_special_token(token)
+        mask[[t for t in eos_token_ids if t < ll.vocab_size]] = True
+        per_tokenizer[key] = mask
+    return per_tokenizer[key]
 
 
 def ll_tokenizer(tokenizer, eos_token_ids: set[int]) -> llguidance.LLTokenizer:
@@ -175,7 +206,7 @@ class GrammarMatcher:
 
     def __init__(self, constraint: Constraint, tokenizer, eos_token_ids: set[int]):
         self.constraint = constraint
-        self.eos_token_ids = set(eos_token_ids)
+        self.tokenizer, self.eos_token_ids = tokenizer, set(eos_token_ids)
         self._eos = torch.tensor(sorted(self.eos_token_ids), dtype=torch.long)
         self.ll = ll_tokenizer(tokenizer, self.eos_token_ids)
         self.vocab_size = self.ll.vocab_size
@@ -225,10 +256,11 @@ class GrammarMatcher:
             joined = torch.cat([one_hot.to(probs.dtype), probs[:keep]])  # [len(forced) + keep, V]
         return ConstrainedDraft([*forced, *tokens[:keep]], joined, len(forced), rejected, rejected_probs)
 
-    def masks(self, tokens: list[int], vocab_size: int) -> torch.Tensor:
+    def masks(self, tokens: list[int], vocab_size: int, closing_from: int | None = None) -> torch.Tensor:
         """Allowed tokens for each scored row -> [len(tokens), vocab_size] bool. tokens[0] is
         the pending token (already consumed); row i is the mask after tokens[1..i]. Rows
-        after an EOS (or a token the grammar rejects) are never verified: they allow EOS."""
+        after an EOS (or a token the grammar rejects) are never verified: they allow EOS.
+        Rows from `closing_from` on are in the closing reserve (see the module doc)."""
         rows = len(tokens)
         words = (self.vocab_size + 31) // 32
         bitmask = torch.zeros(rows, words, dtype=torch.int32)  # [rows, words]
@@ -253,11 +285,17 @@ class GrammarMatcher:
         eos = self._eos[self._eos < vocab_size]
         allowed[stopped] = False
         allowed[:, eos] = (accepting | stopped).unsqueeze(-1)
+        if self.constraint.closes and closing_from is not None and closing_from < rows:
+            closers = torch.zeros(vocab_size, dtype=torch.bool)
+            closers[:width] = closing_tokens(self.tokenizer, self.eos_token_ids)[:width]
+            closing = allowed[closing_from:] & closers
+            can_close = closing.any(dim=-1, keepdim=True)  # [rows - closing_from, 1]
+            allowed[closing_from:] = torch.where(can_close, closing, allowed[closing_from:])
         return allowed
 
-    def mask_logits(self, logits: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+    def mask_logits(self, logits: torch.Tensor, tokens: list[int], closing_from: int | None = None) -> torch.Tensor:
         """logits: [len(tokens), V] for the scored tokens -> the same with disallowed at -inf."""
-        allowed = self.masks(tokens, logits.shape[-1]).to(logits.device)
+        allowed = self.masks(tokens, logits.shape[-1], closing_from).to(logits.device)
         return logits.masked_fill(~allowed, float("-inf"))
 
     def advance(self, tokens: list[int]) -> int | None:

@@ -37,7 +37,7 @@ import functools
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import llguidance
 
@@ -170,7 +170,8 @@ class ToolPlan:
             return response_format
         named = self.choice not in CHOICES
         tools = [t for t in self.tools if t["function"]["name"] == self.choice] if named else self.tools
-        return grammar(self.parser.grammar(tools, required=self.forced, parallel=self.parallel))
+        constraint = grammar(self.parser.grammar(tools, required=self.forced, parallel=self.parallel))
+        return replace(constraint, closes=self.forced)  # `auto` allows free text: no closing there
 
     def stream(self) -> ToolStream | None:
         """A streaming reader for the reply, or None when calls are not parsed."""

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from specdec.config import split_k
 from specdec.drafters import DrafterSpec, available
 from specdec.errors import SpecdecError
-from specdec.grammar import GrammarMatcher, constraint_from_response_format, ll_tokenizer
+from specdec.grammar import GrammarMatcher, closing_tokens, constraint_from_response_format, ll_tokenizer
 from specdec.models import load_model
 from specdec.prompts import encode
 from specdec.sampling import SamplingParams
@@ -189,6 +189,7 @@ class Gateway:
         if not self._vocab_ready:
             with self._vocab_lock:  # the first one reads the whole vocabulary; later ones reuse it
                 ll_tokenizer(self.tokenizer, self.eos_token_ids)
+                closing_tokens(self.tokenizer, self.eos_token_ids)  # before a step needs it
                 self._vocab_ready = True
         return GrammarMatcher(constraint, self.tokenizer, self.eos_token_ids)
 
