@@ -35,6 +35,7 @@ import weakref
 from dataclasses import dataclass, replace
 
 import llguidance
+import numpy as np
 import torch
 
 from specdec.errors import SpecdecError
@@ -150,17 +151,19 @@ _CLOSING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -
 
 def closing_tokens(tokenizer, eos_token_ids: set[int]) -> torch.Tensor:
     """[llguidance's vocab size] bool: the tokens made only of `"`, `}` and `]` (spaces
-    aside), and EOS; built once per tokenizer (a pass over the vocabulary)."""
+    aside), and EOS; built once per tokenizer (a pass over the vocabulary). Built in numpy:
+    the server builds it on a request thread, where a torch op would start a second OpenMP
+    thread team that then competes with the decoding thread's for the cores."""
     per_tokenizer = _CLOSING.setdefault(tokenizer, {})
     key = tuple(sorted(eos_token_ids))
     if key not in per_tokenizer:
         ll = ll_tokenizer(tokenizer, eos_token_ids)
-        mask = torch.zeros(ll.vocab_size, dtype=torch.bool)
+        mask = np.zeros(ll.vocab_size, dtype=bool)
         for token in range(ll.vocab_size):
             text = ll.decode_bytes([token]).decode("utf-8", "replace").strip()
             mask[token] = bool(text) and set(text) <= _CLOSERS and not ll.is_special_token(token)
         mask[[t for t in eos_token_ids if t < ll.vocab_size]] = True
-        per_tokenizer[key] = mask
+        per_tokenizer[key] = torch.from_numpy(mask)
     return per_tokenizer[key]
 
 
