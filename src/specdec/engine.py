@@ -348,6 +348,11 @@ class Sequence:
         self._step = (k, planned.tokens, planned.probs, self.backend.length, time.perf_counter() - t0)
         return [self.context[-1], *planned.tokens]
 
+    def _closing_row(self) -> int:
+        """The first of this step's rows in the grammar's closing reserve (row i scores output
+        position len(generated) + i)."""
+        return max(0, self.max_new_tokens - CLOSING_RESERVE - len(self.generated))
+
     def advance(self, logits: torch.Tensor, score_s: float = 0.0, solo: bool = True) -> str:
         """logits: [k+1, V] for the planned tokens. Verify, roll back, emit; return a text delta.
         `solo`: the forward scored this sequence alone, so score_s is a sample of what scoring
@@ -357,8 +362,7 @@ class Sequence:
         self._step = None
         constrained, self._constrained = self._constrained, None
         if constrained is not None:  # mask every scored row; the grammar-rejected token joins unscored
-            closing_from = max(0, self.max_new_tokens - CLOSING_RESERVE - len(self.generated))  # row i: output at + i
-            logits = self.grammar.mask_logits(logits, [self.context[-1], *draft_tokens], closing_from)  # [k+1, V]
+            logits = self.grammar.mask_logits(logits, [self.context[-1], *draft_tokens], self._closing_row())  # [k+1, V]
             draft_tokens, draft_probs = constrained.for_verification()
         num_forced = constrained.num_forced if constrained is not None else 0
         t2 = time.perf_counter()

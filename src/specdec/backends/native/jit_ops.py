@@ -60,7 +60,7 @@ def _compiled() -> tuple:
     or TBB) loads, else it is the first."""
     import numba
 
-    from specdec.backends.native import jit  # compiles, or loads from disk
+    import specdec.backends.native.jit as jit  # compiles, or loads from disk
 
     serial = jit.attend, jit.rotate_attend
     threads = torch.get_num_threads()
