@@ -41,12 +41,13 @@ def exp_nonpositive(s, count, w, bits):  # pragma: no cover - compiled
 def scores(keys_t, qs, s, count):  # pragma: no cover - compiled
     """s[r, i] = sum over d, in order, of qs[r, d] * keys_t[d, i] for i < count. Four dims
     per pass over the scores and four lanes per pass over the keys (unroll and jam): the same
-    roundings, a fraction of the loads and stores. Lanes come in fours (pad with zero rows)."""
+    roundings, a fraction of the loads and stores. lanes is a multiple of four (head pads
+    with zero rows)."""
     lanes, dim = qs.shape
     for r in range(lanes):
         for i in range(count):
             s[r, i] = 0
-    for r in range(0, lanes - lanes % 4, 4):
+    for r in range(0, lanes, 4):
         s0, s1, s2, s3 = s[r], s[r + 1], s[r + 2], s[r + 3]
         d = 0
         while d + 4 <= dim:
@@ -67,18 +68,6 @@ def scores(keys_t, qs, s, count):  # pragma: no cover - compiled
                 qd, row, kd = qs[x, rest], s[x], keys_t[rest]
                 for i in range(count):
                     row[i] += qd * kd[i]
-    for r in range(lanes - lanes % 4, lanes):
-        row, d = s[r], 0
-        while d + 4 <= dim:
-            k0, k1, k2, k3 = keys_t[d], keys_t[d + 1], keys_t[d + 2], keys_t[d + 3]
-            q0, q1, q2, q3 = qs[r, d], qs[r, d + 1], qs[r, d + 2], qs[r, d + 3]
-            for i in range(count):
-                row[i] = (((row[i] + q0 * k0[i]) + q1 * k1[i]) + q2 * k2[i]) + q3 * k3[i]
-            d += 4
-        for rest in range(d, dim):
-            qd, kd = qs[r, rest], keys_t[rest]
-            for i in range(count):
-                row[i] += qd * kd[i]
 
 
 @njit(f"void({matrix}, {vector}, {vector}, int64, int64)", cache=True, nogil=True)
@@ -172,19 +161,15 @@ def lane_finish(w, acc, r, n, path, v_new, h, out):  # pragma: no cover - compil
 
 @njit(cache=True, nogil=True)
 def weighted_sums(values, w, acc, counts):  # pragma: no cover - compiled
-    """acc[r] = w[r, :counts[r]] @ values[:counts[r]] for every lane r: four lanes at a time as
-    far as all four have keys (weighted_sum4), each lane on its own after that."""
-    lanes = acc.shape[0]
+    """acc[r] = w[r, :counts[r]] @ values[:counts[r]] for every lane r (a multiple of four
+    lanes): four lanes at a time as far as all four have keys (weighted_sum4), each lane on its
+    own after that."""
     acc[:] = 0
-    r = 0
-    while r + 4 <= lanes:
+    for r in range(0, acc.shape[0], 4):
         shared = min(counts[r], counts[r + 1], counts[r + 2], counts[r + 3]) // 4 * 4
         weighted_sum4(values, w, acc, r, shared)
         for x in range(r, r + 4):
             weighted_sum(values, w[x], acc[x], shared, counts[x])
-        r += 4
-    for x in range(r, lanes):
-        weighted_sum(values, w[x], acc[x], 0, counts[x])
 
 
 @njit(cache=True, nogil=True)
@@ -411,6 +396,6 @@ def rotate_attend(qkv, cos, signed_sin, heads, kv_heads, k_cache, v_cache, slot,
 @njit(cache=True, nogil=True)
 def rotate_attend_parallel(qkv, cos, signed_sin, heads, kv_heads, k_cache, v_cache, slot, store, limits, paths,
                            scale):  # pragma: no cover - compiled
-    """`rotate_attend` with the kv heads on numba's threads (attend_parallel)."""
+    """`rotate_attend` on numba's threads (attend_parallel)."""
     q, k, v = split_rotate(qkv, cos, signed_sin, heads, kv_heads)
     return bf16_rows(attend_parallel(q, k, v, k_cache, v_cache, slot, store, limits, paths, scale))
