@@ -3,10 +3,11 @@ one target forward of n = 1, 2, 4, 8 tokens after contexts of 100, 1000 and 3000
 each n's cost relative to one token.
 
     python scripts/attention_cost.py [--target smollm2-135m] [--precision int4]
-        [--contexts 100,1000,3000] [--sizes 1,2,4,8] [--repeats 15] [--routine kernel|torch]
+        [--contexts 100,1000,3000] [--sizes 1,2,4,8] [--repeats 15] [--routine kernel|torch] [--compile]
 
 `--routine torch` runs the PyTorch implementation of the batch-invariant attention instead of
-the numba kernel (backends/native/jit_ops.py), for a side-by-side table. Prints one
+the numba kernel (backends/native/jit_ops.py), for a side-by-side table; `--compile` times the
+torch.compile'd layers (backend option compile=1) instead of the eager ones. Prints one
 line per context and ends with a JSON line.
 """
 
@@ -52,6 +53,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--routine", choices=("kernel", "torch"), default="kernel")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--compile", action="store_true", help="the compiled layers (compile=1)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -60,9 +62,10 @@ def main() -> None:
     sizes = [int(n) for n in args.sizes.split(",")]
     target = load_model(args.target)
     seq = make_backend("native", target, prefix_cache="off", precision=args.precision,
-                       max_length=max(contexts) + max(sizes) + 1)
+                       max_length=max(contexts) + max(sizes) + 1, compile=int(args.compile))
     ids = target.tokenizer.encode("The harbour office opened at seven, and the ferries waited for the fog. " * 400)
-    report = {"target": args.target, "routine": args.routine, "threads": torch.get_num_threads(), "ms": {}}
+    report = {"target": args.target, "routine": args.routine, "compiled": args.compile,
+              "threads": torch.get_num_threads(), "ms": {}}
     for context in contexts:
         ms = cost(seq, ids[:context], sizes, args.repeats)
         report["ms"][context] = ms

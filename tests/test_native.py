@@ -458,8 +458,8 @@ def test_compiled_model_is_close_to_eager_and_consistent_with_itself():
     """torch.compile of a tiny model at the cpu default, int4 (about a minute of compiling on
     two cores). Inductor fuses norms and rotations with its own rounding, so compiled logits
     are only close to eager ones; but a compiled model must agree with itself bit for bit
-    whatever it scores at once: a chain of drafts, a batch of sequences (run one by one),
-    never an eager tree."""
+    whatever it scores at once: a chain of drafts, a batch of sequences (run one by one), a
+    token tree (its compiled layers around the kernel's attention), and what keep() leaves."""
     eager = NativeModel.from_hf(tiny_llama(seed=0, layers=1).model, "int4")
     compiled = NativeModel.from_hf(tiny_llama(seed=0, layers=1).model, "int4")
     assert compiled.compile() > 0
@@ -482,6 +482,20 @@ def test_compiled_model_is_close_to_eager_and_consistent_with_itself():
     other.rollback(5)
     assert torch.equal(batched[1], other.forward(tokens[5:7]))
     assert b.compile_seconds > 0 and a.compile_seconds == 0.0  # reported by generate and bench
-    assert not b.supports_tree
-    with pytest.raises(ValueError, match="chains only"):
-        b.forward_tree(tokens[14:16], [-1, -1])
+    assert b.supports_tree
+    pool.release(other)
+    b.rollback(11)
+    parents = TREES["branches"]  # 7 nodes, padded to 8 with an extra root
+    nodes = random_tokens(len(parents), seed=14)
+    tree = b.forward_tree(nodes, parents)
+    assert tree.shape[0] == len(parents) and b.length == 11 + len(parents)
+    for i in range(len(parents)):
+        b2 = pool.new_sequence()
+        b2.prefill(tokens[:9])
+        b2.forward(tokens[9:11])  # as b's cache holds them: decoded, not prefilled
+        path = [nodes[j] for j in tree_path(parents, i)]
+        assert torch.equal(tree[i], torch.cat([b2.forward([t]) for t in path])[-1]), i
+        if i == 6:  # the deepest: keep it, and the next steps see the bits a chain would have left
+            b.keep(tree_path(parents, i))
+            assert torch.equal(b.forward(tokens[14:16]), b2.forward(tokens[14:16]))
+        pool.release(b2)

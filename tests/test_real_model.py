@@ -78,3 +78,41 @@ def test_sampling_runs_and_is_seeded(smollm2):
     a = engine.generate(PROMPTS[1], max_new_tokens=24, temperature=0.7, top_p=0.9, seed=11)
     b = engine.generate(PROMPTS[1], max_new_tokens=24, temperature=0.7, top_p=0.9, seed=11)
     assert a.token_ids == b.token_ids and len(a.token_ids) > 0
+
+
+def test_compiled_native_trees_and_chains_equal_compiled_plain_decoding(smollm2, monkeypatch):
+    """compile=1 on the int4 native backend: token trees (suffix:tree=1) and chains (ngram)
+    through the compiled layers give exactly the compiled model's plain greedy output."""
+    from specdec.backends.native.cache import NativeSequence
+
+    trees = []
+    forward_tree = NativeSequence.forward_tree
+    monkeypatch.setattr(NativeSequence, "forward_tree", lambda self, *a: trees.append(a) or forward_tree(self, *a))
+    options = {"precision": "int4", "compile": 1}
+    plain = Engine(target=smollm2, drafter="none", k=0, backend="native", backend_options=options)
+    warm_up = len(trees)  # compile() traces trees of every bucket
+    prompts = [PROMPTS[1], "List the planets of the solar system, then list them again in reverse order."]
+    want = [plain.generate(p, max_new_tokens=64).token_ids for p in prompts]
+    for drafter in ("suffix:tree=1", "ngram"):
+        engine = Engine(target=smollm2, drafter=drafter, k=6, backend="native", backend_options=options)
+        accepted = 0
+        for prompt, tokens in zip(prompts, want, strict=True):
+            result = engine.generate(prompt, max_new_tokens=64)
+            assert result.token_ids == tokens, f"{drafter} diverged on {prompt!r}"
+            accepted += result.stats.num_accepted_tokens
+        assert accepted > 0, drafter
+    assert len(trees) > warm_up  # the suffix drafter's steps were scored as trees
+    # and each node's logits are those of its path scored one token per step, bit for bit
+    from specdec.backends import make_backend
+    from specdec.tree import tree_path
+
+    prefix, parents = smollm2.tokenizer.encode("The three primary colours are red,"), [-1, 0, 0, 1, 3, 2]
+    nodes = smollm2.tokenizer.encode(" blue yellow and green, orange")[: len(parents)]
+    tree = make_backend("native", smollm2, **options)
+    tree.prefill(prefix)
+    logits = tree.forward_tree(nodes, parents)
+    for i in range(len(parents)):
+        steps = make_backend("native", smollm2, **options)
+        steps.prefill(prefix)
+        path = [nodes[j] for j in tree_path(parents, i)]
+        assert torch.equal(logits[i], torch.cat([steps.forward([t]) for t in path])[-1]), i

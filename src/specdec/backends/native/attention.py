@@ -307,7 +307,8 @@ def _tree_row(q, k, v, k_cache, v_cache, row) -> torch.Tensor:
     row.tree_kv.append((k_nodes, v_nodes))  # for keep(), one entry per layer
     if isinstance(plan, KernelPlan):  # store -1: the nodes' keys stay out of the cache
         if torch.compiler.is_compiling():
-            raise NotImplementedError("token trees run eagerly")
+            return attend_op(q[row.start : row.end], k_nodes, v_nodes, k_cache, v_cache, row.slot, plan.limits,
+                             plan.paths)  # fmt: skip
         return attend_kernel(q[row.start : row.end], k_nodes, v_nodes, k_cache, v_cache, row.slot,
                                               -1, *plan.arrays)  # fmt: skip
     keys, values = _slot_keys(k_cache, v_cache, row.slot, base)

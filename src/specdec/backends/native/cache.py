@@ -174,9 +174,9 @@ class NativeSequence:
 
     @property
     def supports_tree(self) -> bool:
-        # trees run eagerly, and a compiled model's decode steps must all be compiled (so that it
-        # agrees with itself; compiling tree forwards too is still to do)
-        return not self.pool.model.compiled
+        # a compiled model's decode steps must all be compiled (so that it agrees with itself):
+        # its trees run the compiled layers around the kernel's attention (attention.attend_op)
+        return not self.pool.model.compiled or self.pool.kernel
 
     @property
     def compile_seconds(self) -> float:
@@ -236,16 +236,22 @@ class NativeSequence:
             raise ValueError("one parent per tree token")
         check_tree(parents)
         if not self.supports_tree:
-            raise ValueError("a compiled native model scores chains only; token trees need compile=0")
+            raise ValueError("a compiled native model scores token trees only with the numba attention kernel "
+                             "(pip install 'specdec[cpu]'); use compile=0")
         base = self._check_append(t)
         if t == 0:
             return torch.empty(0, self.vocab_size)
+        compiled = self.pool.model.compiled
+        if compiled:  # pad to a bucket with extra roots, as chains are padded; keep() never picks them
+            padded = next((b for b in COMPILE_BUCKETS if b >= t), t)
+            token_ids, parents = list(token_ids) + [token_ids[-1]] * (padded - t), list(parents) + [-1] * (padded - t)
         depths = tree_depths(parents)
-        row = KVRow(self.slot, 0, t, base, base + t, None, tree=(depth_first(parents), depths), tree_kv=[],
-                    plan=plan_tree(base, parents, depths, self.pool.group, self.device, self.pool.kernel))
-        hidden, logits = self.pool._run(list(token_ids), [base + d for d in depths], [row])
+        row = KVRow(self.slot, 0, len(parents), base, base + len(parents), None, tree=(depth_first(parents), depths),
+                    tree_kv=[], plan=plan_tree(base, parents, depths, self.pool.group, self.device, self.pool.kernel))
+        hidden, logits = self.pool._run(list(token_ids), [base + d for d in depths], [row], compiled)
+        hidden, logits = hidden[:t], logits[:t]
         self._store_hidden(base, hidden)
-        self._length, self._tree = base + t, (base, list(parents), row.tree_kv)
+        self._length, self._tree = base + t, (base, list(parents[:t]), row.tree_kv)
         return logits
 
     def keep(self, indices: list[int]) -> None:

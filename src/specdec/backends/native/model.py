@@ -96,9 +96,9 @@ class NativeModel:
         self.compile_seconds = 0.0
 
     def compile(self, pool: CachePool | None = None) -> float:
-        """torch.compile the decoder layer for single-sequence chain forwards (batched and tree
-        forwards stay eager), then trace every bucket on a scratch slot of `pool`; returns the
-        seconds it took."""
+        """torch.compile the decoder layer for single-sequence forwards, chains and token trees
+        (a batch runs its sequences one by one), then trace every bucket on a scratch slot of
+        `pool`; returns the seconds it took."""
         if not self.compiled:
             # each bucket (and the first cache lengths) traces its own graph; keep them all
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
@@ -113,6 +113,12 @@ class NativeModel:
                 seq.forward([0] * count)
                 seq.forward([0] * count)
                 seq.rollback(1)
+            if seq.supports_tree:  # token trees take graphs of their own (the kernel's tree attention)
+                for count in COMPILE_BUCKETS[1:]:
+                    for _ in range(2):
+                        seq.forward_tree([0] * count, [-1] + [i // 2 for i in range(count - 1)])
+                        seq.keep([0])
+                    seq.rollback(1)
         finally:
             pool.release(seq)
         self.compile_seconds += time.perf_counter() - start
