@@ -54,24 +54,32 @@ PARALLEL_WORK = 4096
 
 
 @functools.cache
-def _compiled() -> tuple:
-    """((attend, rotate_attend) on the calling thread, the same on numba's threads): the
-    second pair runs on as many threads as torch's where a thread-safe threading layer (OpenMP
-    or TBB) loads, else it is the first."""
+def numba_threads() -> int:
+    """Run numba's parallel loops on as many threads as torch's where a thread-safe threading
+    layer (OpenMP or TBB) loads; returns the count (1: none loads, parallel loops run serially).
+    Called before any parallel kernel runs, since the layer is chosen at its first launch."""
     import numba
 
-    import specdec.backends.native.jit as jit  # compiles, or loads from disk
-
-    serial = jit.attend, jit.rotate_attend
     threads = torch.get_num_threads()
     if threads > 1:
         numba.config.THREADING_LAYER = "threadsafe"
         try:
             numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-            return serial, (jit.attend_parallel, jit.rotate_attend_parallel)
+            return numba.get_num_threads()
         except (ValueError, RuntimeError):  # no thread-safe layer here
             pass
-    return serial, serial
+    return 1
+
+
+@functools.cache
+def _compiled() -> tuple:
+    """((attend, rotate_attend) on the calling thread, the same on numba's threads): the
+    second pair where numba_threads() runs more than one thread, else the first."""
+    threads = numba_threads()
+    import specdec.backends.native.jit as jit  # compiles, or loads from disk
+
+    serial = jit.attend, jit.rotate_attend
+    return (serial, (jit.attend_parallel, jit.rotate_attend_parallel)) if threads > 1 else (serial, serial)
 
 
 def _kernels(limits: np.ndarray, query_heads: int) -> tuple:

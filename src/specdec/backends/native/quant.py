@@ -137,16 +137,8 @@ class Int4Linear(torch.nn.Module):
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int4Linear:
         _require_cpu(weight, "int4")
-        w = weight.detach().float()  # [N, K]
-        n, k = w.shape
-        if k % INT4_GROUP:
-            raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP}, got {k}")
-        groups = w.reshape(n, k // INT4_GROUP, INT4_GROUP)
-        lo, hi = groups.amin(-1), groups.amax(-1)  # [N, G]
-        scale = ((hi - lo) / 15.0).clamp(min=1e-8)
-        q = torch.round((groups - lo[..., None]) / scale[..., None]).clamp(0, 15).reshape(n, k)
-        zero = lo + 8 * scale
-        return cls(q.to(torch.int32), scale.T, zero.T, bias)
+        q, scale, zero = quantize_int4(weight)
+        return cls(q, scale.T, zero.T, bias)
 
     @classmethod
     def from_gguf_blocks(cls, blocks: np.ndarray, kind: str, bias: torch.Tensor | None = None) -> Int4Linear:
@@ -177,6 +169,20 @@ class Int4Linear(torch.nn.Module):
         if x.dtype != torch.bfloat16:
             y = y.to(x.dtype)
         return y if bias is None else y + bias
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (q [N, K] int32 in 0..15, scale [N, K // 32], zero [N, K // 32]) with
+    w ~ (q - 8) * scale + zero per group of 32 along K: the group's range in 16 steps."""
+    w = weight.detach().float()
+    n, k = w.shape
+    if k % INT4_GROUP:
+        raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP}, got {k}")
+    groups = w.reshape(n, k // INT4_GROUP, INT4_GROUP)
+    lo, hi = groups.amin(-1), groups.amax(-1)  # [N, G]
+    scale = ((hi - lo) / 15.0).clamp(min=1e-8)
+    q = torch.round((groups - lo[..., None]) / scale[..., None]).clamp(0, 15).reshape(n, k)
+    return q.to(torch.int32), scale, lo + 8 * scale
 
 
 Linear = DenseLinear | FP16Linear | Int8Linear | Int4Linear | OrtBlockLinear
