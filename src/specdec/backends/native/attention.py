@@ -150,11 +150,12 @@ def ones_column(values: torch.Tensor) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              rows: list, gqa: bool) -> torch.Tensor:
+              rows: list, gqa: bool, masked_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Store each row's new keys and values, then let its queries attend (see the module doc).
     q [N, heads, dim], k, v [N, kv_heads, dim]; k_cache [slots, kv_heads, dim, length], v_cache
     [slots, kv_heads, length, dim + 1] (see new_cache); rows are layer.KVRow (plan: a KeyPlan or
-    KernelPlan, or None to make one here). Returns [N, heads, dim]."""
+    KernelPlan, or None to make one here). Rows with a mask (prompt chunks, eagle's draft
+    trees) run SDPA in `masked_dtype` (default: the cache's). Returns [N, heads, dim]."""
     outs, dim = [], q.shape[-1]
     group = q.shape[1] // k.shape[1]
     for row in rows:
@@ -174,7 +175,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
         k_cache[row.slot, :, :, row.store : row.store + t] = rows_k.permute(1, 2, 0)
         v_cache[row.slot, :, row.store : row.store + t, :dim] = rows_v.transpose(0, 1)
         if row.mask is not None:  # a prompt chunk or an eagle draft tree: one masked pass
-            outs.append(_masked_row(q[row.start : row.end], k_cache, v_cache[..., :dim], row, gqa))
+            outs.append(_masked_row(q[row.start : row.end], k_cache, v_cache[..., :dim], row, gqa,
+                                    masked_dtype or k_cache.dtype))  # fmt: skip
         elif isinstance(row.plan, KernelPlan):
             outs.append(attend_op(q[row.start : row.end], rows_k, rows_v, k_cache, v_cache,
                                                    row.slot, row.plan.limits, row.plan.paths))  # fmt: skip
@@ -208,15 +210,18 @@ def _slot_keys(k_cache, v_cache, slot: int, keys: int) -> tuple[torch.Tensor, to
     return k_row, v_row
 
 
-def _masked_row(q_row, k_cache, v_cache, row, gqa: bool) -> torch.Tensor:
+def _masked_row(q_row, k_cache, v_cache, row, gqa: bool, dtype: torch.dtype) -> torch.Tensor:
     q_row = q_row.transpose(0, 1).unsqueeze(0)  # [1, heads, T, dim]
-    if q_row.dtype != k_cache.dtype:
-        q_row = q_row.to(k_cache.dtype)
+    if q_row.dtype != dtype:
+        q_row = q_row.to(dtype)
     # [1, kv_heads, S, dim]: a copy, because SDPA's fused CPU kernel wants the keys' last dim
     # contiguous (the cache holds them transposed); a view sends it to the unfused math path,
     # about 3x slower on a 128-token prompt chunk
-    k_row = k_cache[row.slot : row.slot + 1, :, :, : row.kv_len].transpose(2, 3).contiguous()
+    k_row = k_cache[row.slot : row.slot + 1, :, :, : row.kv_len].transpose(2, 3)
+    k_row = k_row.to(dtype, memory_format=torch.contiguous_format)
     v_row = v_cache[row.slot : row.slot + 1, :, : row.kv_len]
+    if v_row.dtype != dtype:
+        v_row = v_row.to(dtype)
     out = F.scaled_dot_product_attention(q_row, k_row, v_row, attn_mask=row.mask, enable_gqa=gqa)
     return out[0].transpose(0, 1)  # [T, heads, dim]
 
