@@ -441,3 +441,30 @@ def test_real_model_json_reply_validates_and_equals_plain(smollm2, drafter):
     assert isinstance(reply["city"], str) and isinstance(reply["temperature_c"], int)
     assert reply["conditions"] in WEATHER["properties"]["conditions"]["enum"]
     assert spec.stats.num_forced_tokens > 0
+
+
+@pytest.mark.parametrize(("drafter", "k"), [("none", 0), ("ngram:min=1", 4)])
+def test_rows_with_one_allowed_token_skip_the_lm_head(target, monkeypatch, drafter, k):
+    """A row whose grammar mask allows one token is that token whatever its logits, so the
+    forward skips its LM head (Backend.forward's `unscored`): the reply and its logprobs are
+    those of scoring every row."""
+    from specdec.backends.native.cache import NativeSequence
+
+    original, skipped = NativeSequence.forward, []
+
+    def spy(score_all: bool):
+        def forward(self, token_ids, unscored=()):
+            skipped.append(0 if score_all else len(unscored))
+            return original(self, token_ids, () if score_all else unscored)
+
+        return forward
+
+    ids = target.tokenizer.encode(PROMPTS[0])
+    replies = []
+    for score_all in (False, True):
+        monkeypatch.setattr(NativeSequence, "forward", spy(score_all))
+        engine = Engine(target, drafter, k=k, backend="native")
+        replies.append(engine.generate(ids, max_new_tokens=MAX_NEW, json_schema=TOOL, logprobs=2))
+    fast, full = replies
+    assert fast.token_ids == full.token_ids and fast.logprobs == full.logprobs
+    assert sum(skipped) > 0 and fast.stats.num_forced_tokens > 0  # rows were skipped

@@ -124,6 +124,28 @@ def test_batched_forward_matches_one_by_one(model):
     torch.testing.assert_close(seqs[0].forward([9]), fresh_logits(model, prefixes[0] + steps[0], [9]), **TOL)
 
 
+@pytest.mark.parametrize("precision", ["int4", "fp32"])
+@pytest.mark.parametrize("unscored", [[[0], [1, 2], []], [[0], [0], [0, 1, 2, 3]]], ids=["some", "whole-sequences"])
+def test_unscored_rows_skip_the_lm_head_and_leave_the_others_as_they_were(target, precision, unscored):
+    """forward_batch's `unscored` rows (a grammar allows one token there) come back as zeros;
+    every other row has the bits of a forward that scored them all. An fp32 head's GEMM rounds
+    a row by the rows around it, so there every row is scored."""
+    model = NativeModel.from_hf(target.model, precision)
+    prefixes, steps = [random_tokens(n, seed=n) for n in (3, 5, 2)], [random_tokens(n, seed=70 + n) for n in (1, 3, 4)]
+    pool = model.new_pool(slots=3, max_length=32)
+    seqs = [pool.new_sequence() for _ in prefixes]
+    pool.forward_batch(seqs, prefixes)
+    full = forward_batch(seqs, steps)
+    for seq, prefix in zip(seqs, prefixes, strict=True):
+        seq.rollback(len(prefix))
+    part = forward_batch(seqs, steps, unscored)
+    for rows, a, b in zip(unscored, full, part, strict=True):
+        kept = [i for i in range(a.shape[0]) if i not in rows or precision == "fp32"]
+        assert torch.equal(b[kept], a[kept]) and b.shape == a.shape
+        assert not b[rows].any() if precision == "int4" else b[rows].all()
+    assert [s.length for s in seqs] == [len(p) + len(t) for p, t in zip(prefixes, steps, strict=True)]
+
+
 def test_bf16_kv_cache_tracks_fp32(model):
     tokens = random_tokens(14, seed=6)
     seq = model.new_pool(kv_dtype=torch.bfloat16).new_sequence()

@@ -134,7 +134,7 @@ class FakePool:
     def new_sequence(self):
         return PooledHF(self.target.model, self)
 
-    def forward_batch(self, sequences, token_lists):
+    def forward_batch(self, sequences, token_lists, unscored=None):
         self.batch_sizes.append(len(sequences))
         return [s.forward(t) for s, t in zip(sequences, token_lists, strict=True)]
 

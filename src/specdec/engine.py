@@ -208,7 +208,7 @@ class Engine:
             if seq.tree_parents is not None:  # a token tree: one forward with tree attention
                 logits = self.backend.forward_tree(tokens, seq.tree_parents)  # [len(tokens), V]
             else:
-                logits = self.backend.forward(tokens)  # [len(tokens), V]
+                logits = self.backend.forward(tokens, seq.unscored)  # [len(tokens), V]
             delta = seq.advance(logits, time.perf_counter() - t0)
             if delta:
                 yield delta
@@ -267,6 +267,11 @@ class Sequence:
         self.tree_parents: list[int] | None = None  # parents of the planned tokens when they form a tree
         self.grammar, self.draft_forced = grammar, draft_forced
         self._constrained: ConstrainedDraft | None = None  # the grammar's view of the planned draft
+        self._allowed: torch.Tensor | None = None  # the planned rows' grammar masks [rows, V]
+        # Rows of the planned step whose logits nobody reads: the grammar allows one token there,
+        # so the masked row is that token whatever the logits say (greedy, sampling, logprobs).
+        # The forward may skip their LM head (Backend.forward's `unscored`).
+        self.unscored: list[int] = []
         self.logprobs = logprobs
         self.token_logprobs: list[TokenLogprob] = []  # aligned with `generated`
         self.prefilling = False  # between start(prefill=False) and the prefill_step that ends the prompt
@@ -304,7 +309,7 @@ class Sequence:
         With tree=True the caller scores a token tree with `backend.forward_tree(tokens,
         self.tree_parents)` whenever `tree_parents` is set; otherwise trees become chains.
         """
-        self.tree_parents = None
+        self.tree_parents, self.unscored = None, []
         assert not self.prefilling, "plan() follows the prompt's prefill"
         if self.done:
             return None
@@ -345,8 +350,11 @@ class Sequence:
         tokens = draft.tokens[:budget] if draft else []
         probs = draft.probs[: len(tokens)] if draft and draft.probs is not None else None
         planned = self._constrained = self.grammar.draft(forced, tokens, probs)
+        scored = [self.context[-1], *planned.tokens]
+        self._allowed = self.grammar.masks(scored, self.backend.vocab_size, self._closing_row())  # [rows, V]
+        self.unscored = [i for i, n in enumerate(self._allowed.sum(dim=-1).tolist()) if n == 1]
         self._step = (k, planned.tokens, planned.probs, self.backend.length, time.perf_counter() - t0)
-        return [self.context[-1], *planned.tokens]
+        return scored
 
     def _closing_row(self) -> int:
         """The first of this step's rows in the grammar's closing reserve (row i scores output
@@ -362,7 +370,7 @@ class Sequence:
         self._step = None
         constrained, self._constrained = self._constrained, None
         if constrained is not None:  # mask every scored row; the grammar-rejected token joins unscored
-            logits = self.grammar.mask_logits(logits, [self.context[-1], *draft_tokens], self._closing_row())  # [k+1, V]
+            logits = self.grammar.mask_logits(logits, [self.context[-1], *draft_tokens], allowed=self._allowed)  # [k+1, V]
             draft_tokens, draft_probs = constrained.for_verification()
         num_forced = constrained.num_forced if constrained is not None else 0
         t2 = time.perf_counter()

@@ -296,10 +296,13 @@ class GrammarMatcher:
             allowed[closing_from:] = torch.where(can_close, closing, allowed[closing_from:])
         return allowed
 
-    def mask_logits(self, logits: torch.Tensor, tokens: list[int], closing_from: int | None = None) -> torch.Tensor:
-        """logits: [len(tokens), V] for the scored tokens -> the same with disallowed at -inf."""
-        allowed = self.masks(tokens, logits.shape[-1], closing_from).to(logits.device)
-        return logits.masked_fill(~allowed, float("-inf"))
+    def mask_logits(self, logits: torch.Tensor, tokens: list[int], closing_from: int | None = None,
+                    allowed: torch.Tensor | None = None) -> torch.Tensor:
+        """logits: [len(tokens), V] for the scored tokens -> the same with disallowed at -inf.
+        `allowed`: these tokens' masks() when the caller made them before the forward."""
+        if allowed is None:
+            allowed = self.masks(tokens, logits.shape[-1], closing_from)
+        return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
     def advance(self, tokens: list[int]) -> int | None:
         """Consume what a step emitted, up to an EOS. When the grammar stops, the reply is

@@ -52,6 +52,11 @@ class Backend(RollbackLM, Protocol):
 
     prefix_cache: PrefixCache  # what the cache holds from prefills; `cached_prefix` gives a prefill's keep
 
+    def forward(self, token_ids: list[int], unscored: list[int] | tuple = ()) -> torch.Tensor:
+        """RollbackLM.forward; the rows `unscored` (a grammar allows one token there, so no one
+        reads their logits) may come back as zeros, their LM head skipped."""
+        ...
+
     def reset(self) -> None:
         """Empty the cache."""
         ...
@@ -111,20 +116,25 @@ class SlotPool(Protocol):
         """A fresh sequence in a free slot."""
         ...
 
-    def forward_batch(self, sequences: list[Backend], token_lists: list[list[int]]) -> list[torch.Tensor]:
-        """Append token_lists[i] to sequences[i] (all of this pool); logits [len_i, V] each."""
+    def forward_batch(self, sequences: list[Backend], token_lists: list[list[int]],
+                      unscored: list[list[int]] | None = None) -> list[torch.Tensor]:
+        """Append token_lists[i] to sequences[i] (all of this pool); logits [len_i, V] each
+        (unscored[i] as Backend.forward's `unscored`)."""
         ...
 
 
-def forward_batch(sequences: list[Backend], token_lists: list[list[int]]) -> list[torch.Tensor]:
-    """One scoring pass for several sequences: returns logits [len(tokens_i), V] for each.
+def forward_batch(sequences: list[Backend], token_lists: list[list[int]],
+                  unscored: list[list[int]] | None = None) -> list[torch.Tensor]:
+    """One scoring pass for several sequences: returns logits [len(tokens_i), V] for each
+    (unscored[i]: rows of sequence i whose logits nobody reads, see Backend.forward).
 
     Sequences of one pool run one batched forward; others fall back to one forward each.
     """
+    unscored = unscored or [[] for _ in sequences]
     pool = sequences[0].pool if sequences else None
     if pool is not None and all(s.pool is pool for s in sequences):
-        return pool.forward_batch(sequences, token_lists)
-    return [seq.forward(tokens) for seq, tokens in zip(sequences, token_lists, strict=True)]
+        return pool.forward_batch(sequences, token_lists, unscored)
+    return [seq.forward(tokens, rows) for seq, tokens, rows in zip(sequences, token_lists, unscored, strict=True)]
 
 
 # A factory builds a fresh backend (its own KV cache) over a loaded target's weights, with a

@@ -77,7 +77,8 @@ class HFBackend:
         return self.forward(chunk, last_only=last_only)
 
     @torch.inference_mode()
-    def forward(self, token_ids: list[int], last_only: bool = False) -> torch.Tensor:
+    def forward(self, token_ids: list[int], unscored: list[int] | tuple = (), *, last_only: bool = False) -> torch.Tensor:
+        # `unscored` rows are scored anyway: transformers' forward computes every row's logits
         if not token_ids:
             return torch.empty(0, self.vocab_size)
         if self._length + len(token_ids) > self.max_length:

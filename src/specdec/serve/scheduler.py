@@ -300,7 +300,8 @@ class Scheduler:
             lengths = [planned[i][0].backend.length for i in chains]
             t0 = time.perf_counter()
             try:
-                rows = forward_batch([planned[i][0].backend for i in chains], [planned[i][1] for i in chains])
+                rows = forward_batch([planned[i][0].backend for i in chains], [planned[i][1] for i in chains],
+                                     [planned[i][0].seq.unscored for i in chains])  # fmt: skip
             except Exception:
                 log.warning("a batched forward failed; scoring its sequences one at a time", exc_info=True)
                 for i, length in zip(chains, lengths, strict=True):
@@ -320,7 +321,7 @@ class Scheduler:
                 if a.seq.tree_parents is not None:
                     out[i] = a.backend.forward_tree(tokens, a.seq.tree_parents)  # [len(tokens), V]
                 else:
-                    out[i] = forward_batch([a.backend], [tokens])[0]
+                    out[i] = forward_batch([a.backend], [tokens], [a.seq.unscored])[0]
             except Exception as e:
                 log.warning("the target forward of request %d failed", a.req.id, exc_info=True)
                 out[i] = e

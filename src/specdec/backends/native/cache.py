@@ -66,9 +66,12 @@ class CachePool:
         seq.slot = None
 
     def forward_batch(self, sequences: list[NativeSequence], token_lists: list[list[int]],
-                      last_only: bool = False, prompt: bool = False) -> list[torch.Tensor]:
+                      unscored: list[list[int]] | None = None, last_only: bool = False,
+                      prompt: bool = False) -> list[torch.Tensor]:
         """One packed forward that appends token_lists[i] to sequences[i]; logits [len_i, V]
-        each, or with `last_only` just the last row [1, V] ([0, V] for an empty list).
+        each, or with `last_only` just the last row [1, V] ([0, V] for an empty list). Rows
+        unscored[i] of sequence i come back as zeros, the LM head skipped for them, where the
+        head computes each row on its own (`head_rows_independent`); elsewhere all are scored.
 
         Lists of more than DECODE_ATTENTION_MAX tokens, or all of them with `prompt`, are
         prompt chunks: one causal pass each, through the dense layers where there are some.
@@ -85,10 +88,13 @@ class CachePool:
             out: list = [None] * len(sequences)
             for kind in (True, False):
                 idx = [i for i, p in enumerate(is_prompt) if p == kind]
-                part = self.forward_batch([sequences[i] for i in idx], [token_lists[i] for i in idx], last_only, kind)
+                part = self.forward_batch([sequences[i] for i in idx], [token_lists[i] for i in idx],
+                                          [unscored[i] for i in idx] if unscored else None, last_only, kind)
                 for i, logits in zip(idx, part, strict=True):
                     out[i] = logits
             return out
+        if not self.model.head_rows_independent:
+            unscored = None
         dense = any(is_prompt)  # only prompts (and empty lists) here
         compiled = self.model.compiled and not dense
         if compiled and len(sequences) > 1:
@@ -96,20 +102,27 @@ class CachePool:
             # an eager one differ in the last bits. Every decode forward of a compiled model
             # therefore runs through the compiled graph, one sequence at a time, so that no
             # reply depends on what it was batched with.
-            return [self.forward_batch([seq], [ids], last_only)[0] for seq, ids in zip(sequences, token_lists, strict=True)]
-        tokens, positions, rows, lasts = [], [], [], []
-        for seq, ids in zip(sequences, token_lists, strict=True):
+            return [self.forward_batch([seq], [ids], [unscored[i]] if unscored else None, last_only)[0]
+                    for i, (seq, ids) in enumerate(zip(sequences, token_lists, strict=True))]
+        tokens, positions, rows, lasts, scored = [], [], [], [], []
+        for i, (seq, ids) in enumerate(zip(sequences, token_lists, strict=True)):
             start, t = seq._check_append(len(ids)), len(ids)
             if t == 0:
                 continue
             lasts.append(len(tokens) + t - 1)
+            skip = set(unscored[i]) if unscored else ()
+            scored.extend(len(tokens) + j for j in range(t) if j not in skip)
             if compiled:  # pad to a bucket so a few compiled shapes serve every k; pads come last
                 t = next((b for b in COMPILE_BUCKETS if b >= t and start + b <= self.max_length), t)
                 ids = list(ids) + [ids[-1]] * (t - len(ids))
             tokens.extend(ids)
             positions.extend(range(start, start + t))
             rows.append(self._row(seq.slot, len(tokens) - t, start, t, dense))
-        hidden, logits = self._run(tokens, positions, rows, compiled, lasts if last_only else None, dense)
+        partial = not last_only and len(scored) < len(tokens)
+        hidden, logits = self._run(tokens, positions, rows, compiled, lasts if last_only else scored if partial else None,
+                                   dense)  # fmt: skip
+        if partial:  # the unscored rows stay zeros
+            logits = logits.new_zeros(len(tokens), logits.shape[-1]).index_copy_(0, torch.tensor(scored, dtype=torch.long), logits)
         out, offset, row = [], 0, 0
         for seq, ids in zip(sequences, token_lists, strict=True):
             end = offset + len(ids)
@@ -206,8 +219,8 @@ class NativeSequence:
     def _prefill_chunk(self, chunk: list[int], last_only: bool) -> torch.Tensor:
         return self.pool.forward_batch([self], [chunk], last_only=last_only, prompt=True)[0]  # the prompt path
 
-    def forward(self, token_ids: list[int]) -> torch.Tensor:
-        return self.pool.forward_batch([self], [list(token_ids)])[0]
+    def forward(self, token_ids: list[int], unscored: list[int] | tuple = ()) -> torch.Tensor:
+        return self.pool.forward_batch([self], [list(token_ids)], [list(unscored)] if unscored else None)[0]
 
     def rollback(self, length: int) -> None:
         if not 0 <= length <= self._length:

@@ -92,6 +92,9 @@ class NativeModel:
             inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim))
         self.inv_freq = inv_freq.float().to(self.device)  # [head_dim / 2]
         self.attention_scaling = attention_scaling
+        # whether the LM head computes each row on its own (the int kernels on a CPU), so that
+        # leaving rows out of it (CachePool.forward_batch's `unscored`) changes no other row's bits
+        self.head_rows_independent = precision in ("int4", "int8") and self.device.type == "cpu"
         self.compiled = False  # see compile()
         self.compile_seconds = 0.0
 
@@ -199,6 +202,8 @@ class NativeModel:
                 x, pending = layer.forward_open(x, pending, cos, sin, pool.k[i], pool.v[i], rows)
             x = x + pending
         x = rms_norm(x, self.norm, self.config.rms_eps, torch.float32)
+        if logits_at is not None and logits_at.numel() == 0:  # every row unscored: no LM head at all
+            return x, x.new_zeros(0, self.config.vocab_size)
         return x, lm_head(x if logits_at is None else x[logits_at]).float()
 
 
