@@ -104,20 +104,7 @@ class CachePool:
             # reply depends on what it was batched with.
             return [self.forward_batch([seq], [ids], [unscored[i]] if unscored else None, last_only)[0]
                     for i, (seq, ids) in enumerate(zip(sequences, token_lists, strict=True))]
-        tokens, positions, rows, lasts, scored = [], [], [], [], []
-        for i, (seq, ids) in enumerate(zip(sequences, token_lists, strict=True)):
-            start, t = seq._check_append(len(ids)), len(ids)
-            if t == 0:
-                continue
-            lasts.append(len(tokens) + t - 1)
-            skip = set(unscored[i]) if unscored else ()
-            scored.extend(len(tokens) + j for j in range(t) if j not in skip)
-            if compiled:  # pad to a bucket so a few compiled shapes serve every k; pads come last
-                t = next((b for b in COMPILE_BUCKETS if b >= t and start + b <= self.max_length), t)
-                ids = list(ids) + [ids[-1]] * (t - len(ids))
-            tokens.extend(ids)
-            positions.extend(range(start, start + t))
-            rows.append(self._row(seq.slot, len(tokens) - t, start, t, dense))
+        tokens, positions, rows, lasts, scored = self._pack(sequences, token_lists, unscored, compiled, dense)
         partial = not last_only and len(scored) < len(tokens)
         hidden, logits = self._run(tokens, positions, rows, compiled, lasts if last_only else scored if partial else None,
                                    dense)  # fmt: skip
@@ -134,6 +121,25 @@ class CachePool:
             seq._store_hidden(seq._length, hidden[offset:end])
             seq._length, offset = seq._length + len(ids), end
         return out
+
+    def _pack(self, sequences, token_lists, unscored, compiled: bool, dense: bool) -> tuple:
+        """The packed tokens, their positions, each sequence's KVRow, each one's last packed
+        row, and the packed rows whose logits are wanted (all but the unscored and the pads)."""
+        tokens, positions, rows, lasts, scored = [], [], [], [], []
+        for i, (seq, ids) in enumerate(zip(sequences, token_lists, strict=True)):
+            start, t = seq._check_append(len(ids)), len(ids)
+            if t == 0:
+                continue
+            lasts.append(len(tokens) + t - 1)
+            skip = set(unscored[i]) if unscored else ()
+            scored.extend(len(tokens) + j for j in range(t) if j not in skip)
+            if compiled:  # pad to a bucket so a few compiled shapes serve every k; pads come last
+                t = next((b for b in COMPILE_BUCKETS if b >= t and start + b <= self.max_length), t)
+                ids = list(ids) + [ids[-1]] * (t - len(ids))
+            tokens.extend(ids)
+            positions.extend(range(start, start + t))
+            rows.append(self._row(seq.slot, len(tokens) - t, start, t, dense))
+        return tokens, positions, rows, lasts, scored
 
     def _row(self, slot: int, first: int, start: int, t: int, dense: bool) -> KVRow:
         """Packed rows first.. of a sequence whose t tokens go to cache positions start..."""

@@ -92,11 +92,14 @@ class NativeModel:
             inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim))
         self.inv_freq = inv_freq.float().to(self.device)  # [head_dim / 2]
         self.attention_scaling = attention_scaling
-        # whether the LM head computes each row on its own (the int kernels on a CPU), so that
-        # leaving rows out of it (CachePool.forward_batch's `unscored`) changes no other row's bits
-        self.head_rows_independent = precision in ("int4", "int8") and self.device.type == "cpu"
         self.compiled = False  # see compile()
         self.compile_seconds = 0.0
+
+    @property
+    def head_rows_independent(self) -> bool:
+        """Whether the LM head computes each row on its own (the int kernels on a CPU), so that
+        leaving rows out of it (CachePool.forward_batch's `unscored`) changes no other row's bits."""
+        return self.precision in ("int4", "int8") and self.device.type == "cpu"
 
     def compile(self, pool: CachePool | None = None) -> float:
         """torch.compile the decoder layer for single-sequence forwards, chains and token trees
