@@ -41,6 +41,17 @@ class NativeConfig:
     rms_eps: float
     max_positions: int  # the model's context window (already capped by any sliding window)
     rope_theta: float
+    # Architecture features; the defaults are Llama's. Norm weights in the state dict are the
+    # multipliers themselves (Gemma's HF `1 + w` is added by the loader, as GGUF files store it).
+    qk_norm: bool = False  # qwen3, gemma3: an RMSNorm over each head's q and k before rope
+    sandwich_norms: bool = False  # gemma3: norms after attention and around the MLP
+    activation: str = "silu"  # "silu" or "gelu_tanh" (gemma3), between gate and up
+    embedding_scale: float = 1.0  # gemma3: sqrt(hidden_size), applied to looked-up rows
+    attention_scale: float | None = None  # None: head_dim ** -0.5; gemma3: query_pre_attn_scalar ** -0.5
+    sliding_window: int | None = None  # keys a sliding layer sees, the query's own included
+    layer_types: tuple[str, ...] = ()  # per layer "full_attention" | "sliding_attention"; (): all full
+    rope_local_theta: float | None = None  # gemma3: the sliding layers' own rope base
+    final_logit_softcap: float | None = None
 
     @classmethod
     def from_hf(cls, config) -> NativeConfig:

@@ -1,0 +1,87 @@
+"""GGUF tensors as the file holds them, and the layers the native backend builds from them.
+
+The contract between the GGUF reader (gguf.py) and the weight kernels:
+- the reader yields a `QuantTensor` per matrix: the file's raw bytes (memory-mapped, in the
+  file's own quant type) plus the type and the logical shape in PyTorch order;
+- `linear_from_quant` turns one into a linear layer (x [M, K] -> y [M, N], the `Linear`
+  interface of quant.py: `forward`, `out_features`, `act_dtype`);
+- `embedding_from_quant` turns one into a row lookup (token ids [N] -> [N, hidden] fp32).
+
+Neither may keep a dense fp32 or bf16 copy of a quantized matrix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from specdec.errors import SpecdecError
+
+# The types the native backend reads; any other is refused by name (see check_type).
+SUPPORTED_QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+
+
+@dataclass(frozen=True)
+class QuantTensor:
+    """One GGUF tensor, undecoded."""
+
+    name: str  # the GGUF name, e.g. "blk.3.attn_q.weight"
+    qtype: GGMLQuantizationType
+    shape: tuple[int, ...]  # PyTorch order: [N, K] for a matrix (N rows of K), [K] for a vector
+    data: np.ndarray  # the file's bytes: [N, bytes per row] uint8 for block types, [N, K] for floats
+
+    def dequantize(self) -> np.ndarray:
+        """The reference floats (the gguf package's own decoder), fp32 in `shape`."""
+        return np.asarray(dequantize(np.asarray(self.data), self.qtype), dtype=np.float32).reshape(self.shape)
+
+    def rows(self, index: np.ndarray) -> np.ndarray:
+        """The reference floats of rows `index` only (an embedding lookup), fp32 [len(index), K]."""
+        return np.asarray(dequantize(np.asarray(self.data[index]), self.qtype), dtype=np.float32).reshape(
+            len(index), *self.shape[1:])
+
+
+def check_type(name: str, qtype: GGMLQuantizationType) -> None:
+    if qtype.name not in SUPPORTED_QTYPES:
+        raise SpecdecError(f"tensor {name!r} has GGUF type {qtype.name}, which the native backend does not read "
+                           f"(it reads {', '.join(SUPPORTED_QTYPES)})", "target")
+
+
+class ReferenceLinear(torch.nn.Module):
+    """The file's values, dequantized by the gguf package, on an fp32 GEMM: the correctness
+    baseline the fast kernels are tested against (it holds a dense copy; tests only)."""
+
+    def __init__(self, tensor: QuantTensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.register_buffer("weight", torch.from_numpy(tensor.dequantize().copy()), persistent=False)  # [N, K]
+        self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
+        self.out_features, self.act_dtype = tensor.shape[0], torch.float32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+        return torch.nn.functional.linear(x.float(), self.weight, self.bias).to(x.dtype)
+
+
+class QuantEmbedding:
+    """Row lookups that dequantize only the rows asked for."""
+
+    def __init__(self, tensor: QuantTensor):
+        self.tensor = tensor
+        self.num_embeddings, self.embedding_dim = tensor.shape
+
+    def __call__(self, token_ids: torch.Tensor) -> torch.Tensor:  # [N] -> [N, hidden] fp32
+        rows = self.tensor.rows(token_ids.cpu().numpy())
+        return torch.from_numpy(rows).to(token_ids.device)
+
+
+def linear_from_quant(tensor: QuantTensor, bias: torch.Tensor | None = None):
+    """A linear layer over `tensor` [N, K] in its own quant type."""
+    check_type(tensor.name, tensor.qtype)
+    return ReferenceLinear(tensor, bias)  # replaced by the per-type kernels
+
+
+def embedding_from_quant(tensor: QuantTensor) -> QuantEmbedding:
+    check_type(tensor.name, tensor.qtype)
+    return QuantEmbedding(tensor)
