@@ -13,8 +13,8 @@ from specdec.engine import Engine
 from specdec.errors import SpecdecError
 from specdec.models import load_model
 from specdec.prompts import encode
-from specdec.serve.traffic_log import TrafficLog, read_traffic
 from specdec.tools import tool_plan
+from specdec.traffic_log import TrafficLog, read_traffic
 from specdec.train.data import (
     DataSettings,
     _generate_sequences,

@@ -1,6 +1,9 @@
 """The package's shape, checked from source with `ast` (nothing is imported):
 
-- the module-level imports between specdec's modules form no cycle;
+- the module-level imports between specdec's modules form no cycle, and neither do those between
+  its packages (each subpackage one node, each top-level module its own);
+- `importlib.import_module` loads specdec's own modules only where a registry or a router
+  collects its members (ALLOWED_DYNAMIC_IMPORTS), so no import loop hides behind it;
 - specdec's own modules are imported at module level, not inside functions, except where
   the import defers an optional heavy dependency (ALLOWED_LATE_IMPORTS, each with a reason);
   registries load their members with `importlib.import_module`, which is not an import statement;
@@ -31,6 +34,13 @@ ALLOWED_LATE_IMPORTS: dict[tuple[str, str], str] = {
     ("specdec.backends.native.jit_ops", "specdec.backends.native.jit"): (
         "jit needs numba (the cpu extra) and compiles its kernels, loaded on a cache's first kernel call"
     ),
+}
+
+# module -> why it loads specdec modules by name. A registry's members register themselves when
+# imported and import the registry back, which is what registries are for; nothing else may.
+ALLOWED_DYNAMIC_IMPORTS: dict[str, str] = {
+    "specdec.registry": "a registry imports its package's member modules so that they register",
+    "specdec.serve.routes": "the route package collects the router of each of its route modules",
 }
 
 
@@ -132,6 +142,66 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_no_import_cycle():
     cycle = find_cycle(import_graph())
     assert cycle is None, "module-level import cycle: " + " -> ".join(cycle)
+
+
+def package_of(module: str) -> str:
+    """specdec.serve.app -> specdec.serve; top-level modules (specdec.engine) are their own node."""
+    parts = module.split(".")
+    if len(parts) > 2 or (len(parts) == 2 and (SRC / PACKAGE / parts[1]).is_dir()):
+        return ".".join(parts[:2])
+    return module
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for name, targets in graph.items():
+        node = out.setdefault(package_of(name), set())
+        node |= {package_of(t) for t in targets} - {package_of(name)}
+    for targets in list(out.values()):
+        for t in targets:
+            out.setdefault(t, set())
+    return out
+
+
+def test_no_package_cycle():
+    cycle = find_cycle(package_graph(import_graph()))
+    assert cycle is None, "package-level import cycle: " + " -> ".join(cycle)
+
+
+def test_package_graph_catches_a_planted_cycle():
+    # train -> drafters -> train, through modules that are not each other's
+    graph = {"specdec.train.cli": {"specdec.drafters.retrieval"}, "specdec.drafters.retrieval": {"specdec.errors"},
+             "specdec.drafters.common": {"specdec.train.data"}, "specdec.train.data": set(), "specdec.errors": set()}
+    assert find_cycle(graph) is None
+    assert find_cycle(package_graph(graph)) == ["specdec.drafters", "specdec.train", "specdec.drafters"]
+
+
+def dynamic_imports(tree: ast.Module) -> list[int]:
+    """Lines that call importlib.import_module (or a bare import_module)."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            name = ast.unparse(node.func)
+            if name in ("importlib.import_module", "import_module", "__import__"):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_dynamic_imports_only_where_allowed():
+    found, used = [], set()
+    for name, path in modules().items():
+        for line in dynamic_imports(parse(name)):
+            if name in ALLOWED_DYNAMIC_IMPORTS:
+                used.add(name)
+            else:
+                found.append(f"{path.relative_to(SRC)}:{line}")
+    assert not found, "import specdec modules with import statements (or allowlist with a reason):\n" + "\n".join(found)
+    assert used == set(ALLOWED_DYNAMIC_IMPORTS), f"stale entries: {set(ALLOWED_DYNAMIC_IMPORTS) - used}"
+
+
+def test_dynamic_import_check_sees_a_planted_loop():
+    tree = ast.parse("import importlib\ndef f():\n    return importlib.import_module('specdec.cli')\n")
+    assert dynamic_imports(tree) == [3]
 
 
 def test_find_cycle_reports_the_loop():

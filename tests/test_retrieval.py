@@ -12,8 +12,8 @@ from conftest import save_loaded, tiny_llama
 from specdec import Engine, SpecdecError
 from specdec.cli import main
 from specdec.drafters import make_drafter
+from specdec.drafters.datastore import Datastore, build, read_corpus, tokenizer_fingerprint
 from specdec.drafters.retrieval import RetrievalDrafter
-from specdec.train.datastore import Datastore, build, read_corpus, tokenizer_fingerprint
 from specdec.tree import first_path
 
 

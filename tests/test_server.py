@@ -136,7 +136,7 @@ def test_metrics_and_traffic_log(server, client, log_dir):  # noqa: F811  (fixtu
     assert m["specdec:spec_decode_num_accepted_tokens_total"] > 0
     assert any(k.startswith('specdec:spec_decode_num_accepted_tokens_per_pos_total{position="0"}') for k in m)
 
-    from specdec.serve.traffic_log import read_traffic
+    from specdec.traffic_log import read_traffic
 
     deadline = time.time() + 10  # the writer thread writes soon after the reply
     while not any(r["prompt"] == PROMPTS[3] for r in list(read_traffic(log_dir))):

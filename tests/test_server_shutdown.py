@@ -23,7 +23,7 @@ from specdec.serve.app import ServeConfig
 from specdec.serve.gateway import Gateway
 from specdec.serve.protocol import CompletionRequest
 from specdec.serve.tokenize import TokenizerPool
-from specdec.serve.traffic_log import QueuedTrafficLog, TrafficLog, read_traffic
+from specdec.traffic_log import QueuedTrafficLog, TrafficLog, read_traffic
 
 LONG_PROMPT = "fox " * 2000  # past the context: tokenizing it is the only way to find out
 

@@ -3,23 +3,23 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
 from pathlib import Path
 
-from specdec.backends import available as available_backends
-from specdec.backends.auto import resolve_backend
-from specdec.backends.prefix_cache import PREFIX_CACHE_MODES
-from specdec.config import CLI_BACKEND, VERIFY_STRATEGIES, EngineConfig, read_config
+from specdec.bench import cli as bench_cli
+from specdec.cli_args import add_engine_args, engine_config, positive_int
+from specdec.config import EngineConfig
 from specdec.engine import Engine
 from specdec.errors import SpecdecError
 from specdec.grammar import request_constraint
-from specdec.models import DEFAULT_TARGET
 from specdec.sampling import SamplingParams
-from specdec.serve.traffic_log import TrafficLog
+from specdec.serve import cli as serve_cli
 from specdec.tools import CHOICES, tool_plan
+from specdec.traffic_log import TrafficLog
+from specdec.train import cli as train_cli
+from specdec.train import datastore_cli
 
 WARMUP_PROMPT = "Say hello."  # --compare-plain warms both engines on it, not on the timed prompt
 
@@ -27,84 +27,6 @@ WARMUP_PROMPT = "Say hello."  # --compare-plain warms both engines on it, not on
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, not usage + error
         self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=DEFAULT_TARGET, help="built-in name, .gguf file or HF model directory")
-
-
-def add_engine_args(p: argparse.ArgumentParser, drafter: str | None = None) -> None:
-    """--config and the EngineConfig flags. A flag left out keeps the file's value, else
-    EngineConfig's default; `drafter` is the --drafter help (None: no --drafter flag)."""
-    p.add_argument("--config", metavar="FILE", help="YAML engine settings (see README, Configuration); flags override it")
-    p.add_argument("--target", help=f"built-in name, .gguf file or HF model directory (default {DEFAULT_TARGET})")
-    if drafter is not None:
-        p.add_argument("--drafter", help=drafter)
-    p.add_argument("--k", help="draft length: auto (adaptive, the default) or an integer")
-    p.add_argument("--verify-strategy", choices=VERIFY_STRATEGIES,
-                   help="rejection: lossless speculative sampling, exact greedy matching at temperature 0 "
-                        "(default); greedy: verify by argmax match, so every request decodes greedily")
-    add_backend_args(p)
-
-
-def add_backend_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", help="model backend: auto (the default: native for Llama-family targets, else hf), "
-                                      "native (lean PyTorch) or hf (transformers)")
-    p.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="backend option, repeatable (native: precision=fp32|bf16|int8|int4, device=cuda, "
-                        "max_length=N, compile=1: torch.compile the decode step, for faster single streams; "
-                        "no token trees, and a batch runs one sequence at a time)")
-    p.add_argument("--draft-device", metavar="DEVICE",
-                   help="where a model drafter runs, e.g. cpu while the target is on cuda (default: the target's)")
-    p.add_argument("--prefix-cache", choices=PREFIX_CACHE_MODES,
-                   help="reuse the cached start of a prompt: prompt tokens only, bit-exact against a cold start "
-                        "(default); decoded: the previous answers too, so a conversation's next turn skips "
-                        "re-reading them (a warm conversation may then differ from a cold one in the last bits)")
-
-
-ENGINE_FLAGS = ("target", "drafter", "k", "backend", "prefix_cache", "draft_device", "verify_strategy")
-
-
-def engine_config(args: argparse.Namespace, data: dict | None = None) -> EngineConfig:
-    """The --config file's settings (`data`: the file already read), then the flags given on
-    the command line, which win. Checked before any model is loaded."""
-    source = getattr(args, "config", None)
-    if data is None:
-        data = read_config(source) if source else {}
-    config = EngineConfig.from_dict(data, source=source)
-    options = dict(config.backend_options)
-    for item in getattr(args, "backend_option", None) or []:
-        key, eq, value = item.partition("=")
-        if not eq or not key.isidentifier():
-            raise SpecdecError(f"--backend-option expects KEY=VALUE, got {item!r}", "backend_option")
-        options[key] = value
-    config = config.override(**{name: getattr(args, name, None) for name in ENGINE_FLAGS}, backend_options=options)
-    if getattr(args, "backend", None) is None and data.get("backend") is None:
-        config = config.override(backend=CLI_BACKEND)
-    if config.backend not in available_backends():
-        raise SpecdecError(f"unknown backend {config.backend!r}; choose one of: {', '.join(available_backends())}",
-                           "backend")
-    return config.override(backend=resolve_backend(config.backend, config.target))  # auto: native or hf, by name
 
 
 def add_generate_parser(sub) -> None:
@@ -115,7 +37,7 @@ def add_generate_parser(sub) -> None:
                         help="a JSON list of chat messages, OpenAI's form (assistant tool_calls, role tool results)")
     add_engine_args(p, drafter="none | ngram[:min=N][:max=N] | suffix[:tree=1] | retrieval:DIR | model:PATH_OR_NAME | "
                                "layerskip[:FILE] | eagle:DIR (default ngram)")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -279,8 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="specdec", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     add_generate_parser(sub)
-    for module in ("bench.cli", "serve.cli", "train.datastore_cli", "train.cli"):
-        importlib.import_module(f"specdec.{module}").add_parser(sub)
+    for command in (bench_cli, serve_cli, datastore_cli, train_cli):
+        command.add_parser(sub)
     return parser
 
 

@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
-from specdec.backends import Backend
 from specdec.sampling import Draws, as_draws, logits_to_probs, sample_at
 from specdec.verify import residual_distribution
+
+if TYPE_CHECKING:  # tree shapes are a backend's input: backends import this module
+    from specdec.backends import Backend
 
 
 def check_tree(parents: list[int]) -> None:

@@ -13,7 +13,7 @@ import sys
 from specdec.bench.peers import make_peers, parse_peers
 from specdec.bench.report import print_table, summary_line, write_report
 from specdec.bench.run import load_questions, make_engine_runners, parse_methods, run_benchmark
-from specdec.cli import _nonneg_int, _positive_int, add_engine_args, engine_config
+from specdec.cli_args import add_engine_args, engine_config, nonneg_int, positive_int
 from specdec.errors import SpecdecError
 from specdec.models import load_model
 
@@ -24,15 +24,15 @@ def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark methods and peers, Spec-Bench style")
     p.add_argument("--data", default=None, help="Spec-Bench question JSONL (default: the shipped set)")
     p.add_argument("--categories", default=None, help="comma-separated categories to keep")
-    p.add_argument("--limit", type=_positive_int, default=None, help="at most N questions per category")
+    p.add_argument("--limit", type=positive_int, default=None, help="at most N questions per category")
     p.add_argument("--methods", help="comma-separated drafters, e.g. none,ngram,ngram:k=8,model:PATH "
                                      "(default: the --config file's drafter)")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=DEFAULT_MAX_NEW_TOKENS)
+    p.add_argument("--max-new-tokens", type=positive_int, default=DEFAULT_MAX_NEW_TOKENS)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (and checks exact matches)")
     add_engine_args(p)  # k applies to the methods without a `k=` of their own
     p.add_argument("--peers", default=None, help="hf,hf-pld,hf-assisted,llamacpp or none (default: all that apply)")
     p.add_argument("--out", default="out/bench", help="output directory")
-    p.add_argument("--warmup", type=_nonneg_int, default=1, help="warm-up generations per runner")
+    p.add_argument("--warmup", type=nonneg_int, default=1, help="warm-up generations per runner")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-grammar", action="store_true",

@@ -18,8 +18,8 @@ from __future__ import annotations
 import threading
 
 from specdec.drafters import Draft, Drafter, DrafterSpec, register
+from specdec.drafters.datastore import Datastore, tokenizer_fingerprint
 from specdec.errors import SpecdecError
-from specdec.train.datastore import Datastore, tokenizer_fingerprint
 from specdec.tree import best_first_tree
 
 Rows = tuple[list[list[int]], int]  # continuations that share a prefix, and its length

@@ -12,7 +12,7 @@ import os
 import socket
 import sys
 
-from specdec.cli import _nonneg_int, _positive_int, add_engine_args, engine_config
+from specdec.cli_args import add_engine_args, engine_config, nonneg_int, positive_int
 from specdec.config import read_config, section
 from specdec.errors import SpecdecError
 from specdec.serve.ray_routing import ROUTING_MODES
@@ -65,18 +65,18 @@ LIST_SETTINGS = ("allow_drafter", "allowed_origins")  # repeatable flags; lists 
 # Their flags default to None, so that a flag given on the command line wins over the file.
 SETTINGS = {
     "host": (str, "127.0.0.1"),
-    "port": (_nonneg_int, 8000),
+    "port": (nonneg_int, 8000),
     "served_model_name": (str, None),
     "api_key_env": (str, None),
     "api_key_file": (str, None),
-    "max_batch": (_positive_int, 16),
-    "max_queue": (_nonneg_int, 64),
-    "max_batch_tokens": (_nonneg_int, None),
-    "spec_off_above": (_nonneg_int, 0),
-    "max_prefill_tokens": (_nonneg_int, 256),
-    "cache_slots": (_positive_int, None),
+    "max_batch": (positive_int, 16),
+    "max_queue": (nonneg_int, 64),
+    "max_batch_tokens": (nonneg_int, None),
+    "spec_off_above": (nonneg_int, 0),
+    "max_prefill_tokens": (nonneg_int, 256),
+    "cache_slots": (positive_int, None),
     "request_timeout": (_positive_float, 600.0),
-    "max_body_bytes": (_positive_int, 8 * 1024 * 1024),
+    "max_body_bytes": (positive_int, 8 * 1024 * 1024),
     "allow_drafter": (str, []),  # repeatable; a list in a file
     "log_dir": (str, None),
     "log_max_mb": (_positive_float, 256.0),
@@ -86,7 +86,7 @@ SETTINGS = {
     "access_log": (_access_log, "json"),
     "shutdown_timeout": (_positive_float, 30.0),
     # Scale-out on Ray Serve (ray_serve.py); --replicas 1 without --ray-address is the one-process server.
-    "replicas": (_positive_int, 1),
+    "replicas": (positive_int, 1),
     "ray_address": (str, None),
     "replica_cpus": (_positive_float, 1.0),
     "replica_gpus": (_nonneg_float, 0.0),

@@ -28,8 +28,8 @@ from specdec.serve.metrics import ServerMetrics
 from specdec.serve.protocol import error_body, message_text, stop_list
 from specdec.serve.scheduler import GenRequest, LoadPolicy, Scheduler
 from specdec.serve.tokenize import TokenizerPool
-from specdec.serve.traffic_log import QueuedTrafficLog, TrafficLog
 from specdec.tools import ToolPlan, tool_plan
+from specdec.traffic_log import QueuedTrafficLog, TrafficLog
 
 log = logging.getLogger("specdec.server")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from specdec.backends.hf import HFBackend
-from specdec.cli import _positive_int, engine_config
+from specdec.cli_args import engine_config, positive_int
 from specdec.drafters.draft_model import ModelDrafter
 from specdec.drafters.eagle import EagleDrafter, save_head
 from specdec.drafters.layerskip import save_choice
@@ -38,7 +38,7 @@ QUICK = {  # a minutes-long run, for tests and smoke checks
 }
 
 
-_positive = _positive_int
+_positive = positive_int
 
 
 def add_parser(sub) -> None:

@@ -27,8 +27,8 @@ import torch
 from specdec.engine import Engine
 from specdec.errors import SpecdecError
 from specdec.prompts import encode
-from specdec.serve.traffic_log import read_traffic
 from specdec.tools import tool_plan
+from specdec.traffic_log import read_traffic
 
 DATA_FORMAT = "specdec-distill-data"
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from specdec.cli import add_model_args
+from specdec.cli_args import add_model_args
+from specdec.drafters.datastore import build_from_texts, read_corpus
 from specdec.models import load_tokenizer
-from specdec.train.datastore import build_from_texts, read_corpus
 
 
 def add_parser(sub) -> None:
