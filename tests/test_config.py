@@ -14,6 +14,7 @@ from specdec.config import MAX_K, EngineConfig, parse_k, read_config, split_k
 from specdec.engine import Engine
 from specdec.errors import SpecdecError
 from specdec.serve.cli import serve_config
+from specdec.serve.settings import ALIASES, SETTINGS, ServeConfig, default_of, reference_rows
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -182,17 +183,17 @@ def test_generate_with_a_config_file(capsys, tmp_path):
 
 def test_serve_config_from_a_file(tmp_path, monkeypatch):
     path = write(tmp_path, "score_model: t\npropose_model: suffix\nnum_propose_tokens: auto\nbackend: native\n"
-                           "serve:\n  port: 9001\n  max_batch: 4\n  allow_drafter: ngram:min=1\n"
+                           "serve:\n  port: 9001\n  max_batch: 4\n  allow_drafters: ngram:min=1\n"
                            "  api_key_env: TEST_KEY\n  log_level: info\n  request_timeout: 30\n")
     monkeypatch.setenv("TEST_KEY", "secret")
     args = build_parser().parse_args(["serve", "--config", path, "--max-queue", "3", "--port", "9002"])
-    config, settings = serve_config(args)
+    config = serve_config(args)
     assert config.engine == EngineConfig(target="t", drafter="suffix", backend="native",
                                          backend_options={"slots": 4})  # one cache slot per batched request
     assert (config.max_batch, config.max_queue, config.request_timeout) == (4, 3, 30.0)
     assert config.allow_drafters == ["ngram:min=1"] and config.api_key == "secret"
     assert config.model_name == "t" and config.max_batch_tokens == 40  # the cpu default
-    assert (settings["port"], settings["host"], settings["log_level"]) == (9002, "127.0.0.1", "info")
+    assert (config.port, config.host, config.log_level) == (9002, "127.0.0.1", "info")
 
 
 @pytest.mark.parametrize(
@@ -202,7 +203,7 @@ def test_serve_config_from_a_file(tmp_path, monkeypatch):
         ("  port: -1\n", "serve.port: must be >= 0"),
         ("  max_batch: many\n", "serve.max_batch: expected an integer"),
         ("  log_level: loud\n", "serve.log_level: must be one of"),
-        ("  allow_drafter: {a: 1}\n", "serve.allow_drafter"),
+        ("  allow_drafters: {a: 1}\n", "serve.allow_drafters"),
     ],
 )
 def test_bad_serve_section(tmp_path, serve, needle):
@@ -212,12 +213,32 @@ def test_bad_serve_section(tmp_path, serve, needle):
     assert needle in info.value.message
 
 
+def test_deprecated_serve_names_warn_and_still_work(tmp_path):
+    path = write(tmp_path, "target: t\nbackend: native\nserve:\n  tool_parser: json\n  allow_drafter: [ngram:min=1]\n")
+    with pytest.warns(DeprecationWarning, match="serve.tool_parser is deprecated; use serve.tool_call_parser"):
+        config = serve_config(build_parser().parse_args(["serve", "--config", path]))
+    assert (config.tool_call_parser, config.allow_drafters) == ("json", ["ngram:min=1"])
+    with pytest.warns(DeprecationWarning, match="--allow-drafter is deprecated; use --allow-drafters"):
+        args = build_parser().parse_args(["serve", "--target", "t", "--backend", "native", "--allow-drafter", "a", "--allow-drafters", "b"])
+    assert serve_config(args).allow_drafters == ["a", "b"]
+
+
+def test_every_serve_setting_is_a_flag_and_a_file_key(tmp_path):
+    # ServeConfig is the one source: each setting field has its flag and its `serve:` key
+    flags = {a.dest: a for a in build_parser()._subparsers._group_actions[0].choices["serve"]._actions}
+    for name, default in [(n, default_of(n)) for n in SETTINGS]:
+        assert name in flags and flags[name].default is None, name
+        assert getattr(ServeConfig(), name) == default
+    assert [row[0] for row in reference_rows()] == list(SETTINGS)
+    assert not set(ALIASES.values()) - set(SETTINGS)
+
+
 def test_example_configs_parse():
     agents = read_config(EXAMPLES / "agents.yaml")
     assert EngineConfig.from_dict(agents) == EngineConfig(drafter="suffix", backend="native")
     args = build_parser().parse_args(["serve", "--config", str(EXAMPLES / "agents.yaml")])
-    config, settings = serve_config(args)
-    assert config.engine.drafter == "suffix" and settings["port"] == 8000
+    config = serve_config(args)
+    assert config.engine.drafter == "suffix" and config.port == 8000
     assert EngineConfig.from_yaml(EXAMPLES / "bench.yaml").drafter == "suffix"
 
 

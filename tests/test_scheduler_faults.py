@@ -77,10 +77,10 @@ def test_hf_slots_are_bounded_and_the_least_recently_used_is_evicted(target, pla
 def test_serve_flags_bound_the_slots_and_the_prefill_per_step():
     args = build_parser().parse_args(["serve", "--target", "t", "--backend", "native", "--max-batch", "4",
                                       "--cache-slots", "6", "--max-prefill-tokens", "0"])
-    config, _ = serve_config(args)
+    config = serve_config(args)
     assert (config.cache_slots, config.max_prefill_tokens) == (6, 0)
     assert config.engine.backend_options == {"slots": 6}  # the native pool holds the idle slots too
-    config, _ = serve_config(build_parser().parse_args(["serve", "--target", "t", "--backend", "hf"]))
+    config = serve_config(build_parser().parse_args(["serve", "--target", "t", "--backend", "hf"]))
     assert (config.cache_slots, config.max_prefill_tokens) == (None, 256)
 
 

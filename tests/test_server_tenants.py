@@ -54,12 +54,12 @@ def test_serve_flags_and_config_keys(tmp_path, monkeypatch):
                            "  access_log: \"off\"\n  shutdown_timeout: 5\n  api_key_env: TEST_KEY\n")
     monkeypatch.setenv("TEST_KEY", "sk-env")
     args = build_parser().parse_args(["serve", "--config", str(config_file), "--api-key-file", str(keys)])
-    config, _ = serve_config(args)
+    config = serve_config(args)
     assert config.allowed_origins == ["http://a.example", "http://b.example"]
-    assert (config.access_log, config.shutdown_timeout) == (False, 5.0)
+    assert (config.access_log, config.shutdown_timeout) == ("off", 5.0)
     assert config.keys() == {"sk-a": "alice", "sk-env": key_tenant("sk-env")}
-    config, _ = serve_config(build_parser().parse_args(["serve", "--target", "smollm2-135m", "--allowed-origins", "*"]))
-    assert config.allowed_origins == ["*"] and config.access_log and config.keys() == {}
+    config = serve_config(build_parser().parse_args(["serve", "--target", "smollm2-135m", "--allowed-origins", "*"]))
+    assert config.allowed_origins == ["*"] and config.access_log == "json" and config.keys() == {}
     with pytest.raises(SystemExit):  # argparse: the flag's value is checked
         build_parser().parse_args(["serve", "--shutdown-timeout", "0"])
 

@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import logging
 import threading
-from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,58 +29,20 @@ from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec import __version__
-from specdec.config import EngineConfig
 from specdec.serve.gateway import Gateway, error_response
 from specdec.serve.guards import ApiKeyAuth, BodyLimit
 from specdec.serve.ops import AccessLog, DrainingServer, RequestContext
 from specdec.serve.protocol import validation_error
 from specdec.serve.routes import routers
-from specdec.serve.tenants import key_tenant
-from specdec.tools import DEFAULT_PARSER
+from specdec.serve.settings import ServeConfig
 
 log = logging.getLogger("specdec.server")
 __all__ = ["DrainingServer", "ServeConfig", "create_app"]  # DrainingServer: for serve/cli.py
 
 
-@dataclass
-class ServeConfig:
-    engine: EngineConfig = field(default_factory=EngineConfig)  # target, default drafter and k, backend, ...
-    served_model_name: str | None = None
-    api_key: str | None = None  # the key itself (read from the environment by the CLI)
-    api_keys: dict[str, str] = field(default_factory=dict)  # more keys: key -> tenant (--api-key-file)
-    max_batch: int = 16
-    max_queue: int = 64
-    max_batch_tokens: int = 128
-    spec_off_above: int = 0
-    max_prefill_tokens: int = 256  # prompt tokens prefilled per scheduler step (0: whole prompts on admission)
-    cache_slots: int | None = None  # KV caches kept, in use and idle (None: max_batch)
-    request_timeout: float = 600.0
-    max_body_bytes: int = 8 * 1024 * 1024
-    allow_drafters: list[str] = field(default_factory=list)  # extra specs clients may ask for
-    tool_parser: str = DEFAULT_PARSER  # the model's tool-call format (tool_parsers/)
-    log_dir: str | None = None
-    log_max_bytes: int = 256 * 1024 * 1024
-    allowed_origins: list[str] = field(default_factory=list)  # CORS; empty: no CORS headers
-    access_log: bool = True  # one JSON line per request on stderr
-    shutdown_timeout: float = 30.0  # seconds running requests get to finish after SIGTERM
-    on_load_error: object = None  # callable(message) run when loading fails
-    on_ready: object = None  # callable() run once the model serves
-
-    @property
-    def model_name(self) -> str:
-        return self.served_model_name or self.engine.target
-
-    def keys(self) -> dict[str, str]:
-        """Every accepted key -> its tenant; empty when the server needs no key."""
-        keys = dict(self.api_keys)
-        if self.api_key:
-            keys.setdefault(self.api_key, key_tenant(self.api_key))
-        return keys
-
-
 def create_app(config: ServeConfig) -> FastAPI:
     gateway = Gateway(config)
-    access_log = AccessLog() if config.access_log else None
+    access_log = AccessLog() if config.access_log == "json" else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

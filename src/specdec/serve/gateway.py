@@ -59,7 +59,7 @@ def chat_message(i: int, m) -> dict:
 class Gateway:
     """Server state: loading, the scheduler, admission and request building."""
 
-    def __init__(self, config):  # a ServeConfig (serve/app.py)
+    def __init__(self, config):  # a ServeConfig (serve/settings.py)
         self.config = config
         self.metrics = ServerMetrics(config.model_name)
         self.traffic = None
@@ -89,7 +89,7 @@ class Gateway:
                 time.sleep(delay)
             cfg = self.config
             target = load_model(cfg.engine.target)
-            policy = LoadPolicy(cfg.max_batch_tokens, cfg.spec_off_above, cfg.max_prefill_tokens)
+            policy = LoadPolicy(cfg.batch_tokens(), cfg.spec_off_above, cfg.max_prefill_tokens)
             scheduler = Scheduler(target, cfg.engine, cfg.max_batch, cfg.max_queue, policy, self.metrics,
                                   cache_slots=cfg.cache_slots)
             self._allowed = {split_k(s)[0] for s in [cfg.engine.drafter, "none", *cfg.allow_drafters]}
@@ -197,7 +197,7 @@ class Gateway:
         """Validate everything that needs the tokenizer; return a GenRequest and the request's
         tools, or raise SpecdecError."""
         prompt_param = "messages" if chat else "prompt"
-        tools = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, self.config.tool_parser) if chat else None
+        tools = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, self.config.tool_call_parser) if chat else None
         prompt_ids = self.encode(body, chat, tools)
         max_tokens, max_param = self._max_tokens(body, chat, len(prompt_ids), prompt_param)
         try:

@@ -62,21 +62,20 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def run_replicas(config: ServeConfig, settings: dict) -> None:
+def run_replicas(config: ServeConfig) -> None:
     """Serve until SIGINT or SIGTERM, then take the app (and a local Ray) down."""
-    host, port = settings["host"], settings["port"] or _free_port(settings["host"])
-    replicas, address = settings["replicas"], settings["ray_address"]
+    host, port = config.host, config.port or _free_port(config.host)
+    replicas, address = config.replicas, config.ray_address
     if address == "local":  # Ray's own word for a new local instance: even one replica runs on Ray
         address = None
-    start_ray(address, replicas, settings["replica_cpus"])
+    start_ray(address, replicas, config.replica_cpus)
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM, like Ctrl-C, ends serve.run's wait too
     try:
         serve.start(http_options={"host": host, "port": port})
         shown = f"[{host}]" if ":" in host else host
         print(f"specdec serve: listening on http://{shown}:{port} ({replicas} replica(s) on Ray, "
               f"loading {config.engine.target})", file=sys.stderr, flush=True)
-        app = build_application(config, replicas, settings["routing"], settings["replica_cpus"],
-                                settings["replica_gpus"])
+        app = build_application(config, replicas, config.routing, config.replica_cpus, config.replica_gpus)
         try:
             serve.run(app, name=APP_NAME, route_prefix="/")
         except RuntimeError as e:  # a replica's constructor failed (say, the model did not load)
