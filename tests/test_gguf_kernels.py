@@ -16,7 +16,12 @@ from gguf.quants import quantize
 from specdec.backends.native import gguf_q4
 from specdec.backends.native.gguf_kernels import concat_rows, prompt_view
 from specdec.backends.native.gguf_q4 import ExactQ4Linear, Int4BlockLinear
-from specdec.backends.native.gguf_tensors import QuantTensor, ReferenceLinear, embedding_from_quant, linear_from_quant
+from specdec.backends.native.gguf_tensors import (
+    QuantTensor,
+    ReferenceLinear,
+    embedding_from_quant,
+    linear_from_quant,
+)
 from specdec.backends.native.quant import FusedLinear
 from specdec.errors import SpecdecError
 

@@ -33,7 +33,6 @@ import functools
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from gguf.quants import Q4_K
 
 from specdec.backends.native.quant import INT4_GROUP, Int4Linear
