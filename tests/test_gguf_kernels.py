@@ -144,6 +144,15 @@ def test_an_unsupported_type_is_one_line_naming_type_and_tensor(kind):
         assert "\n" not in message and kind in message and "blk.4.ffn_down.weight" in message
 
 
+def test_a_tensor_of_broken_blocks_is_refused_by_name():
+    tensor = random_tensor("Q4_K", 8, 512)
+    short = QuantTensor("blk.1.attn_q.weight", tensor.qtype, (8, 512), tensor.data[:, :-1])
+    with pytest.raises(SpecdecError, match="blk.1.attn_q.weight"):
+        linear_from_quant(short)
+    with pytest.raises(SpecdecError, match="whole blocks of 256"):
+        linear_from_quant(QuantTensor("x", tensor.qtype, (8, 576), tensor.data))
+
+
 def _buffer_bytes(module: torch.nn.Module) -> int:
     return sum(b.numel() * b.element_size() for b in module.buffers())
 

@@ -25,6 +25,7 @@ import warnings
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES
 
 from specdec.backends.native.cpu import forced_fallback, has_int4_kernel
 from specdec.backends.native.gguf_q4 import Q4_TYPES, ExactQ4Linear, Int4BlockLinear
@@ -103,9 +104,15 @@ def _eight_bit(tensor: QuantTensor, bias):
 
 
 def _matrix_shape(tensor: QuantTensor) -> tuple[int, int]:
+    """[N, K], after checking that the bytes hold N rows of K weights in whole blocks."""
     if len(tensor.shape) != 2:
         raise SpecdecError(f"tensor {tensor.name!r} has shape {list(tensor.shape)}, not a matrix", "target")
-    return tensor.shape[0], tensor.shape[1]
+    n, k = tensor.shape
+    block, width = GGML_QUANT_SIZES[tensor.qtype]
+    if k % block or tensor.data.nbytes != n * k // block * width:
+        raise SpecdecError(f"tensor {tensor.name!r} ({tensor.qtype.name}, {list(tensor.shape)}) does not hold whole "
+                           f"blocks of {block}: {tensor.data.nbytes} bytes", "target")  # fmt: skip
+    return n, k
 
 
 def _shared(data: np.ndarray, dtype) -> torch.Tensor:

@@ -115,10 +115,11 @@ def unpack_tile(packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.T
     holding row j low and row j + 32 high) and their [G, rows, 2] -> weights [rows, K] bf16."""
     rows, k = packed.shape[0], packed.shape[1] * 2
     blocks = packed.view(rows // 64, k, 32)
-    q = torch.cat([blocks & 0x0F, blocks >> 4], dim=2).transpose(1, 2).reshape(rows, k)  # [rows, K]
-    scale = scales_and_zeros[..., 0].float().T.repeat_interleave(INT4_GROUP, dim=1)  # [rows, K]
-    zero = scales_and_zeros[..., 1].float().T.repeat_interleave(INT4_GROUP, dim=1)
-    return ((q.float() - 8).mul_(scale).add_(zero)).to(torch.bfloat16)
+    q = torch.cat([blocks & 0x0F, blocks >> 4], dim=2).transpose(1, 2).reshape(rows, k // INT4_GROUP, INT4_GROUP)
+    scale = scales_and_zeros[..., 0].T.float()[..., None]  # [rows, G, 1]: broadcast, not repeated
+    zero = scales_and_zeros[..., 1].T.float()[..., None]
+    w = q.float().sub_(8).mul_(scale).add_(zero)  # [rows, G, 32] fp32
+    return w.to(torch.bfloat16).reshape(rows, k)
 
 
 @functools.cache
