@@ -21,14 +21,17 @@ from specdec.backends.native.gguf_q4 import ExactQ4Linear, Int4BlockLinear, deco
 from specdec.backends.native.ort_linear import OrtBlockLinear, ort_available  # noqa: E402
 
 
-def median_ms(fn, x, reps: int) -> float:
-    fn(x)
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
+def medians_ms(fns: dict, x: torch.Tensor, reps: int) -> dict:
+    """Median ms per call of each function, the functions interleaved within each repetition."""
+    times: dict = {name: [] for name in fns}
+    for fn in fns.values():
         fn(x)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn(x)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
 def designs(n: int, k: int) -> dict:
@@ -54,15 +57,14 @@ def main() -> None:
         layers = designs(n, k)
         print(f"\nN={n} K={k} threads={args.threads}")
         for m in (1, 2, 4, 8, 16, 128, 512):
-            x = torch.randn(m, k)
-            cells = []
+            fns = {}
             for name, layer in layers.items():
-                if m > 16 and "exact" in name:
-                    continue
-                cells.append(f"{name}: {median_ms(layer.forward, x, args.reps):.3f}")
+                if m <= 16 or "exact" not in name:
+                    fns[name] = layer.forward
                 if m > 16 and isinstance(layer, Int4BlockLinear):
-                    cells.append(f"{name} prompt tiles: {median_ms(layer.prompt_forward, x, args.reps):.3f}")
-            print(f"M={m}: " + " | ".join(cells), flush=True)
+                    fns[name + " prompt tiles"] = layer.prompt_forward
+            cells = medians_ms(fns, torch.randn(m, k), args.reps)
+            print(f"M={m}: " + " | ".join(f"{name}: {ms:.3f}" for name, ms in cells.items()), flush=True)
 
 
 if __name__ == "__main__":

@@ -15,17 +15,19 @@ from gguf.quants import quantize
 
 from specdec.backends.native import gguf_q4
 from specdec.backends.native.gguf_kernels import concat_rows, prompt_view
-from specdec.backends.native.gguf_q4 import ExactQ4Linear, Int4BlockLinear
+from specdec.backends.native.gguf_q4 import ExactQ4Linear, Int4BlockLinear, OrtQ4Linear
 from specdec.backends.native.gguf_tensors import (
     QuantTensor,
     ReferenceLinear,
     embedding_from_quant,
     linear_from_quant,
 )
+from specdec.backends.native.ort_linear import ort_available
 from specdec.backends.native.quant import FusedLinear
 from specdec.errors import SpecdecError
 
 FLOATS = ("F32", "F16", "BF16")
+PATHS = ("forward", "prompt_forward", "tile_forward")  # decode, prompt chunks, bf16 tiles
 Q4 = ("Q4_0", "Q4_1", "Q4_K")
 # (type, bound): "exact" = the file's weights and fp32 activations, equal up to fp32 reduction
 # order; "bf16" = bf16 scales (int4 kernel) or bf16 activations: a bound on top-1 and KL.
@@ -64,11 +66,13 @@ def agreement(y: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("kind,bound", KINDS)
-@pytest.mark.parametrize("path", ["forward", "prompt_forward"])
+@pytest.mark.parametrize("path", ["forward", "prompt_forward", "tile_forward"])
 def test_layer_matches_the_reference(kind, bound, path):
     # the outputs as logits of a 512-entry vocabulary, 64 rows, scaled to an LM's spread (std 3)
     tensor = random_tensor(kind, 512, 512)
     layer, x = linear_from_quant(tensor), activations(64, 512)
+    if not hasattr(layer, path):
+        pytest.skip(f"{type(layer).__name__} has no {path}")
     reference = ReferenceLinear(tensor)(x)
     scale = 3 / float(reference.std())
     y, reference = getattr(layer, path)(x) * scale, reference * scale
@@ -104,14 +108,20 @@ def _layers(kind: str):
     tensor = random_tensor(kind, 200, 512)
     yield "default", linear_from_quant(tensor)
     if kind in Q4:
+        yield "int4", Int4BlockLinear.from_blocks(kind, tensor.data, 512)
         yield "exact", ExactQ4Linear(kind, tensor.data, 512)
+    if kind == "Q4_0" and ort_available():
+        for threads in (1, 2):
+            yield f"ort {threads} threads", OrtQ4Linear(tensor.data, threads=threads)
 
 
 @pytest.mark.parametrize("kind", FLOATS + Q4)
 def test_a_rows_bits_do_not_depend_on_the_batch(kind):
     x = activations(40, 512)
     for name, layer in _layers(kind):
-        for path in ("forward", "prompt_forward"):
+        for path in PATHS:
+            if not hasattr(layer, path):
+                continue
             run = getattr(layer, path)
             batch = run(x)
             for i in (0, 7, 39):
@@ -124,7 +134,7 @@ def test_a_rows_bits_do_not_depend_on_the_thread_count(kind):
     x, threads = activations(40, 512), torch.get_num_threads()
     try:
         for name, layer in _layers(kind):
-            for path in ("forward", "prompt_forward"):
+            for path in [p for p in PATHS if hasattr(layer, p)]:
                 out = {}
                 for count in (1, 2):
                     torch.set_num_threads(count)
@@ -161,7 +171,8 @@ def _buffer_bytes(module: torch.nn.Module) -> int:
 def test_a_layer_holds_no_dense_copy(kind):
     tensor = random_tensor(kind, 1024, 4096)
     raw = tensor.data.nbytes
-    for layer in (linear_from_quant(tensor), ExactQ4Linear(kind, tensor.data, 4096)):
+    # (ONNX Runtime keeps Q4_0's blocks inside its session: 4 bits and an fp32 scale per 32)
+    for layer in (Int4BlockLinear.from_blocks(kind, tensor.data, 4096), ExactQ4Linear(kind, tensor.data, 4096)):
         held = _buffer_bytes(layer)
         assert held <= 1.5 * raw, (type(layer).__name__, held, raw)  # dense bf16 would be 14x Q4_K's bytes
 
@@ -209,7 +220,7 @@ def test_concat_rows_is_the_tensors_stacked():
 
 
 def test_prompt_view_runs_the_prompt_kernels_on_the_same_buffers():
-    parts = [random_tensor("Q4_0", 64, 512, seed=i) for i in range(2)]
+    parts = [random_tensor("Q4_1", 64, 512, seed=i) for i in range(2)]
     fused = linear_from_quant(parts, [None, None])
     view = prompt_view(fused)
     x = activations(40, 512)
@@ -227,6 +238,16 @@ def test_embedding_rows_equal_the_reference_rows(kind):
     assert rows.dtype == torch.float32 and torch.equal(rows, torch.from_numpy(tensor.dequantize()[ids.numpy()]))
 
 
+def test_ort_q4_0_weights_are_the_files():
+    # with activations exact in int8 (integers), only the fp32 reduction order remains
+    if not ort_available():
+        pytest.skip("onnxruntime is not installed")
+    tensor = random_tensor("Q4_0", 64, 512)
+    x = torch.randint(-127, 128, (4, 512)).float()
+    x[:, ::32] = 127  # every block's absmax is 127: its int8 scale is exactly 1
+    torch.testing.assert_close(OrtQ4Linear(tensor.data)(x), ReferenceLinear(tensor)(x), rtol=1e-6, atol=1e-3)
+
+
 def test_the_fallbacks_are_exact_and_dispatched(monkeypatch):
     tensor = random_tensor("Q4_K", 96, 512)
     monkeypatch.setenv("SPECDEC_CPU_KERNELS", "fallback")
@@ -234,6 +255,9 @@ def test_the_fallbacks_are_exact_and_dispatched(monkeypatch):
     assert type(linear_from_quant(random_tensor("F16", 32, 256))).__name__ == "RowwiseLinear"
     monkeypatch.delenv("SPECDEC_CPU_KERNELS")
     layer = linear_from_quant(tensor)
-    monkeypatch.setattr(gguf_q4, "packed_layout_known", lambda: False)  # another packing: the kernel itself
     x = activations(40, 512)
-    assert torch.equal(layer.prompt_forward(x), layer.forward(x))
+    for tiles, path in ((True, layer.tile_forward), (False, layer.forward)):  # AMX: tiles; others: the kernel
+        monkeypatch.setattr(gguf_q4, "prompt_tiles", lambda tiles=tiles: tiles)
+        assert torch.equal(layer.prompt_forward(x), path(x))
+    monkeypatch.setattr(gguf_q4, "packed_layout_known", lambda: False)  # another packing: the kernel itself
+    assert torch.equal(layer.tile_forward(x), layer.forward(x))

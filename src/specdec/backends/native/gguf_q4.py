@@ -7,24 +7,30 @@ q in 0..15 and fp32 a, b decoded from the block's fp16 fields (`decode_rows`):
 - Q4_K: each super-block of 256 holds 8 sub-blocks of 32, w = q * (d * sc) - dmin * m, with
   6-bit sc and m (the gguf package's own `get_scale_min` unpacks them).
 
-Two layers:
+Layers (the dispatch is gguf_kernels.build_linear's):
 - `Int4BlockLinear` (default where PyTorch's CPU int4 kernel runs): the blocks repacked, tile
   by tile, into `_weight_int4pack_mm_for_cpu`'s format, w = (q - 8) * scale + zero with bf16
   scale and zero. That kernel stores bf16, so the weights are the file's up to the bf16
-  rounding of scale (d) and zero (b + 8 a): a relative 2^-9 of each. tests/test_gguf_kernels.py
+  rounding of scale (a) and zero (b + 8 a): a relative 2^-9 of each. tests/test_gguf_kernels.py
   bounds the effect on outputs (top-1 and KL against the exact dequantization).
 - `ExactQ4Linear` (the fallback, and SPECDEC_CPU_KERNELS=fallback): the nibbles in the file's
   Q4_0 byte order plus fp32 a and b, dequantized a tile of rows at a time in exactly the gguf
   reference's arithmetic, then one fp32 matrix-vector product per activation row. Pure PyTorch.
+- `OrtQ4Linear`: Q4_0 on ONNX Runtime's MatMulNBits, exact weights with int8 activations.
+  Measured against the int4 kernel (docs/performance-notes.md) and slower at one row, so not
+  dispatched; kept for that comparison and as the exact-Q4_0 option.
 
 Reduction order (what makes a row's bits independent of the batch and of the thread count):
 - int4 kernel: each output (m, n) is one dot product over K in K order, per group of 32 in
   fp32; the kernel splits work over N (and M), never over K. The tests check both properties.
-- `prompt_forward` of `Int4BlockLinear`: a tile of 512 output rows at a time is decoded from
-  the packed weights to bf16 (the int4 kernel's own scale and zero, one more rounding to bf16)
-  and multiplied by oneDNN's bf16 GEMM, which computes each output over K in one order for any
-  M and any thread count on the CPUs tested (checked by the tests, not assumed).
+- `tile_forward` of `Int4BlockLinear` (its prompt path on AMX CPUs, see `prompt_tiles`): a tile
+  of 512 output rows at a time is decoded from the packed weights to bf16 (the int4 kernel's
+  own scale and zero, one more rounding to bf16) and multiplied by oneDNN's bf16 GEMM, which
+  computes each output over K in one order for any M and any thread count on the CPUs tested
+  (checked by the tests, not assumed).
 - `ExactQ4Linear`: a matrix-vector product per activation row (one row never shares a call).
+- `OrtQ4Linear`: per output, int8 block dot products summed in block order; MLAS splits over
+  rows and columns (the tests compare 1 and 2 threads and M = 1 against M = 40).
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ import numpy as np
 import torch
 from gguf.quants import Q4_K
 
+from specdec.backends.native.cpu import cpu_features, forced_fallback
+from specdec.backends.native.ort_linear import OrtBlockLinear
 from specdec.backends.native.quant import INT4_GROUP, Int4Linear
 
 PACK_ROWS = 1024  # rows repacked at a time (a multiple of the kernel's 64-row blocks)
@@ -96,7 +104,13 @@ class Int4BlockLinear(Int4Linear):
         return cls.from_packed(torch.cat(packs), scales_and_zeros.to(torch.bfloat16).contiguous(), n, bias)
 
     def prompt_forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
-        """Many rows (a prompt chunk): bf16 tiles decoded from the packed weights and a GEMM."""
+        """A prompt chunk (up to 128 rows): `tile_forward` where the CPU multiplies bf16 on AMX
+        tiles, else the int4 kernel itself, which beats decoding the tiles at 128 rows on an
+        AVX-512 CPU without AMX (docs/performance-notes.md). One choice per process, whatever M."""
+        return self.tile_forward(x) if prompt_tiles() else self.forward(x)
+
+    def tile_forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+        """bf16 tiles decoded from the packed weights, each multiplied by a bf16 GEMM."""
         if not packed_layout_known():
             return self.forward(x)
         xb = x.to(torch.bfloat16)
@@ -120,6 +134,12 @@ def unpack_tile(packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.T
     zero = scales_and_zeros[..., 1].T.float()[..., None]
     w = q.float().sub_(8).mul_(scale).add_(zero)  # [rows, G, 32] fp32
     return w.to(torch.bfloat16).reshape(rows, k)
+
+
+@functools.cache
+def prompt_tiles() -> bool:
+    """Whether Int4BlockLinear's prompts decode bf16 tiles (AMX CPUs) or run the int4 kernel."""
+    return not forced_fallback() and "amx_bf16" in cpu_features() and packed_layout_known()
 
 
 @functools.cache
@@ -179,3 +199,28 @@ class ExactQ4Linear(torch.nn.Module):
 
     def prompt_forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward(x)
+
+
+class OrtQ4Linear(torch.nn.Module):
+    """Q4_0 on ONNX Runtime's MatMulNBits (4 bits, blocks of 32, fp32 scales, zero point 8):
+    exactly the file's weights. Activations are quantized to int8 per block of 32 and
+    multiplied with int8 dot products (accuracy_level 4; VNNI where the CPU has it), as
+    llama.cpp does. Each output is one reduction over K in block order; MLAS splits the work
+    over rows and columns; `ort_q4_usable` checks batch invariance once per process and the
+    tests check 1 against 2 threads. Prompts run the same kernel (an int8 GEMM for many rows)."""
+
+    def __init__(self, data: np.ndarray, bias: torch.Tensor | None = None, threads: int | None = None):
+        super().__init__()
+        q, d, _, _ = decode_rows("Q4_0", data)  # q [N, K] uint8 (transient), d [N, G] fp32
+        self.kernel = OrtBlockLinear(torch.from_numpy(q), torch.from_numpy(d), bits=4, threads=threads)
+        self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
+        self.out_features, self.act_dtype = q.shape[0], torch.float32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+        y = self.kernel.forward(x)
+        y = y if self.bias is None else y + self.bias
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def prompt_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward(x)
+
