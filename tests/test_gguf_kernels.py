@@ -256,8 +256,5 @@ def test_the_fallbacks_are_exact_and_dispatched(monkeypatch):
     monkeypatch.delenv("SPECDEC_CPU_KERNELS")
     layer = linear_from_quant(tensor)
     x = activations(40, 512)
-    for tiles, path in ((True, layer.tile_forward), (False, layer.forward)):  # AMX: tiles; others: the kernel
-        monkeypatch.setattr(gguf_q4, "prompt_tiles", lambda tiles=tiles: tiles)
-        assert torch.equal(layer.prompt_forward(x), path(x))
     monkeypatch.setattr(gguf_q4, "packed_layout_known", lambda: False)  # another packing: the kernel itself
     assert torch.equal(layer.tile_forward(x), layer.forward(x))

@@ -23,7 +23,7 @@ Layers (the dispatch is gguf_kernels.build_linear's):
 Reduction order (what makes a row's bits independent of the batch and of the thread count):
 - int4 kernel: each output (m, n) is one dot product over K in K order, per group of 32 in
   fp32; the kernel splits work over N (and M), never over K. The tests check both properties.
-- `tile_forward` of `Int4BlockLinear` (its prompt path on AMX CPUs, see `prompt_tiles`): a tile
+- `tile_forward` of `Int4BlockLinear` (measured for prompts, not used by them yet): a tile
   of 512 output rows at a time is decoded from the packed weights to bf16 (the int4 kernel's
   own scale and zero, one more rounding to bf16) and multiplied by oneDNN's bf16 GEMM, which
   computes each output over K in one order for any M and any thread count on the CPUs tested
@@ -41,7 +41,6 @@ import numpy as np
 import torch
 from gguf.quants import Q4_K
 
-from specdec.backends.native.cpu import cpu_features, forced_fallback
 from specdec.backends.native.ort_linear import OrtBlockLinear
 from specdec.backends.native.quant import INT4_GROUP, Int4Linear
 
@@ -104,10 +103,9 @@ class Int4BlockLinear(Int4Linear):
         return cls.from_packed(torch.cat(packs), scales_and_zeros.to(torch.bfloat16).contiguous(), n, bias)
 
     def prompt_forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
-        """A prompt chunk (up to 128 rows): `tile_forward` where the CPU multiplies bf16 on AMX
-        tiles, else the int4 kernel itself, which beats decoding the tiles at 128 rows on an
-        AVX-512 CPU without AMX (docs/performance-notes.md). One choice per process, whatever M."""
-        return self.tile_forward(x) if prompt_tiles() else self.forward(x)
+        """A prompt chunk (up to 128 rows): the int4 kernel itself. Decoding bf16 tiles for a
+        GEMM (`tile_forward`) pays only from about 512 rows (docs/performance-notes.md)."""
+        return self.forward(x)
 
     def tile_forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         """bf16 tiles decoded from the packed weights, each multiplied by a bf16 GEMM."""
@@ -134,12 +132,6 @@ def unpack_tile(packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.T
     zero = scales_and_zeros[..., 1].T.float()[..., None]
     w = q.float().sub_(8).mul_(scale).add_(zero)  # [rows, G, 32] fp32
     return w.to(torch.bfloat16).reshape(rows, k)
-
-
-@functools.cache
-def prompt_tiles() -> bool:
-    """Whether Int4BlockLinear's prompts decode bf16 tiles (AMX CPUs) or run the int4 kernel."""
-    return not forced_fallback() and "amx_bf16" in cpu_features() and packed_layout_known()
 
 
 @functools.cache
