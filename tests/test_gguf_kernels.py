@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from specdec.backends.native import gguf_q4
-from specdec.backends.native.gguf_kernels import concat_rows, prompt_view
+from specdec.backends.native.gguf_kernels import concat_rows, prompt_view, vector_from_quant
 from specdec.backends.native.gguf_q4 import ExactQ4Linear, Int4BlockLinear, OrtQ4Linear
 from specdec.backends.native.gguf_tensors import (
     QuantTensor,
@@ -258,3 +258,20 @@ def test_the_fallbacks_are_exact_and_dispatched(monkeypatch):
     x = activations(40, 512)
     monkeypatch.setattr(gguf_q4, "packed_layout_known", lambda: False)  # another packing: the kernel itself
     assert torch.equal(layer.tile_forward(x), layer.forward(x))
+
+
+@pytest.mark.parametrize("kind", FLOATS)
+def test_vectors_become_fp32_exactly(kind):
+    values = np.random.default_rng(3).standard_normal(64).astype(np.float32)
+    tensor = QuantTensor("blk.0.attn_norm.weight", GGMLQuantizationType[kind], (64,),
+                         quantize(values[None], GGMLQuantizationType[kind])[0])  # fmt: skip
+    vector = vector_from_quant(tensor)
+    assert vector.dtype == torch.float32 and torch.equal(vector, torch.from_numpy(tensor.dequantize()))
+
+
+def test_a_tied_head_reuses_the_embeddings_tensor():
+    tensor = random_tensor("Q4_K", 256, 512, name="token_embd.weight")
+    rows, head = embedding_from_quant(tensor), linear_from_quant(tensor)
+    x = rows(torch.tensor([3, 9]))  # [2, 512]
+    top1, _ = agreement(head(x), ReferenceLinear(tensor)(x))
+    assert head.out_features == 256 and top1 == 1.0
