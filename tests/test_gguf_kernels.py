@@ -304,6 +304,9 @@ def test_a_native_model_runs_on_the_gguf_layers_with_speculation_exact():
     model, reference = NativeModel(config, layers, "int4"), NativeModel(config, floats, "fp32")
     ids = list(range(3, 43))
 
+    fused = NativeModel(config, layers, "int4")  # q|k|v and gate|up each one kernel call
+    fused.layers = [_fused_layer(config, loaded.model.state_dict(), i, kinds) for i in range(config.num_layers)]
+
     def logits(m: NativeModel, chunks: list[int]) -> torch.Tensor:
         seq, out, at = m.new_pool(max_length=64).new_sequence(), [], 0
         for size in chunks:
@@ -313,5 +316,24 @@ def test_a_native_model_runs_on_the_gguf_layers_with_speculation_exact():
 
     one_by_one = logits(model, [1] * len(ids))
     assert torch.equal(one_by_one, logits(model, [5] * 8))  # drafts of 5 score the same bits as one token
+    assert torch.equal(one_by_one, logits(fused, [5] * 8))  # fusing rows changes no output's bits
     top1, kl = agreement(one_by_one, logits(reference, [1] * len(ids)))
     assert top1 >= 0.95 and kl < 2e-3, (top1, kl)  # measured: 1.0 and 3e-4
+
+
+def _fused_layer(config, state: dict, i: int, kinds: dict):
+    from specdec.backends.native.layer import DecoderLayer
+
+    p = f"model.layers.{i}."
+
+    def quant(proj: str, part: str) -> QuantTensor:
+        w, qtype = state[f"{p}{part}.{proj}.weight"], GGMLQuantizationType[kinds[proj]]
+        return QuantTensor(proj, qtype, tuple(w.shape), quantize(w.float().numpy(), qtype))
+
+    qkv = linear_from_quant([quant(n, "self_attn") for n in ("q_proj", "k_proj", "v_proj")], [None] * 3)
+    gate_up = linear_from_quant([quant(n, "mlp") for n in ("gate_proj", "up_proj")], [None] * 2)
+    assert gate_up.fused is not None and qkv.fused is None  # v is Q4_1 beside Q4_0 q, k: separate parts
+    return DecoderLayer(config, state[p + "input_layernorm.weight"].float(), qkv,
+                        linear_from_quant(quant("o_proj", "self_attn")),
+                        state[p + "post_attention_layernorm.weight"].float(), gate_up,
+                        linear_from_quant(quant("down_proj", "mlp")))  # fmt: skip
