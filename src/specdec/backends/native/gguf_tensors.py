@@ -64,24 +64,17 @@ class ReferenceLinear(torch.nn.Module):
         return torch.nn.functional.linear(x.float(), self.weight, self.bias).to(x.dtype)
 
 
-class QuantEmbedding:
-    """Row lookups that dequantize only the rows asked for."""
+def linear_from_quant(tensor: QuantTensor | list[QuantTensor], bias=None):
+    """A linear layer over `tensor` [N, K] in its own quant type, or over a list of tensors of
+    one K side by side (a FusedLinear; `bias` then one per tensor). See gguf_kernels.py."""
+    from specdec.backends.native.gguf_kernels import build_linear
 
-    def __init__(self, tensor: QuantTensor):
-        self.tensor = tensor
-        self.num_embeddings, self.embedding_dim = tensor.shape
-
-    def __call__(self, token_ids: torch.Tensor) -> torch.Tensor:  # [N] -> [N, hidden] fp32
-        rows = self.tensor.rows(token_ids.cpu().numpy())
-        return torch.from_numpy(rows).to(token_ids.device)
+    return build_linear(tensor, bias)
 
 
-def linear_from_quant(tensor: QuantTensor, bias: torch.Tensor | None = None):
-    """A linear layer over `tensor` [N, K] in its own quant type."""
-    check_type(tensor.name, tensor.qtype)
-    return ReferenceLinear(tensor, bias)  # replaced by the per-type kernels
+def embedding_from_quant(tensor: QuantTensor):
+    """Row lookups: token ids [T] -> [T, hidden] fp32, decoding only those rows."""
+    from specdec.backends.native.gguf_kernels import QuantEmbedding
 
-
-def embedding_from_quant(tensor: QuantTensor) -> QuantEmbedding:
     check_type(tensor.name, tensor.qtype)
     return QuantEmbedding(tensor)

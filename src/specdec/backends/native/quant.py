@@ -126,13 +126,26 @@ class Int4Linear(torch.nn.Module):
             q = F.pad(q, (0, 0, 0, pad), value=8)
             scale, zero = F.pad(scale, (0, pad)), F.pad(zero, (0, pad))
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
-        self.register_buffer("packed", packed, persistent=False)
         scales_and_zeros = torch.stack([scale, zero], dim=-1).to(torch.bfloat16).contiguous()  # [G, N, 2]
+        self._hold(packed, scales_and_zeros, n, bias)
+
+    def _hold(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, n: int, bias: torch.Tensor | None) -> None:
+        # packed: the kernel's [N padded, K / 2] uint8; scales_and_zeros [G, N padded, 2] bf16
+        self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("scales_and_zeros", scales_and_zeros, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
         self.out_features, self.act_dtype = n, torch.bfloat16
-        self._padded = pad > 0
+        self._padded = packed.shape[0] > n
         self.eager_args = (packed, scales_and_zeros, self.bias)  # plain attributes: see DecoderLayer
+
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, scales_and_zeros: torch.Tensor, n: int,
+                    bias: torch.Tensor | None = None) -> Int4Linear:
+        """Over an already packed matrix (rows past `n` are padding), e.g. one built tile by tile."""
+        layer = cls.__new__(cls)
+        torch.nn.Module.__init__(layer)
+        layer._hold(packed, scales_and_zeros, n, bias)
+        return layer
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int4Linear:
@@ -257,6 +270,22 @@ class FusedLinear(torch.nn.Module):
                 bias = bias.to(weights[0].device)
             self.fused = make_linear(torch.cat([w.detach() for w in weights]), bias, precision)
         self.act_dtype = getattr(self.fused if self.fused is not None else self.parts[0], "act_dtype", torch.float32)
+
+    @classmethod
+    def from_layers(cls, layers: list, sizes: list[int]) -> FusedLinear:
+        """Over layers built elsewhere (e.g. from GGUF blocks): one layer whose output holds the
+        parts side by side (fused), or one layer per part."""
+        if sum(layer.out_features for layer in layers) != sum(sizes):
+            raise ValueError(f"layers of {[layer.out_features for layer in layers]} rows for parts of {sizes}")
+        fused = cls.__new__(cls)
+        torch.nn.Module.__init__(fused)
+        fused.sizes = list(sizes)
+        if len(layers) == 1 and len(sizes) > 1:
+            fused.fused, fused.parts = layers[0], None
+        else:
+            fused.fused, fused.parts = None, torch.nn.ModuleList(layers)
+        fused.act_dtype = layers[0].act_dtype
+        return fused
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:  # [M, K] -> [M, N_i] for each part
         if self.fused is None:
