@@ -54,7 +54,7 @@ class NativeModel:
         if "lm_head.weight" not in state:  # tied embeddings
             if not isinstance(embed, torch.Tensor):
                 raise SpecdecError("a tied head over a quantized embedding needs the loader's lm_head.weight", "model")
-            state = weights.state = {**state, "lm_head.weight": self.embed}
+            weights.state = {**state, "lm_head.weight": self.embed}
         # int4 keeps the LM head at 8 bits, as 4-bit GGUFs keep their output matrix at 6-8 bits
         head = weights.weight("lm_head")
         self.lm_head = make_lm_head(head, weights.bias("lm_head"), precision, lm_head) if isinstance(head, torch.Tensor) else head
