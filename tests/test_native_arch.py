@@ -198,10 +198,13 @@ def _loaded(kind: str) -> LoadedModel:
 PROMPTS = ["def add(a, b): return a + b\ndef sub(a, b):", "The quick brown fox jumps over the lazy dog. The quick"]
 
 
+@pytest.mark.parametrize("path", ["kernel", pytest.param("fallback", marks=pytest.mark.slow)])
 @pytest.mark.parametrize(("kind", "drafter"), [(kind, ("ngram:min=1", "suffix")[i % 2]) for i, kind in enumerate(ARCHS)])
-def test_speculation_reproduces_plain_greedy(kind, drafter, kernels):
+def test_speculation_reproduces_plain_greedy(kind, drafter, path, monkeypatch):
     """Over int4 (row-wise kernels, batch-invariant attention) speculation is lossless, bit for
-    bit, with contexts well past the window."""
+    bit, with contexts well past the window (the PyTorch fallback's attention, slower: slow)."""
+    if path == "fallback":
+        monkeypatch.setenv("SPECDEC_CPU_KERNELS", "fallback")
     target, options = _loaded(kind), {"precision": "int4"}
     plain = Engine(target=target, drafter="none", backend="native", backend_options=options)
     spec = Engine(target=target, drafter=drafter, k=4, backend="native", backend_options=options)
@@ -296,3 +299,30 @@ def test_real_gemma3_matches_transformers_and_speculates_exactly():
     result = spec.generate(prompt, max_new_tokens=48, chat=False)
     assert result.token_ids == plain.generate(prompt, max_new_tokens=48, chat=False).token_ids
     assert result.stats.num_accepted_tokens > 0
+
+
+class _Lookup:
+    """An embedding as a loader may pass it: a lookup object (as gguf_tensors.QuantEmbedding)."""
+
+    def __init__(self, table: torch.Tensor):
+        self.table = table
+        self.num_embeddings, self.embedding_dim = table.shape
+
+    def __call__(self, token_ids: torch.Tensor) -> torch.Tensor:  # [N] -> [N, hidden] fp32
+        return self.table[token_ids].float()
+
+
+@pytest.mark.parametrize("kind", ["llama_tied", "gemma3"])
+def test_an_embedding_lookup_object_and_a_given_tied_head(kind):
+    """A lookup object in place of the embedding tensor, with the tied head passed as
+    lm_head.weight, gives the tensor path's logits; without lm_head.weight it is refused."""
+    model = hf_model(kind)
+    right = NativeModel.from_hf(model)
+    state = hf_state(right.config.model_type, model.state_dict())
+    embed = state["model.embed_tokens.weight"]
+    ids = tokens(30, seed=9)
+    lookup = NativeModel(right.config, {**state, "model.embed_tokens.weight": _Lookup(embed), "lm_head.weight": embed})
+    assert torch.equal(native_logits(lookup, ids), native_logits(right, ids))
+    untied = {n: v for n, v in state.items() if n != "lm_head.weight"}
+    with pytest.raises(SpecdecError, match="lm_head.weight"):
+        NativeModel(right.config, {**untied, "model.embed_tokens.weight": _Lookup(embed)})
