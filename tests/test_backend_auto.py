@@ -30,10 +30,22 @@ def llama_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize(("model_type", "expected"), [("llama", "native"), ("qwen2", "native"), ("mistral", "native"),
-                                                       ("gpt2", "hf"), ("gemma3_text", "hf")])
+                                                       ("qwen3", "native"), ("gemma3_text", "native"), ("phi3", "native"),
+                                                       ("gpt2", "hf"), ("gemma3", "hf")])
 def test_auto_picks_by_the_directory_architecture(tmp_path, model_type, expected):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
     assert resolve_backend("auto", str(tmp_path)) == expected
+
+
+def test_auto_falls_back_to_hf_for_a_feature_native_lacks(tmp_path, caplog):
+    """A supported type with a rope native does not compute (phi3's longrope) runs on hf, and says why."""
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 16, "long_factor": [2.0] * 16,
+            "original_max_position_embeddings": 64}  # fmt: skip
+    config = {"model_type": "phi3", "hidden_size": 128, "num_attention_heads": 4, "rope_scaling": rope}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with caplog.at_level("WARNING", logger="specdec"):
+        assert resolve_backend("auto", str(tmp_path)) == "hf"
+    assert "longrope" in caplog.text
     assert resolve_backend("hf", str(tmp_path)) == "hf"  # a named backend is kept as it is
 
 

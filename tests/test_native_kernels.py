@@ -108,7 +108,7 @@ def test_rotate_attend_gives_the_bits_of_its_three_steps(past, t):
     for k_cache, v_cache in caches:
         k_cache.copy_(torch.randn(k_cache.shape, generator=torch.Generator().manual_seed(7)))
         v_cache[..., :dim] = torch.randn(v_cache[..., :dim].shape, generator=torch.Generator().manual_seed(8))
-    limits, paths = attention.plan_chain(past + t, t, heads // kv_heads, "cpu", kernel=True).arrays
+    limits, paths, _ = attention.plan_chain(past + t, t, heads // kv_heads, "cpu", kernel=True).arrays
     fused = jit_ops.rotate_attend(qkv, cos, sin, heads, kv_heads, *caches[0], 1, past, limits, paths)
     q, k, v = jit_ops.split_rotate(qkv, cos, sin, heads, kv_heads)
     steps = jit_ops.attend_kernel(q, k, v, *caches[1], 1, past, limits, paths).reshape(t, heads * dim)

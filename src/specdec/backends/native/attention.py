@@ -14,6 +14,9 @@ fixed shape or in a fixed order, aligned to absolute key positions:
   normaliser), and the chunks are added by a pairwise tree over a power-of-two count, so a
   fully masked chunk is an exact no-op.
 
+A sliding-window layer (mistral, gemma3's local layers) attends through its own rows
+(`windowed`): the same plans with the keys older than the window masked, as exact zeros.
+
 A chain row (decode steps) attends over its slot. A token tree uses the same steps: the
 whole chunks before the tree come from the cache, and each node gets its own copy of the
 tree's last chunks, its ancestors laid out where a chain would hold them (base + depth),
@@ -32,7 +35,7 @@ contiguous keys; values are [kv_heads, length, dim + 1] with a last column of on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -64,11 +67,14 @@ class KeyPlan:
 class KernelPlan:
     """What each query reads, for jit_ops (shared by all layers)."""
 
-    limits: torch.Tensor  # [T] int64: query j reads the slot's keys 0 .. limits[j] - 1
+    limits: torch.Tensor  # [T] int64: query j reads the slot's keys starts[j] .. limits[j] - 1
     paths: torch.Tensor  # [T, E] int64: then these of the row's own tokens, a tree path (-1: none)
+    starts: torch.Tensor | None = None  # [T] int64; None: zeros (no sliding window)
 
     def __post_init__(self):
-        self.arrays = (self.limits.numpy(), self.paths.numpy())  # what the eager kernel call takes
+        if self.starts is None:
+            self.starts = torch.zeros_like(self.limits)
+        self.arrays = (self.limits.numpy(), self.paths.numpy(), self.starts.numpy())  # what the eager kernel call takes
 
 
 def new_cache(lead: tuple[int, ...], kv_heads: int, length: int, dim: int, dtype=torch.float32, device=None):
@@ -102,42 +108,55 @@ def _blocks(t: int, group: int) -> list[tuple[int, int]]:
     return [(first, min(per, t - first)) for first in range(0, t, per)]
 
 
-def plan_chain(kv_len: int, t: int, group: int, device, kernel: bool = False) -> KeyPlan | KernelPlan:
-    """T queries at positions kv_len - T .. kv_len - 1, each seeing the keys up to its own."""
+def plan_chain(kv_len: int, t: int, group: int, device, kernel: bool = False,
+               window: int | None = None) -> KeyPlan | KernelPlan:
+    """T queries at positions kv_len - T .. kv_len - 1, each seeing the keys up to its own (and,
+    with a sliding window, none before its last `window` positions)."""
+    positions = torch.arange(kv_len - t, kv_len)
     if kernel:
-        return KernelPlan(torch.arange(kv_len - t + 1, kv_len + 1), torch.empty(t, 0, dtype=torch.long))
+        starts = None if window is None else (positions - window + 1).clamp(min=0)
+        return KernelPlan(positions + 1, torch.empty(t, 0, dtype=torch.long), starts)
     keys = padded(kv_len)
-    visible = torch.arange(keys, device=device)[:, None] <= torch.arange(kv_len - t, kv_len, device=device)[None, :]
+    key_index, positions = torch.arange(keys, device=device)[:, None], positions.to(device)[None, :]
+    visible = key_index <= positions
+    if window is not None:
+        visible &= key_index > positions - window
     blocks = [QueryBlock(a, n, _column_bias(visible[:, a : a + n], group)) for a, n in _blocks(t, group)]
     return KeyPlan(keys, blocks)
 
 
 def plan_tree(base: int, parents: list[int], depths: list[int], group: int, device,
-              kernel: bool = False) -> KeyPlan | KernelPlan:
+              kernel: bool = False, window: int | None = None) -> KeyPlan | KernelPlan:
     """Tree nodes after `base` cached tokens (parents[i] < i, -1 for a root): node i at depth d
-    sees the cache and, at positions base..base+d, the path from a root down to itself."""
+    sees the cache and, at positions base..base+d, the path from a root down to itself (with
+    a sliding window, only what lies in its last `window` positions)."""
     t = len(parents)
+    firsts = [0 if window is None else max(0, base + depths[i] - window + 1) for i in range(t)]  # first visible position
     if kernel:
         paths = torch.full((t, max(depths) + 1), -1, dtype=torch.long)
         for i in range(t):
-            node = i
+            node, dropped = i, max(0, firsts[i] - base)  # ancestors the window has left behind
             while node >= 0:
-                paths[i, depths[node]], node = node, parents[node]
-        return KernelPlan(torch.full((t,), base, dtype=torch.long), paths)
+                if depths[node] >= dropped:
+                    paths[i, depths[node] - dropped] = node
+                node = parents[node]
+        starts = torch.tensor([min(first, base) for first in firsts], dtype=torch.long)
+        return KernelPlan(torch.full((t,), base, dtype=torch.long), paths, starts)
     split = base // CHUNK * CHUNK  # whole chunks before the tree are shared by all nodes
     head = base - split  # cached keys in the tree's first chunk
     tail = padded(head + max(depths) + 1)
     index = torch.zeros(t, tail, dtype=torch.long)
     visible = torch.zeros(t, tail, dtype=torch.bool)
-    index[:, :head], visible[:, :head] = torch.arange(head), True
+    index[:, :head] = torch.arange(head)
     for i in range(t):
+        visible[i, :head] = torch.arange(split, base) >= firsts[i]
         node = i
         while node >= 0:
-            index[i, head + depths[node]], visible[i, head + depths[node]] = head + node, True
+            index[i, head + depths[node]], visible[i, head + depths[node]] = head + node, base + depths[node] >= firsts[i]
             node = parents[node]
     tail_bias = torch.zeros(t, tail).masked_fill_(~visible, float("-inf"))[:, :, None].expand(t, tail, group)
     index, tail_bias = index.to(device), tail_bias.to(device)
-    shared = torch.ones(split, t, dtype=torch.bool, device=device)
+    shared = (torch.arange(split)[:, None] >= torch.tensor(firsts)[None, :]).to(device)  # [split, T]
     blocks = [QueryBlock(a, n, _column_bias(shared[:, a : a + n], group), index[a : a + n], tail_bias[a : a + n])
               for a, n in _blocks(t, group)]  # fmt: skip
     return KeyPlan(split, blocks)
@@ -150,41 +169,67 @@ def ones_column(values: torch.Tensor) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              rows: list, gqa: bool, masked_dtype: torch.dtype | None = None) -> torch.Tensor:
+              rows: list, gqa: bool, masked_dtype: torch.dtype | None = None, scale: float | None = None) -> torch.Tensor:
     """Store each row's new keys and values, then let its queries attend (see the module doc).
     q [N, heads, dim], k, v [N, kv_heads, dim]; k_cache [slots, kv_heads, dim, length], v_cache
     [slots, kv_heads, length, dim + 1] (see new_cache); rows are layer.KVRow (plan: a KeyPlan or
     KernelPlan, or None to make one here). Rows with a mask (prompt chunks, eagle's draft
-    trees) run SDPA in `masked_dtype` (default: the cache's). Returns [N, heads, dim]."""
+    trees) run SDPA in `masked_dtype` (default: the cache's). `scale` multiplies the scores
+    (None: head_dim ** -0.5). Returns [N, heads, dim]."""
     outs, dim = [], q.shape[-1]
     group = q.shape[1] // k.shape[1]
     for row in rows:
         t = row.end - row.start
         if row.plan is None and row.mask is None:
             kernel = uses_kernel(q.device, k_cache.dtype)
-            row.plan = (plan_tree(row.store, *tree_parents(*row.tree), group, q.device, kernel) if row.tree
-                        else plan_chain(row.kv_len, t, group, q.device, kernel))  # fmt: skip
+            row.plan = (plan_tree(row.store, *tree_parents(*row.tree), group, q.device, kernel, row.window) if row.tree
+                        else plan_chain(row.kv_len, t, group, q.device, kernel, row.window))  # fmt: skip
         if row.tree is not None:
-            outs.append(_tree_row(q, k, v, k_cache, v_cache, row))
+            outs.append(_tree_row(q, k, v, k_cache, v_cache, row, scale))
             continue
         rows_k, rows_v = k[row.start : row.end], v[row.start : row.end]
         if isinstance(row.plan, KernelPlan) and not torch.compiler.is_compiling():  # it stores them too
             outs.append(attend_kernel(q[row.start : row.end], rows_k, rows_v, k_cache, v_cache,
-                                                       row.slot, row.store, *row.plan.arrays))  # fmt: skip
+                                      row.slot, row.store, *row.plan.arrays, scale))  # fmt: skip
             continue
         k_cache[row.slot, :, :, row.store : row.store + t] = rows_k.permute(1, 2, 0)
         v_cache[row.slot, :, row.store : row.store + t, :dim] = rows_v.transpose(0, 1)
         if row.mask is not None:  # a prompt chunk or an eagle draft tree: one masked pass
             outs.append(_masked_row(q[row.start : row.end], k_cache, v_cache[..., :dim], row, gqa,
-                                    masked_dtype or k_cache.dtype))  # fmt: skip
+                                    masked_dtype or k_cache.dtype, scale))  # fmt: skip
         elif isinstance(row.plan, KernelPlan):
-            outs.append(attend_op(q[row.start : row.end], rows_k, rows_v, k_cache, v_cache,
-                                                   row.slot, row.plan.limits, row.plan.paths))  # fmt: skip
+            outs.append(attend_op(q[row.start : row.end], rows_k, rows_v, k_cache, v_cache, row.slot, row.plan.limits,
+                                  row.plan.paths, row.plan.starts, _scale(scale, dim)))  # fmt: skip
         else:
             keys, values = _slot_keys(k_cache, v_cache, row.slot, row.plan.keys)
-            outs.append(attend(q[row.start : row.end], keys, values, row.plan))
+            outs.append(attend(q[row.start : row.end], keys, values, row.plan, scale=scale))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out if out.dtype == q.dtype else out.to(q.dtype)
+
+
+def _scale(scale: float | None, dim: int) -> float:
+    return dim**-0.5 if scale is None else scale
+
+
+def windowed(rows: list, window: int | None, group: int, device, kernel: bool) -> list:
+    """The rows a sliding-window layer attends through: each row's keys older than `window`
+    positions masked, with a plan of its own shared by the sliding layers (the same tree_kv
+    list, so keep() sees every layer's nodes in order). `kernel`: plans for jit_ops."""
+    if window is None:
+        return rows
+    out = []
+    for row in rows:
+        t, mask, plan = row.end - row.start, row.mask, None
+        if mask is not None:  # [T, kv_len]: query j at position kv_len - T + j
+            query = torch.arange(row.kv_len - t, row.kv_len, device=mask.device)[:, None]
+            mask = mask & (torch.arange(row.kv_len, device=mask.device)[None, :] > query - window)
+        elif row.tree is not None:
+            plan = plan_tree(row.store, *tree_parents(*row.tree), group, device, kernel, window)
+        else:
+            plan = plan_chain(row.kv_len, t, group, device, kernel, window)
+        out.append(replace(row, mask=mask, plan=plan, window=window))
+    return out
+
 
 
 def kernel_chain_row(rows: list, group: int, device, kv_dtype: torch.dtype):
@@ -195,7 +240,7 @@ def kernel_chain_row(rows: list, group: int, device, kv_dtype: torch.dtype):
         return None
     row = rows[0]
     if row.plan is None and uses_kernel(device, kv_dtype):
-        row.plan = plan_chain(row.kv_len, row.end - row.start, group, device, kernel=True)
+        row.plan = plan_chain(row.kv_len, row.end - row.start, group, device, kernel=True, window=row.window)
     return row if isinstance(row.plan, KernelPlan) else None
 
 
@@ -210,7 +255,7 @@ def _slot_keys(k_cache, v_cache, slot: int, keys: int) -> tuple[torch.Tensor, to
     return k_row, v_row
 
 
-def _masked_row(q_row, k_cache, v_cache, row, gqa: bool, dtype: torch.dtype) -> torch.Tensor:
+def _masked_row(q_row, k_cache, v_cache, row, gqa: bool, dtype: torch.dtype, scale: float | None) -> torch.Tensor:
     q_row = q_row.transpose(0, 1).unsqueeze(0)  # [1, heads, T, dim]
     if q_row.dtype != dtype:
         q_row = q_row.to(dtype)
@@ -222,19 +267,19 @@ def _masked_row(q_row, k_cache, v_cache, row, gqa: bool, dtype: torch.dtype) -> 
     v_row = v_cache[row.slot : row.slot + 1, :, : row.kv_len]
     if v_row.dtype != dtype:
         v_row = v_row.to(dtype)
-    out = F.scaled_dot_product_attention(q_row, k_row, v_row, attn_mask=row.mask, enable_gqa=gqa)
+    out = F.scaled_dot_product_attention(q_row, k_row, v_row, attn_mask=row.mask, enable_gqa=gqa, scale=scale)
     return out[0].transpose(0, 1)  # [T, heads, dim]
 
 
 def attend(q_row: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: KeyPlan,
-           tails: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+           tails: tuple[torch.Tensor, torch.Tensor] | None = None, scale: float | None = None) -> torch.Tensor:
     """q_row [T, heads, dim] over shared keys [kv_heads, S, dim] and values [kv_heads, S, dim + 1]
     (S = plan.keys; a last column of ones), plus, for a tree, each query's own keys and values
     `tails` [kv_heads, T, L, dim (+ 1)]. Returns [T, heads, dim] in fp32."""
     t, heads, dim = q_row.shape
     kv_heads = keys.shape[0]
     group = heads // kv_heads
-    queries = (q_row.float() * dim**-0.5).view(t, kv_heads, group, dim).permute(1, 3, 0, 2)  # [kv_heads, dim, T, group]
+    queries = (q_row.float() * _scale(scale, dim)).view(t, kv_heads, group, dim).permute(1, 3, 0, 2)  # [kv_heads, dim, T, group]
     outs = []
     for block in plan.blocks:
         cols = queries[:, :, block.first : block.first + block.count].reshape(kv_heads, dim, -1)
@@ -304,7 +349,7 @@ def _tail_sums(values: torch.Tensor, weights: torch.Tensor, n: int, group: int) 
     return F.pad(sums.reshape(kv_heads, chunks, columns, n * group), (0, BLOCK - n * group))
 
 
-def _tree_row(q, k, v, k_cache, v_cache, row) -> torch.Tensor:
+def _tree_row(q, k, v, k_cache, v_cache, row, scale: float | None) -> torch.Tensor:
     """A token tree: its nodes' keys and values stay out of the cache (kept in row.tree_kv
     for keep()); each node reads the shared chunks from the cache and its own tail."""
     t, base, plan = row.end - row.start, row.store, row.plan
@@ -313,9 +358,9 @@ def _tree_row(q, k, v, k_cache, v_cache, row) -> torch.Tensor:
     if isinstance(plan, KernelPlan):  # store -1: the nodes' keys stay out of the cache
         if torch.compiler.is_compiling():
             return attend_op(q[row.start : row.end], k_nodes, v_nodes, k_cache, v_cache, row.slot, plan.limits,
-                             plan.paths)  # fmt: skip
-        return attend_kernel(q[row.start : row.end], k_nodes, v_nodes, k_cache, v_cache, row.slot,
-                                              -1, *plan.arrays)  # fmt: skip
+                             plan.paths, plan.starts, _scale(scale, q.shape[-1]))  # fmt: skip
+        return attend_kernel(q[row.start : row.end], k_nodes, v_nodes, k_cache, v_cache, row.slot, -1, *plan.arrays,
+                             scale)  # fmt: skip
     keys, values = _slot_keys(k_cache, v_cache, row.slot, base)
     index = torch.cat([block.tail_index for block in plan.blocks]).reshape(-1)
 
@@ -327,7 +372,7 @@ def _tree_row(q, k, v, k_cache, v_cache, row) -> torch.Tensor:
         return source.index_select(1, index).view(source.shape[0], t, -1, source.shape[2])
 
     tails = (own(keys, k_nodes), own(values, v_nodes))
-    return attend(q[row.start : row.end], keys[:, : plan.keys], values[:, : plan.keys], plan, tails)
+    return attend(q[row.start : row.end], keys[:, : plan.keys], values[:, : plan.keys], plan, tails, scale)
 
 
 def tree_parents(order: list[int], depths: list[int]) -> tuple[list[int], list[int]]:

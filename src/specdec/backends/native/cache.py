@@ -46,6 +46,7 @@ class CachePool:
         self.kernel = uses_kernel(model.device, kv_dtype)  # jit_ops, or the PyTorch routine
         self.group = cfg.num_heads // cfg.num_kv_heads  # query heads per kv head
         self.cos, self.sin = model.rope_tables(max_length)  # [max_length, head_dim]
+        self.local_cos, self.local_sin = model.rope_tables(max_length, local=True)  # gemma3's sliding layers
         self._free = list(range(slots - 1, -1, -1))
         self.prefix_mode = prefix_cache_mode(prefix_cache)
         self._hidden: torch.Tensor | None = None  # see hidden_buffer

@@ -11,6 +11,7 @@ LOG2E = np.float32(1.4426950408889634)
 LN2_HI = np.float32(0.693145751953125)  # ln 2 split so that k * LN2_HI is exact (Cody-Waite)
 LN2_LO = np.float32(1.4286067653302226e-06)
 EXP_FLOOR = np.float32(-87.0)  # exp of less is below float32's normal range: weighs ~1e-38
+LOWEST = np.float32(-3.4e38)  # the score of a key outside a sliding window: never a maximum
 
 vector, matrix = "float32[::1]", "float32[:, ::1]"  # numba signatures
 
@@ -37,15 +38,15 @@ def exp_nonpositive(s, count, w, bits):  # pragma: no cover - compiled
         w[i] = w[i] * scale[i]
 
 
-@njit(f"void({matrix}, {matrix}, {matrix}, int64)", cache=True, nogil=True)
-def scores(keys_t, qs, s, count):  # pragma: no cover - compiled
-    """s[r, i] = sum over d, in order, of qs[r, d] * keys_t[d, i] for i < count. Four dims
+@njit(f"void({matrix}, {matrix}, {matrix}, int64, int64)", cache=True, nogil=True)
+def scores(keys_t, qs, s, lo, count):  # pragma: no cover - compiled
+    """s[r, i] = sum over d, in order, of qs[r, d] * keys_t[d, i] for lo <= i < count. Four dims
     per pass over the scores and four lanes per pass over the keys (unroll and jam): the same
     roundings, a fraction of the loads and stores. lanes is a multiple of four (head pads
     with zero rows)."""
     lanes, dim = qs.shape
     for r in range(lanes):
-        for i in range(count):
+        for i in range(lo, count):
             s[r, i] = 0
     for r in range(0, lanes, 4):
         s0, s1, s2, s3 = s[r], s[r + 1], s[r + 2], s[r + 3]
@@ -56,7 +57,7 @@ def scores(keys_t, qs, s, count):  # pragma: no cover - compiled
             b0, b1, b2, b3 = qs[r + 1, d], qs[r + 1, d + 1], qs[r + 1, d + 2], qs[r + 1, d + 3]
             c0, c1, c2, c3 = qs[r + 2, d], qs[r + 2, d + 1], qs[r + 2, d + 2], qs[r + 2, d + 3]
             e0, e1, e2, e3 = qs[r + 3, d], qs[r + 3, d + 1], qs[r + 3, d + 2], qs[r + 3, d + 3]
-            for i in range(count):
+            for i in range(lo, count):
                 x0, x1, x2, x3 = k0[i], k1[i], k2[i], k3[i]
                 s0[i] = (((s0[i] + a0 * x0) + a1 * x1) + a2 * x2) + a3 * x3
                 s1[i] = (((s1[i] + b0 * x0) + b1 * x1) + b2 * x2) + b3 * x3
@@ -66,7 +67,7 @@ def scores(keys_t, qs, s, count):  # pragma: no cover - compiled
         for rest in range(d, dim):
             for x in range(r, r + 4):
                 qd, row, kd = qs[x, rest], s[x], keys_t[rest]
-                for i in range(count):
+                for i in range(lo, count):
                     row[i] += qd * kd[i]
 
 
@@ -88,15 +89,15 @@ def weighted_sum(values, w, acc, start, count):  # pragma: no cover - compiled
             acc[c] += wi * vi[c]
 
 
-@njit(f"void({matrix}, {matrix}, {matrix}, int64, int64)", cache=True, nogil=True)
-def weighted_sum4(values, w, acc, r, count):  # pragma: no cover - compiled
-    """weighted_sum for lanes r .. r + 3 at once over keys 0 .. count - 1 (a multiple of four):
+@njit(f"void({matrix}, {matrix}, {matrix}, int64, int64, int64)", cache=True, nogil=True)
+def weighted_sum4(values, w, acc, r, lo, count):  # pragma: no cover - compiled
+    """weighted_sum for lanes r .. r + 3 at once over keys lo .. count - 1 (multiples of four):
     each lane's sums in its own order, while a pass loads the four value rows once for all
     four lanes (the loads, not the multiplies, bound the single-lane loop)."""
     columns = values.shape[1]
     a0, a1, a2, a3 = acc[r], acc[r + 1], acc[r + 2], acc[r + 3]
     w0, w1, w2, w3 = w[r], w[r + 1], w[r + 2], w[r + 3]
-    for i in range(0, count, 4):
+    for i in range(lo, count, 4):
         v0, v1, v2, v3 = values[i], values[i + 1], values[i + 2], values[i + 3]
         x00, x01, x02, x03 = w0[i], w0[i + 1], w0[i + 2], w0[i + 3]
         x10, x11, x12, x13 = w1[i], w1[i + 1], w1[i + 2], w1[i + 3]
@@ -130,10 +131,13 @@ def largest(s, count, tops):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True)
-def lane_weights(s, w, bits, qs, tops, r, n, path, k_new, h):  # pragma: no cover - compiled
-    """Lane r's softmax numerators w[r, :n + E] (E = len(path)) from its scores over the n
-    cached keys and its path's own keys (a tree), less their maximum."""
+def lane_weights(s, w, bits, qs, tops, r, first, n, path, k_new, h):  # pragma: no cover - compiled
+    """Lane r's softmax numerators w[r, :n + E] (E = len(path)) from its scores over the
+    cached keys first .. n - 1 and its path's own keys (a tree), less their maximum; keys
+    before `first` (outside a sliding window) weigh exactly 0."""
     dim, extra = qs.shape[1], path.shape[0]
+    for i in range(first):
+        s[r, i] = LOWEST
     for e in range(extra):  # the tree's own keys: the same sums in the same order
         node, x = path[e], np.float32(0)
         for d in range(dim):
@@ -143,6 +147,8 @@ def lane_weights(s, w, bits, qs, tops, r, n, path, k_new, h):  # pragma: no cove
     for i in range(n + extra):
         s[r, i] -= top
     exp_nonpositive(s[r], n + extra, w[r], bits[r])
+    for i in range(first):  # an exact 0: adding 0 * value leaves every later sum's bits as they are
+        w[r, i] = 0
 
 
 @njit(cache=True, nogil=True)
@@ -160,20 +166,21 @@ def lane_finish(w, acc, r, n, path, v_new, h, out):  # pragma: no cover - compil
 
 
 @njit(cache=True, nogil=True)
-def weighted_sums(values, w, acc, counts):  # pragma: no cover - compiled
+def weighted_sums(values, w, acc, lo, counts):  # pragma: no cover - compiled
     """acc[r] = w[r, :counts[r]] @ values[:counts[r]] for every lane r (a multiple of four
-    lanes): four lanes at a time as far as all four have keys (weighted_sum4), each lane on its
-    own after that."""
+    lanes), from key lo (a multiple of four below which every weight is 0: skipping those
+    zero terms leaves the bits as they are): four lanes at a time as far as all four have
+    keys (weighted_sum4), each lane on its own after that."""
     acc[:] = 0
     for r in range(0, acc.shape[0], 4):
-        shared = min(counts[r], counts[r + 1], counts[r + 2], counts[r + 3]) // 4 * 4
-        weighted_sum4(values, w, acc, r, shared)
+        shared = max(lo, min(counts[r], counts[r + 1], counts[r + 2], counts[r + 3]) // 4 * 4)
+        weighted_sum4(values, w, acc, r, lo, shared)
         for x in range(r, r + 4):
             weighted_sum(values, w[x], acc[x], shared, counts[x])
 
 
 @njit(cache=True, nogil=True)
-def head(q, k_new, v_new, keys_t, values, h, first, last, limits, paths, widest, scale,
+def head(q, k_new, v_new, keys_t, values, h, first, last, limits, paths, starts, widest, scale,
          out):  # pragma: no cover - compiled
     """Lanes first .. last - 1 of kv head h (lane r: query r // group, its head r % group of
     the group): their scores and their weighted sums share the passes over its keys_t
@@ -189,18 +196,20 @@ def head(q, k_new, v_new, keys_t, values, h, first, last, limits, paths, widest,
     qs = np.zeros((jammed, dim), np.float32)
     tops = np.empty(16, np.float32)
     counts, extras = np.empty(jammed, np.int64), np.zeros(jammed, np.int64)
+    begins = np.empty(jammed, np.int64)
     for x in range(jammed):
         j, g = min(first + x, last - 1) // group, (first + x) % group
-        counts[x] = limits[j]
+        counts[x], begins[x] = limits[j], starts[j]
         if x < lanes:
             while extras[x] < paths.shape[1] and paths[j, extras[x]] >= 0:
                 extras[x] += 1
             for d in range(dim):
                 qs[x, d] = q[j, h * group + g, d] * scale
-    scores(keys_t, qs, s, widest)  # a lane ignores the keys past its limit
+    lo = min(begins[:lanes].min(), widest) // 4 * 4  # keys before every lane's window: not read at all
+    scores(keys_t, qs, s, lo, widest)  # a lane ignores the keys past its limit
     for x in range(lanes):
-        lane_weights(s, w, bits, qs, tops, x, counts[x], paths[(first + x) // group, : extras[x]], k_new, h)
-    weighted_sums(values, w, acc, counts)
+        lane_weights(s, w, bits, qs, tops, x, begins[x], counts[x], paths[(first + x) // group, : extras[x]], k_new, h)
+    weighted_sums(values, w, acc, lo, counts)
     for x in range(lanes):
         j, g = (first + x) // group, (first + x) % group
         lane_finish(w, acc, x, counts[x], paths[j, : extras[x]], v_new, h, out[j, h * group + g])
@@ -219,26 +228,29 @@ def begin(q, k_new, v_new, k_cache, v_cache, slot, store):  # pragma: no cover -
 
 
 rows, cache = "float32[:, :, :]", "float32[:, :, :, ::1]"  # rows may be strided views; caches are whole
-SIGNATURE = f"float32[:, :, ::1]({rows}, {rows}, {rows}, {cache}, {cache}, int64, int64, int64[::1], int64[:, ::1], float32)"
+SIGNATURE = (f"float32[:, :, ::1]({rows}, {rows}, {rows}, {cache}, {cache}, int64, int64, int64[::1], int64[:, ::1], "
+             "int64[::1], float32)")
 
 
 @njit(SIGNATURE, cache=True, nogil=True)
-def attend(q, k_new, v_new, k_cache, v_cache, slot, store, limits, paths, scale):  # pragma: no cover - compiled
+def attend(q, k_new, v_new, k_cache, v_cache, slot, store, limits, paths, starts, scale):  # pragma: no cover - compiled
     """q [T, heads, dim]; k_new, v_new [T, kv_heads, dim]: the row's own keys and values,
     written to the slot at positions store.. first unless store < 0; k_cache [slots,
     kv_heads, dim, L] (keys along the last axis), v_cache [slots, kv_heads, L, dim + 1] (a
     last column of ones: the normaliser); limits [T]: the slot's keys query j reads;
-    paths [T, E]: the row's own tokens it reads next, a tree path (-1: none).
+    paths [T, E]: the row's own tokens it reads next, a tree path (-1: none); starts [T]: the
+    first cached key query j reads (0, or where its sliding window begins).
     Returns [T, heads, dim]. A lane is one query head."""
     out, widest = begin(q, k_new, v_new, k_cache, v_cache, slot, store), limits.max()
     lanes = q.shape[0] * q.shape[1] // k_new.shape[1]
     for h in range(k_new.shape[1]):
-        head(q, k_new, v_new, k_cache[slot, h], v_cache[slot, h], h, 0, lanes, limits, paths, widest, scale, out)
+        head(q, k_new, v_new, k_cache[slot, h], v_cache[slot, h], h, 0, lanes, limits, paths, starts, widest, scale,
+             out)  # fmt: skip
     return out
 
 
 @njit(SIGNATURE, cache=True, nogil=True, parallel=True)
-def attend_parallel(q, k_new, v_new, k_cache, v_cache, slot, store, limits, paths, scale):  # pragma: no cover
+def attend_parallel(q, k_new, v_new, k_cache, v_cache, slot, store, limits, paths, starts, scale):  # pragma: no cover
     """`attend` on numba's threads, four lanes of a head per work item: the same bits (a
     lane's do not depend on the lanes that share its pass)."""
     out, widest = begin(q, k_new, v_new, k_cache, v_cache, slot, store), limits.max()
@@ -247,7 +259,7 @@ def attend_parallel(q, k_new, v_new, k_cache, v_cache, slot, store, limits, path
     for item in prange(kv_heads * quads):  # four lanes of one head per item: even shares of work
         h, first = item // quads, item % quads * 4
         head(q, k_new, v_new, k_cache[slot, h], v_cache[slot, h], h, first, min(first + 4, lanes), limits, paths,
-             widest, scale, out)  # fmt: skip
+             starts, widest, scale, out)  # fmt: skip
     return out
 
 
@@ -384,18 +396,18 @@ def bf16_rows(out):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True)
-def rotate_attend(qkv, cos, signed_sin, heads, kv_heads, k_cache, v_cache, slot, store, limits, paths,
+def rotate_attend(qkv, cos, signed_sin, heads, kv_heads, k_cache, v_cache, slot, store, limits, paths, starts,
                   scale):  # pragma: no cover - compiled
     """split_rotate, attend and the cast of its output to bf16 in one call, for one chain row:
     qkv bf16 bits [T, (heads + 2 kv_heads) * dim] -> bf16 bits [T, heads * dim]. The same
     functions as the three separate steps, so the same bits."""
     q, k, v = split_rotate(qkv, cos, signed_sin, heads, kv_heads)
-    return bf16_rows(attend(q, k, v, k_cache, v_cache, slot, store, limits, paths, scale))
+    return bf16_rows(attend(q, k, v, k_cache, v_cache, slot, store, limits, paths, starts, scale))
 
 
 @njit(cache=True, nogil=True)
 def rotate_attend_parallel(qkv, cos, signed_sin, heads, kv_heads, k_cache, v_cache, slot, store, limits, paths,
-                           scale):  # pragma: no cover - compiled
+                           starts, scale):  # pragma: no cover - compiled
     """`rotate_attend` on numba's threads (attend_parallel)."""
     q, k, v = split_rotate(qkv, cos, signed_sin, heads, kv_heads)
-    return bf16_rows(attend_parallel(q, k, v, k_cache, v_cache, slot, store, limits, paths, scale))
+    return bf16_rows(attend_parallel(q, k, v, k_cache, v_cache, slot, store, limits, paths, starts, scale))

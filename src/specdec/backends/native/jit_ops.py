@@ -88,23 +88,32 @@ def _kernels(limits: np.ndarray, query_heads: int) -> tuple:
 
 
 def attend_kernel(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slot: int, store: int, limits: np.ndarray, paths: np.ndarray) -> torch.Tensor:
-    """The kernel on tensors (see jit.attend for the shapes); returns [T, heads, dim]."""
+                  v_cache: torch.Tensor, slot: int, store: int, limits: np.ndarray, paths: np.ndarray,
+                  starts: np.ndarray | None = None, scale: float | None = None) -> torch.Tensor:
+    """The kernel on tensors (see jit.attend for the shapes; starts None: every query from key
+    0; scale None: head_dim ** -0.5); returns [T, heads, dim]."""
     attend = _kernels(limits, q.shape[0] * q.shape[1])[0]
+    starts = np.zeros_like(limits) if starts is None else starts
     return torch.from_numpy(attend(q.numpy(), k_new.numpy(), v_new.numpy(), k_cache.numpy(), v_cache.numpy(),
-                                   slot, store, limits, paths, np.float32(q.shape[-1] ** -0.5)))  # fmt: skip
+                                   slot, store, limits, paths, starts, _scale(scale, q.shape[-1])))  # fmt: skip
+
+
+def _scale(scale: float | None, dim: int) -> np.float32:
+    return np.float32(dim**-0.5 if scale is None else scale)
 
 
 @torch.library.custom_op("specdec::attend", mutates_args=())
 def attend_op(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
-              v_cache: torch.Tensor, slot: int, limits: torch.Tensor, paths: torch.Tensor) -> torch.Tensor:
+              v_cache: torch.Tensor, slot: int, limits: torch.Tensor, paths: torch.Tensor, starts: torch.Tensor,
+              scale: float) -> torch.Tensor:
     """The kernel as compiled graphs call it (dynamo cannot trace numba); the graph has stored
     the row's keys and values already."""
-    return attend_kernel(q, k_new, v_new, k_cache, v_cache, slot, -1, limits.numpy(), paths.numpy())
+    return attend_kernel(q, k_new, v_new, k_cache, v_cache, slot, -1, limits.numpy(), paths.numpy(), starts.numpy(),
+                         scale)  # fmt: skip
 
 
 @attend_op.register_fake
-def _(q, k_new, v_new, k_cache, v_cache, slot, limits, paths):
+def _(q, k_new, v_new, k_cache, v_cache, slot, limits, paths, starts, scale):
     return q.new_empty(q.shape)
 
 
@@ -128,13 +137,14 @@ def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor:
 
 def rotate_attend(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: int, kv_heads: int,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot: int, store: int, limits: np.ndarray,
-                  paths: np.ndarray) -> torch.Tensor:
+                  paths: np.ndarray, starts: np.ndarray | None = None, scale: float | None = None) -> torch.Tensor:
     """split_rotate, attend_kernel and the cast to bf16 in one call (jit.rotate_attend), for a
     chain row: qkv [T, (heads + 2 kv_heads) * dim] bf16 -> [T, heads * dim] bf16."""
-    scale = np.float32(cos.shape[-1] ** -0.5)
     kernel = _kernels(limits, qkv.shape[0] * heads)[1]
+    starts = np.zeros_like(limits) if starts is None else starts
     bits = kernel(qkv.view(torch.uint16).numpy(), cos.numpy(), signed_sin.numpy(), heads, kv_heads,
-                  k_cache.numpy(), v_cache.numpy(), slot, store, limits, paths, scale)  # fmt: skip
+                  k_cache.numpy(), v_cache.numpy(), slot, store, limits, paths, starts,
+                  _scale(scale, cos.shape[-1]))  # fmt: skip
     return torch.from_numpy(bits).view(torch.bfloat16)
 
 

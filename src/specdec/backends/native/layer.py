@@ -23,10 +23,10 @@ from specdec.backends.native.jit_ops import (
     split_rotate,
 )
 from specdec.backends.native.quant import FusedLinear, Linear
-from specdec.errors import SpecdecError
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")  # HF model types
 DECODE_ATTENTION_MAX = 32  # chains up to this long attend query by query (see attention)
+SLIDING = "sliding_attention"
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class NativeConfig:
     num_kv_heads: int
     head_dim: int
     rms_eps: float
-    max_positions: int  # the model's context window (already capped by any sliding window)
+    max_positions: int  # the model's context window
     rope_theta: float
     # Architecture features; the defaults are Llama's. Norm weights in the state dict are the
     # multipliers themselves (Gemma's HF `1 + w` is added by the loader, as GGUF files store it).
@@ -52,32 +52,25 @@ class NativeConfig:
     layer_types: tuple[str, ...] = ()  # per layer "full_attention" | "sliding_attention"; (): all full
     rope_local_theta: float | None = None  # gemma3: the sliding layers' own rope base
     final_logit_softcap: float | None = None
+    # The full layers' inverse frequencies [head_dim / 2] where the rope is scaled (llama3,
+    # linear, yarn; a GGUF's rope_freqs divides the default ones), else None: from rope_theta.
+    rope_inv_freq: tuple[float, ...] | None = None
+    rope_attention_scaling: float = 1.0  # multiplies cos and sin (yarn)
 
     @classmethod
-    def from_hf(cls, config) -> NativeConfig:
-        if config.model_type not in SUPPORTED_TYPES:
-            raise SpecdecError(
-                f"the native backend supports {', '.join(SUPPORTED_TYPES)} models, not "
-                f"{config.model_type!r}; use the hf backend",
-                "backend",
-            )
-        rope = getattr(config, "rope_parameters", None) or {}
-        max_positions = int(getattr(config, "max_position_embeddings", 2048))
-        window = getattr(config, "sliding_window", None)
-        if window and getattr(config, "use_sliding_window", True):
-            max_positions = min(max_positions, int(window))  # never past the window: exact
-        return cls(
-            model_type=config.model_type,
-            vocab_size=int(config.vocab_size),
-            hidden_size=int(config.hidden_size),
-            num_layers=int(config.num_hidden_layers),
-            num_heads=int(config.num_attention_heads),
-            num_kv_heads=int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads),
-            head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads),
-            rms_eps=float(config.rms_norm_eps),
-            max_positions=max_positions,
-            rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
-        )
+    def from_hf(cls, config, embedding_dtype: torch.dtype = torch.float32) -> NativeConfig:
+        """The config of an HF model (hf_config.native_config: the one reader of HF configs)."""
+        from specdec.backends.native.hf_config import native_config
+
+        return cls(**native_config(config, SUPPORTED_TYPES, embedding_dtype))
+
+    def sliding(self, layer: int) -> bool:
+        """Whether `layer` attends through the sliding window."""
+        return self.sliding_window is not None and bool(self.layer_types) and self.layer_types[layer] == SLIDING
+
+    def local_rope(self, layer: int) -> bool:
+        """Whether `layer` rotates with the sliding layers' own rope base (gemma3)."""
+        return self.rope_local_theta is not None and self.sliding(layer)
 
 
 @dataclass
@@ -95,28 +88,42 @@ class KVRow:
     tree: tuple[list[int], list[int]] | None = None
     tree_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     plan: object = None  # attention.KeyPlan: the keys each query sees, shared by all layers
+    window: int | None = None  # a sliding layer's row (attention.windowed): keys older than this are masked
 
 
 class DecoderLayer(torch.nn.Module):
     """One decoder layer. A module whose tensors are buffers, so torch.compile traces it once
-    and the graph serves all layers (regional compilation)."""
+    and the graph serves all layers (regional compilation).
+
+    Optional parts (None where the architecture has none): q_norm and k_norm [head_dim]
+    (qwen3, gemma3: each head's q and k normed before rope), post_attn_norm and post_mlp_norm
+    [hidden] (gemma3: the attention's and the MLP's outputs normed before the residual add).
+    A gate_up with one part (phi3's fused matrix as a prebuilt layer) is split in halves."""
 
     def __init__(self, config: NativeConfig, attn_norm: torch.Tensor, qkv: FusedLinear, o: Linear,
-                 mlp_norm: torch.Tensor, gate_up: FusedLinear, down: Linear):
+                 mlp_norm: torch.Tensor, gate_up: FusedLinear, down: Linear, q_norm: torch.Tensor | None = None,
+                 k_norm: torch.Tensor | None = None, post_attn_norm: torch.Tensor | None = None,
+                 post_mlp_norm: torch.Tensor | None = None):  # fmt: skip
         super().__init__()
         self.register_buffer("attn_norm", attn_norm, persistent=False)  # [hidden]
         self.register_buffer("mlp_norm", mlp_norm, persistent=False)  # [hidden]
+        extra = (q_norm, k_norm, post_attn_norm, post_mlp_norm)
+        for name, weight in zip(("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm"), extra, strict=True):
+            self.register_buffer(name, weight, persistent=False)
         self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down  # qkv -> q, k, v; gate_up -> gate, up
         self.heads, self.kv_heads, self.dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.eps, self.gqa = config.rms_eps, config.num_heads != config.num_kv_heads
+        self.scale, self.gelu = config.attention_scale, config.activation == "gelu_tanh"
         # the dtype the kernels take (bf16 for int4/int8): norms and the activation write it
         # directly, and the kernels' outputs join the fp32 residual stream by type promotion
         self.act_dtype = activation_dtype(qkv)
         self.fast = fast_layer_usable(attn_norm.device, self.act_dtype)  # numba's norms and rotation (jit_ops.py)
         # what eager forwards call, as plain attributes: a module's buffers and submodules are
         # found through nn.Module.__getattr__, which costs a layer about 20 slow lookups a step
-        self.eager_parts = (attn_norm, qkv.joined, o.forward, mlp_norm, gate_up.forward, down.forward, gate_up.joined)
-        self.fused_gate_up = gate_up.fused is not None and self.act_dtype == torch.bfloat16  # its output is bf16
+        self.eager_parts = (attn_norm, qkv.joined, o.forward, mlp_norm, gate_up.forward, down.forward, gate_up.joined,
+                            extra)  # fmt: skip
+        self.fused_gate_up = gate_up.fused is not None and self.act_dtype == torch.bfloat16 and not self.gelu
+        self.split_gate_up = len(gate_up.sizes) == 1  # one [gate | up] part
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, rows: list[KVRow]) -> torch.Tensor:
@@ -135,25 +142,34 @@ class DecoderLayer(torch.nn.Module):
         fast = self.fast and not compiling
         if compiling:  # the registered buffers, so that one compiled graph serves every layer
             parts = (self.attn_norm, self.qkv.joined, self.o.forward, self.mlp_norm, self.gate_up.forward,
-                     self.down.forward, self.gate_up.joined)  # fmt: skip
+                     self.down.forward, self.gate_up.joined,
+                     (self.q_norm, self.k_norm, self.post_attn_norm, self.post_mlp_norm))  # fmt: skip
         else:
             parts = self.eager_parts
-        attn_norm, qkv_linear, o_linear, mlp_norm, gate_up_linear, down_linear, gate_up_joined = parts
+        attn_norm, qkv_linear, o_linear, mlp_norm, gate_up_linear, down_linear, gate_up_joined, extra = parts
+        q_norm, k_norm, post_attn_norm, post_mlp_norm = extra
         x, h = self._add_norm(x, pending, attn_norm, fast)
         qkv = qkv_linear(h)
-        fast_qkv = fast and qkv.dtype == torch.bfloat16
+        fast_qkv = fast and qkv.dtype == torch.bfloat16 and q_norm is None  # numba's rotation has no q/k norm
         row = kernel_chain_row(rows, heads // kv_heads, x.device, k_cache.dtype) if fast_qkv else None
         if row is not None:  # one chain row: rotation, attention and the cast in one numba call
             attn = rotate_attend(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, row.slot, row.store,
-                                 *row.plan.arrays)  # fmt: skip
+                                 *row.plan.arrays, self.scale)  # fmt: skip
         else:
-            attn = self._attention(qkv, cos, sin, k_cache, v_cache, rows, fast_qkv).reshape(n, heads * dim).to(act)
+            qk_norms = None if q_norm is None else (q_norm, k_norm)
+            attn = self._attention(qkv, cos, sin, k_cache, v_cache, rows, fast_qkv, qk_norms)
+            attn = attn.reshape(n, heads * dim).to(act)
         # .forward: the linears are plain modules (no hooks), and __call__ costs each of them
-        x, h = self._add_norm(x, o_linear(attn), mlp_norm, fast)
+        x, h = self._add_norm(x, self._post_norm(o_linear(attn), post_attn_norm), mlp_norm, fast)
         if fast and self.fused_gate_up:  # one numba call from the fused gate|up output
-            return x, down_linear(silu_mul_bf16(gate_up_joined(h)))
-        gate, up = gate_up_linear(h)
-        return x, down_linear(silu_mul(gate, up, act))
+            return x, self._post_norm(down_linear(silu_mul_bf16(gate_up_joined(h))), post_mlp_norm)
+        gate, up = gate_up_joined(h).chunk(2, dim=-1) if self.split_gate_up else gate_up_linear(h)
+        mixed = gelu_mul(gate, up, act) if self.gelu else silu_mul(gate, up, act)
+        return x, self._post_norm(down_linear(mixed), post_mlp_norm)
+
+    def _post_norm(self, delta: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        # gemma3's norm of a sublayer's output before the residual add, in fp32
+        return delta if weight is None else rms_norm(delta.float(), weight, self.eps, torch.float32)
 
     def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                   fast: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,19 +182,24 @@ class DecoderLayer(torch.nn.Module):
         return x, rms_norm(x, weight, self.eps, self.act_dtype, fast)
 
     def _attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, rows: list[KVRow], fast: bool) -> torch.Tensor:
+                   v_cache: torch.Tensor, rows: list[KVRow], fast: bool,
+                   qk_norms: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:  # fmt: skip
         # qkv [N, (heads + 2 kv_heads) * dim] -> [N, heads, dim] in q's dtype
         n, heads, kv_heads, dim = qkv.shape[0], self.heads, self.kv_heads, self.dim
         if fast:
             q, k, v = split_rotate(qkv, cos, sin, heads, kv_heads)
         else:
             qkv = qkv.float()
-            qk = rope(qkv[:, : (heads + kv_heads) * dim].view(n, heads + kv_heads, dim), cos, sin)  # q and k at once
+            qk = qkv[:, : (heads + kv_heads) * dim].view(n, heads + kv_heads, dim)
+            if qk_norms is not None:  # each head's q and k normed over head_dim, before rope
+                q_part = F.rms_norm(qk[:, :heads], (dim,), qk_norms[0], self.eps)
+                qk = torch.cat([q_part, F.rms_norm(qk[:, heads:], (dim,), qk_norms[1], self.eps)], dim=1)
+            qk = rope(qk, cos, sin)  # q and k at once
             q, k = qk[:, :heads], qk[:, heads:]  # [N, heads, dim], [N, kv_heads, dim]
             v = qkv[:, (heads + kv_heads) * dim :].view(n, kv_heads, dim)
         # prompt chunks take SDPA in the layers' own dtype: bf16 for the dense bf16 prompt layers
         # (prompt_precision), about 2x faster than fp32 per chunk; decode rows never take it
-        return batch_invariant_attention(q, k, v, k_cache, v_cache, rows, self.gqa, self.act_dtype)
+        return batch_invariant_attention(q, k, v, k_cache, v_cache, rows, self.gqa, self.act_dtype, self.scale)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -199,6 +220,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dty
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # SwiGLU in fp32, rounded once to the kernels' dtype
     return F.silu(gate.float(), inplace=True).mul_(up).to(dtype)
+
+
+def gelu_mul(gate: torch.Tensor, up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # GeGLU with the tanh approximation (gemma3's gelu_pytorch_tanh) in fp32, rounded once
+    return F.gelu(gate.float(), approximate="tanh").mul_(up).to(dtype)
 
 
 def activation_dtype(linear) -> torch.dtype:

@@ -22,9 +22,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specdec.backends.native.attention import windowed
 from specdec.backends.native.cache import COMPILE_BUCKETS, CachePool, NativeSequence
 from specdec.backends.native.cpu import cpu_features, forced_fallback
 from specdec.backends.native.gguf import read_gguf
+from specdec.backends.native.hf_config import hf_state
 from specdec.backends.native.layer import DecoderLayer, KVRow, NativeConfig, rms_norm
 from specdec.backends.native.quant import LM_HEADS, PRECISIONS, FusedLinear, Linear, make_linear, make_lm_head
 from specdec.errors import SpecdecError
@@ -36,50 +38,26 @@ class NativeModel:
     """Weights and the forward pass; the cache lives in a `CachePool`."""
 
     def __init__(self, config: NativeConfig, state: dict, precision: str = "fp32", device=None,
-                 inv_freq: torch.Tensor | None = None, attention_scaling: float = 1.0, dense_prompts: bool = False,
-                 lm_head: str = "auto"):
+                 dense_prompts: bool = False, lm_head: str = "auto"):
+        """`state`: HF tensor names (see module doc); a value is a tensor or a layer the loader
+        already built, and the embedding a tensor [V, hidden] or a lookup object (gguf_tensors.
+        QuantEmbedding: token ids [N] -> rows [N, hidden] fp32)."""
         self.config, self.precision = config, precision
-        self.device = torch.device(device or state["model.embed_tokens.weight"].device)
+        embed = state["model.embed_tokens.weight"]
+        self.device = torch.device(device or (embed.device if isinstance(embed, torch.Tensor) else "cpu"))
         _check_precision(precision, self.device)
-
-        def tensor(name: str) -> torch.Tensor:
-            return state[name].detach().to(self.device, torch.float32)
-
-        def weight(name: str):  # a tensor, or a layer the loader already quantized
-            w = state[name + ".weight"]
-            return w.detach().to(self.device) if isinstance(w, torch.Tensor) else w
-
-        def bias(name: str) -> torch.Tensor | None:
-            b = state.get(name + ".bias")
-            return None if b is None else b.detach().to(self.device)
-
-        def linear(name: str, precision: str) -> Linear:
-            w = weight(name)
-            return make_linear(w, bias(name), precision) if isinstance(w, torch.Tensor) else w
-
-        def layers(precision: str) -> list[DecoderLayer]:
-            out = []
-            for i in range(config.num_layers):
-                p = f"model.layers.{i}."
-                qkv = [p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"]
-                gate_up = [p + "mlp.gate_proj", p + "mlp.up_proj"]
-                out.append(DecoderLayer(
-                    config, tensor(p + "input_layernorm.weight"),
-                    FusedLinear([weight(n) for n in qkv], [bias(n) for n in qkv], precision),
-                    linear(p + "self_attn.o_proj", precision), tensor(p + "post_attention_layernorm.weight"),
-                    FusedLinear([weight(n) for n in gate_up], [bias(n) for n in gate_up], precision),
-                    linear(p + "mlp.down_proj", precision),
-                ))  # fmt: skip
-            return out
-
-        self.embed = tensor("model.embed_tokens.weight")  # [V, hidden], fp32 for lookups
-        self.layers = layers(precision)
-        self.norm = tensor("model.norm.weight")
+        weights = _StateReader(state, self.device)
+        # fp32 rows for lookups, or the loader's own lookup
+        self.embed = weights.tensor("model.embed_tokens.weight") if isinstance(embed, torch.Tensor) else embed
+        self.layers = [_layer(config, weights, i, precision) for i in range(config.num_layers)]
+        self.norm = weights.tensor("model.norm.weight")
         if "lm_head.weight" not in state:  # tied embeddings
-            state = {**state, "lm_head.weight": self.embed}
+            if not isinstance(embed, torch.Tensor):
+                raise SpecdecError("a tied head over a quantized embedding needs the loader's lm_head.weight", "model")
+            weights.state = {**state, "lm_head.weight": self.embed}
         # int4 keeps the LM head at 8 bits, as 4-bit GGUFs keep their output matrix at 6-8 bits
-        head = weight("lm_head")
-        self.lm_head = make_lm_head(head, bias("lm_head"), precision, lm_head) if isinstance(head, torch.Tensor) else head
+        head = weights.weight("lm_head")
+        self.lm_head = make_lm_head(head, weights.bias("lm_head"), precision, lm_head) if isinstance(head, torch.Tensor) else head
         # Prompts (forwards of more than DECODE_ATTENTION_MAX tokens) are compute-bound, and a
         # dense GEMM runs them faster than the int kernels: with `dense_prompts` they use dense
         # layers (prompt_precision): bf16 copies where the CPU multiplies bf16 natively, else
@@ -87,11 +65,15 @@ class NativeModel:
         # own); decode steps and drafts stay in `precision`.
         self.dense = None
         if dense_prompts and precision != "fp32":
-            self.dense = (layers(prompt_precision(self.device, precision)), linear("lm_head", "fp32"))
-        if inv_freq is None:
-            inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim))
-        self.inv_freq = inv_freq.float().to(self.device)  # [head_dim / 2]
-        self.attention_scaling = attention_scaling
+            dense = prompt_precision(self.device, precision)
+            self.dense = ([_layer(config, weights, i, dense) for i in range(config.num_layers)],
+                          weights.linear("lm_head", "fp32"))  # fmt: skip
+        self.sliding = [config.sliding(i) for i in range(config.num_layers)]  # which layers take windowed rows
+        self.local_rope = [config.local_rope(i) for i in range(config.num_layers)]
+        self.inv_freq = rope_inv_freq(config).to(self.device)  # [head_dim / 2]
+        self.attention_scaling = config.rope_attention_scaling
+        local = config.rope_local_theta
+        self.local_inv_freq = None if local is None else default_inv_freq(local, config.head_dim).to(self.device)
         self.compiled = False  # see compile()
         self.compile_seconds = 0.0
 
@@ -135,12 +117,12 @@ class NativeModel:
     @classmethod
     def from_hf(cls, model: torch.nn.Module, precision: str = "fp32", device=None, lm_head: str = "auto") -> NativeModel:
         """Share the loaded transformers model's tensors (no copy for fp32 on its device)."""
-        config = NativeConfig.from_hf(model.config)
-        rotary = model.model.rotary_emb  # reuse HF's own frequencies (covers llama3/yarn scaling)
-        state = model.state_dict()
-        shared = device is None or torch.device(device) == state["model.embed_tokens.weight"].device
-        return cls(config, state, precision, device, rotary.inv_freq, float(rotary.attention_scaling),
-                   dense_prompts=shared, lm_head=lm_head)  # fp32 prompt layers cost nothing when they share its tensors
+        embed = model.get_input_embeddings().weight
+        config = NativeConfig.from_hf(model.config, embed.dtype)
+        state = hf_state(config.model_type, model.state_dict())
+        shared = device is None or torch.device(device) == embed.device
+        return cls(config, state, precision, device, dense_prompts=shared,
+                   lm_head=lm_head)  # fp32 prompt layers cost nothing when they share its tensors
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, precision: str = "fp32", device=None) -> NativeModel:
@@ -148,18 +130,13 @@ class NativeModel:
         from safetensors.torch import load_file
         from transformers import AutoConfig
 
-        hf_config = AutoConfig.from_pretrained(str(directory), trust_remote_code=False)
-        config = NativeConfig.from_hf(hf_config)
         state: dict = {}
         for file in sorted(Path(directory).glob("*.safetensors")):
             state.update(load_file(str(file)))
-        inv_freq, scaling = None, 1.0
-        rope = getattr(hf_config, "rope_parameters", None) or {}
-        if rope.get("rope_type", "default") != "default":
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf_config, torch.device("cpu"))
-        return cls(config, state, precision, device, inv_freq, scaling)
+        embed = state.get("model.embed_tokens.weight")
+        hf_config = AutoConfig.from_pretrained(str(directory), trust_remote_code=False)
+        config = NativeConfig.from_hf(hf_config, embed.dtype if embed is not None else torch.float32)
+        return cls(config, hf_state(config.model_type, state), precision, device)
 
     @classmethod
     def from_gguf(cls, path: str | Path, precision: str = "fp32", device=None) -> NativeModel:
@@ -172,15 +149,18 @@ class NativeModel:
         """A KV cache for `slots` sequences whose prefix caches run in mode `prefix_cache`."""
         return CachePool(self, slots, max_length, kv_dtype, prefix_cache)
 
-    def rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin [length, head_dim], computed as transformers does (bit for bit).
+    def rope_tables(self, length: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [length, head_dim], computed as transformers does (bit for bit);
+        with `local`, those of the sliding layers' own rope base (gemma3; else the same).
 
         transformers rotates with x * cos + cat(-x2, x1) * sin; the same products come from
         roll(x) * cat(-sin1, sin2), since negation is exact, in one op fewer.
         """
-        freqs = torch.arange(length, device=self.device).float()[:, None] * self.inv_freq[None, :]
+        local = local and self.local_inv_freq is not None
+        inv_freq, scaling = (self.local_inv_freq, 1.0) if local else (self.inv_freq, self.attention_scaling)
+        freqs = torch.arange(length, device=self.device).float()[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+        cos, sin = emb.cos() * scaling, emb.sin() * scaling
         half = sin.shape[-1] // 2
         return cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
@@ -193,21 +173,90 @@ class NativeModel:
         """Run N packed tokens (token j at rotary position positions[j]), storing keys and values
         where `rows` say. Returns the final post-norm hidden states [N, hidden] and the logits
         [N, V], or only those of the rows `logits_at` (a long prompt needs just its last)."""
+        cfg = self.config
         layers, lm_head = self.dense if dense and self.dense else (self.layers, self.lm_head)
-        x = F.embedding(token_ids, self.embed)  # [N, hidden]
-        cos, sin = pool.cos[positions].unsqueeze(1), pool.sin[positions].unsqueeze(1)  # [N, 1, dim]
-        if compiled:  # calling the module runs its compiled graph
-            for i, layer in enumerate(layers):
-                x = layer(x, cos, sin, pool.k[i], pool.v[i], rows)
-        else:  # each residual add joins the norm after it (forward_open)
-            pending = None
-            for i, layer in enumerate(layers):
-                x, pending = layer.forward_open(x, pending, cos, sin, pool.k[i], pool.v[i], rows)
+        x = F.embedding(token_ids, self.embed) if isinstance(self.embed, torch.Tensor) else self.embed(token_ids)
+        if cfg.embedding_scale != 1.0:
+            x = x * cfg.embedding_scale  # [N, hidden]
+        tables = [(pool.cos[positions].unsqueeze(1), pool.sin[positions].unsqueeze(1))]  # [N, 1, dim] each
+        if self.local_inv_freq is not None:
+            tables.append((pool.local_cos[positions].unsqueeze(1), pool.local_sin[positions].unsqueeze(1)))
+        row_sets = (rows, windowed(rows, cfg.sliding_window, pool.group, self.device, pool.kernel) if any(self.sliding) else rows)
+        pending = None
+        for i, layer in enumerate(layers):
+            (cos, sin), layer_rows = tables[self.local_rope[i]], row_sets[self.sliding[i]]
+            if compiled:  # calling the module runs its compiled graph
+                x = layer(x, cos, sin, pool.k[i], pool.v[i], layer_rows)
+            else:  # each residual add joins the norm after it (forward_open)
+                x, pending = layer.forward_open(x, pending, cos, sin, pool.k[i], pool.v[i], layer_rows)
+        if pending is not None:
             x = x + pending
-        x = rms_norm(x, self.norm, self.config.rms_eps, torch.float32)
+        x = rms_norm(x, self.norm, cfg.rms_eps, torch.float32)
         if logits_at is not None and logits_at.numel() == 0:  # every row unscored: no LM head at all
-            return x, x.new_zeros(0, self.config.vocab_size)
-        return x, lm_head(x if logits_at is None else x[logits_at]).float()
+            return x, x.new_zeros(0, cfg.vocab_size)
+        logits = lm_head(x if logits_at is None else x[logits_at]).float()
+        if cfg.final_logit_softcap is not None:
+            logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
+        return x, logits
+
+
+class _StateReader:
+    """A state dict's entries on the model's device: fp32 tensors (norms), weights (a tensor,
+    or a layer the loader already built), biases and linears."""
+
+    def __init__(self, state: dict, device: torch.device):
+        self.state, self.device = state, device
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self.state[name].detach().to(self.device, torch.float32)
+
+    def weight(self, name: str):
+        w = self.state[name + ".weight"]
+        return w.detach().to(self.device) if isinstance(w, torch.Tensor) else w
+
+    def bias(self, name: str) -> torch.Tensor | None:
+        b = self.state.get(name + ".bias")
+        return None if b is None else b.detach().to(self.device)
+
+    def linear(self, name: str, precision: str) -> Linear:
+        w = self.weight(name)
+        return make_linear(w, self.bias(name), precision) if isinstance(w, torch.Tensor) else w
+
+    def fused(self, names: list[str], joined: str, precision: str) -> FusedLinear:
+        """The linears `names` as one FusedLinear, or the checkpoint's own fused matrix
+        `joined` (phi3's qkv_proj, gate_up_proj) as its single part."""
+        names = [joined] if joined + ".weight" in self.state else names
+        return FusedLinear([self.weight(n) for n in names], [self.bias(n) for n in names], precision)
+
+
+def _layer(config: NativeConfig, weights: _StateReader, i: int, precision: str) -> DecoderLayer:
+    """Layer i from HF names (gemma3's sandwich: post_attention_layernorm normalizes the
+    attention's output and pre_feedforward_layernorm the MLP's input)."""
+    p = f"model.layers.{i}."
+    attn, mlp = p + "self_attn.", p + "mlp."
+    qkv = weights.fused([attn + "q_proj", attn + "k_proj", attn + "v_proj"], attn + "qkv_proj", precision)
+    gate_up = weights.fused([mlp + "gate_proj", mlp + "up_proj"], mlp + "gate_up_proj", precision)
+    sandwich = config.sandwich_norms
+    mlp_norm = p + ("pre_feedforward_layernorm" if sandwich else "post_attention_layernorm") + ".weight"
+    qk_norms = ((weights.tensor(attn + "q_norm.weight"), weights.tensor(attn + "k_norm.weight"))
+                if config.qk_norm else (None, None))  # fmt: skip
+    post_norms = ((weights.tensor(p + "post_attention_layernorm.weight"), weights.tensor(p + "post_feedforward_layernorm.weight"))
+                  if sandwich else (None, None))  # fmt: skip
+    return DecoderLayer(config, weights.tensor(p + "input_layernorm.weight"), qkv, weights.linear(attn + "o_proj", precision),
+                        weights.tensor(mlp_norm), gate_up, weights.linear(mlp + "down_proj", precision), *qk_norms,
+                        *post_norms)  # fmt: skip
+
+
+def default_inv_freq(theta: float, head_dim: int) -> torch.Tensor:
+    """transformers' default rope frequencies [head_dim / 2] (its compute_default_rope_parameters)."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+
+
+def rope_inv_freq(config: NativeConfig) -> torch.Tensor:
+    """The full layers' inverse frequencies [head_dim / 2]: the config's (a scaled rope) or the default."""
+    if config.rope_inv_freq is not None:
+        return torch.tensor(config.rope_inv_freq, dtype=torch.float32)
+    return default_inv_freq(config.rope_theta, config.head_dim)
 
 
 def prompt_precision(device: torch.device, precision: str) -> str:
