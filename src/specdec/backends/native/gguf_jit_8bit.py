@@ -99,9 +99,9 @@ def q8_0_matmul(raw, d, xq, xs, y):  # pragma: no cover - compiled
 def _decode_q6_k(block, d, w, scale, k):  # pragma: no cover - compiled
     """One 210-byte block -> w[k : k + 256] = q - 32 and scale[k // 16 : k // 16 + 16] = d * sc."""
     for h in range(2):
-        for l in range(32):
-            lo0, lo1, hi = block[h * 64 + l], block[h * 64 + 32 + l], block[128 + h * 32 + l]
-            o = k + h * 128 + l
+        for i in range(32):
+            lo0, lo1, hi = block[h * 64 + i], block[h * 64 + 32 + i], block[128 + h * 32 + i]
+            o = k + h * 128 + i
             w[o] = np.int16((lo0 & 15) | ((hi & 3) << 4)) - 32
             w[o + 32] = np.int16((lo1 & 15) | (((hi >> 2) & 3) << 4)) - 32
             w[o + 64] = np.int16((lo0 >> 4) | (((hi >> 4) & 3) << 4)) - 32
@@ -135,10 +135,10 @@ def _decode_q5_k(block, d, dmin, w, scale, offset, k):  # pragma: no cover - com
     """One 176-byte block -> w[k : k + 256] = q, and per sub-block of 32 scale = d * sc and
     offset = dmin * m (llama.cpp's get_scale_min_k4 unpacking of bytes 4-15)."""
     for j in range(4):
-        for l in range(32):
-            byte, high = block[48 + j * 32 + l], block[16 + l]
-            w[k + j * 64 + l] = np.int16((byte & 15) | (((high >> (2 * j)) & 1) << 4))
-            w[k + j * 64 + 32 + l] = np.int16((byte >> 4) | (((high >> (2 * j + 1)) & 1) << 4))
+        for i in range(32):
+            byte, high = block[48 + j * 32 + i], block[16 + i]
+            w[k + j * 64 + i] = np.int16((byte & 15) | (((high >> (2 * j)) & 1) << 4))
+            w[k + j * 64 + 32 + i] = np.int16((byte >> 4) | (((high >> (2 * j + 1)) & 1) << 4))
     for j in range(8):
         if j < 4:
             sc, mn = block[4 + j] & 63, block[8 + j] & 63
