@@ -33,13 +33,14 @@ LANES = 16
 CHUNK = 16  # output rows per parallel work item (scratch buffers are allocated per chunk)
 
 
-def _lanes_source() -> str:
-    """The source of `_lanes(w, wbase, wstep, a, s_lo, s_hi, blocks) -> float32`: the dot
-    product of w's blocks (block b's 32 values at wbase + b * wstep) with a (block b at 32 b)
-    in the shared lane order, lanes 0-7 scaled by s_lo[b] and 8-15 by s_hi[b]."""
-    lines = ["def _lanes(w, wbase, wstep, a, s_lo, s_hi, blocks):"]
+def _lanes_source(name: str, wbase: int, wstep: int) -> str:
+    """The source of `name(w, a, s_lo, s_hi, blocks) -> float32`: the dot product of w's
+    blocks (block b's 32 values at wbase + b * wstep, constants so that LLVM sees the layout)
+    with a (block b at 32 b) in the shared lane order, lanes 0-7 scaled by s_lo[b] and 8-15
+    by s_hi[b]."""
+    lines = [f"def {name}(w, a, s_lo, s_hi, blocks):"]
     lines += [f"    c{lane} = np.float32(0)" for lane in range(LANES)]
-    lines += ["    for b in range(blocks):", "        k = wbase + b * wstep", "        j = b * 32",
+    lines += ["    for b in range(blocks):", f"        k = {wbase} + b * {wstep}", "        j = b * 32",
               "        lo = s_lo[b]", "        hi = s_hi[b]"]  # fmt: skip
     for lane in range(LANES):
         e = 2 * lane
@@ -53,11 +54,38 @@ def _lanes_source() -> str:
     return "\n".join(lines)
 
 
+def _decode_source(kind: str) -> str:
+    """The source of `unpack_<kind>(row, base, w, k)`: the integers of the super-block at
+    row[base:] into w[k : k + 256], all of a group's loads before its stores (arrays carry no
+    aliasing facts: interleaved, SLP could not move the loads together)."""
+    lines = [f"def unpack_{kind}(row, base, w, k):"]
+    if kind == "q6_k":  # per half h: ql bytes l, l + 32 (two nibbles each), qh byte l (four pairs)
+        for h in range(2):
+            lines += [f"    a{i} = np.int16(row[base + {h * 64 + i}])" for i in range(64)]
+            lines += [f"    b{i} = np.int16(row[base + {128 + h * 32 + i}])" for i in range(32)]
+            for t in range(4):
+                lines += [f"    w[k + {h * 128 + t * 32 + i}] = (((a{(t & 1) * 32 + i} >> {(t >> 1) * 4}) & 15) | "
+                          f"(((b{i} >> {2 * t}) & 3) << 4)) - 32" for i in range(32)]  # fmt: skip
+    else:  # per pair of sub-blocks j: qs bytes (two nibbles), qh byte (bits 2j, 2j + 1)
+        lines += [f"    b{i} = np.int16(row[base + {16 + i}])" for i in range(32)]
+        for j in range(4):
+            lines += [f"    a{i} = np.int16(row[base + {48 + j * 32 + i}])" for i in range(32)]
+            for half in range(2):
+                i0 = 2 * j + half
+                lines += [f"    w[k + {i0 * 32 + i}] = ((a{i} >> {half * 4}) & 15) | (((b{i} >> {i0}) & 1) << 4)"
+                          for i in range(32)]  # fmt: skip
+    return "\n".join(lines)
+
+
 _slp = numba.config.SLP_VECTORIZE
 numba.config.SLP_VECTORIZE = 1  # for this module's compilations only; restored at the end
 _namespace = {"np": np}
-exec(_lanes_source(), _namespace)  # noqa: S102 - generated above, no outside input
-_lanes = njit(nogil=True, inline="always")(_namespace["_lanes"])
+exec(_lanes_source("lanes_q8_0", 2, 34), _namespace)  # noqa: S102 - generated above, no outside input
+exec(_lanes_source("lanes_int16", 0, 32), _namespace)  # noqa: S102
+exec(_decode_source("q6_k"), _namespace)  # noqa: S102
+exec(_decode_source("q5_k"), _namespace)  # noqa: S102
+_lanes_q8_0, _lanes_int16 = (njit(nogil=True, inline="always")(_namespace[name]) for name in ("lanes_q8_0", "lanes_int16"))
+_unpack_q6_k, _unpack_q5_k = (njit(nogil=True)(_namespace[name]) for name in ("unpack_q6_k", "unpack_q5_k"))
 
 
 @njit("void(float32[:, ::1], int16[:, ::1], float32[:, ::1], int32[:, ::1])", cache=True, nogil=True)
@@ -92,20 +120,13 @@ def q8_0_matmul(raw, d, xq, xs, y):  # pragma: no cover - compiled
             for m in range(xq.shape[0]):
                 for b in range(blocks):
                     s[b] = d[n, b] * xs[m, b]
-                y[m, n] = _lanes(raw[n], 2, 34, xq[m], s, s, blocks)
+                y[m, n] = _lanes_q8_0(raw[n], xq[m], s, s, blocks)
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _decode_q6_k(block, d, w, scale, k):  # pragma: no cover - compiled
     """One 210-byte block -> w[k : k + 256] = q - 32 and scale[k // 16 : k // 16 + 16] = d * sc."""
-    for h in range(2):
-        for i in range(32):
-            lo0, lo1, hi = block[h * 64 + i], block[h * 64 + 32 + i], block[128 + h * 32 + i]
-            o = k + h * 128 + i
-            w[o] = np.int16((lo0 & 15) | ((hi & 3) << 4)) - 32
-            w[o + 32] = np.int16((lo1 & 15) | (((hi >> 2) & 3) << 4)) - 32
-            w[o + 64] = np.int16((lo0 >> 4) | (((hi >> 4) & 3) << 4)) - 32
-            w[o + 96] = np.int16((lo1 >> 4) | (((hi >> 6) & 3) << 4)) - 32
+    _unpack_q6_k(block, 0, w, k)
     for j in range(16):
         scale[k // 16 + j] = d * np.float32(np.int8(block[192 + j]))
 
@@ -127,18 +148,14 @@ def q6_k_matmul(raw, d, xq, xs, y):  # pragma: no cover - compiled
                 for b in range(blocks):
                     s_lo[b] = scale[2 * b] * xs[m, b]
                     s_hi[b] = scale[2 * b + 1] * xs[m, b]
-                y[m, n] = _lanes(w, 0, 32, xq[m], s_lo, s_hi, blocks)
+                y[m, n] = _lanes_int16(w, xq[m], s_lo, s_hi, blocks)
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _decode_q5_k(block, d, dmin, w, scale, offset, k):  # pragma: no cover - compiled
     """One 176-byte block -> w[k : k + 256] = q, and per sub-block of 32 scale = d * sc and
     offset = dmin * m (llama.cpp's get_scale_min_k4 unpacking of bytes 4-15)."""
-    for j in range(4):
-        for i in range(32):
-            byte, high = block[48 + j * 32 + i], block[16 + i]
-            w[k + j * 64 + i] = np.int16((byte & 15) | (((high >> (2 * j)) & 1) << 4))
-            w[k + j * 64 + 32 + i] = np.int16((byte >> 4) | (((high >> (2 * j + 1)) & 1) << 4))
+    _unpack_q5_k(block, 0, w, k)
     for j in range(8):
         if j < 4:
             sc, mn = block[4 + j] & 63, block[8 + j] & 63
@@ -168,7 +185,7 @@ def q5_k_matmul(raw, d_dmin, xq, xs, xsum, y):  # pragma: no cover - compiled
                 for b in range(blocks):
                     s[b] = scale[b] * xs[m, b]
                     mins += (offset[b] * xs[m, b]) * np.float32(xsum[m, b])
-                y[m, n] = _lanes(w, 0, 32, xq[m], s, s, blocks) - mins
+                y[m, n] = _lanes_int16(w, xq[m], s, s, blocks) - mins
 
 
 numba.config.SLP_VECTORIZE = _slp
