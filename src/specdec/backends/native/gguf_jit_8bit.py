@@ -40,12 +40,13 @@ def _lanes_source(name: str, wbase: int, wstep: int) -> str:
     by s_hi[b]."""
     lines = [f"def {name}(w, a, s_lo, s_hi, blocks):"]
     lines += [f"    c{lane} = np.float32(0)" for lane in range(LANES)]
-    lines += ["    for b in range(blocks):", f"        k = {wbase} + b * {wstep}", "        j = b * 32",
+    lines += ["    for b in range(blocks):", f"        wb = w[{wbase} + b * {wstep} : {wbase + 32} + b * {wstep}]",
+              "        ab = a[b * 32 : b * 32 + 32]",
               "        lo = s_lo[b]", "        hi = s_hi[b]"]  # fmt: skip
     for lane in range(LANES):
         e = 2 * lane
-        pair = (f"np.int32(np.int32(w[k + {e}]) * np.int32(a[j + {e}]) + "
-                f"np.int32(w[k + {e + 1}]) * np.int32(a[j + {e + 1}]))")  # fmt: skip
+        pair = (f"np.int32(np.int32(wb[{e}]) * np.int32(ab[{e}]) + "
+                f"np.int32(wb[{e + 1}]) * np.int32(ab[{e + 1}]))")  # fmt: skip
         lines.append(f"        c{lane} += {'lo' if lane < 8 else 'hi'} * np.float32({pair})")
     total = "c0"
     for lane in range(1, LANES):
@@ -55,24 +56,25 @@ def _lanes_source(name: str, wbase: int, wstep: int) -> str:
 
 
 def _decode_source(kind: str) -> str:
-    """The source of `unpack_<kind>(row, base, w, k)`: the integers of the super-block at
-    row[base:] into w[k : k + 256], all of a group's loads before its stores (arrays carry no
-    aliasing facts: interleaved, SLP could not move the loads together)."""
-    lines = [f"def unpack_{kind}(row, base, w, k):"]
+    """The source of `unpack_<kind>(row, w)`: the integers of the super-block `row` into
+    w[0:256]. Constant indices only (a variable one costs a negative-index check, which keeps
+    SLP from packing the loads), and all of a group's loads before its stores (arrays carry
+    no aliasing facts: interleaved, SLP could not move the loads together)."""
+    lines = [f"def unpack_{kind}(row, w):"]
     if kind == "q6_k":  # per half h: ql bytes l, l + 32 (two nibbles each), qh byte l (four pairs)
         for h in range(2):
-            lines += [f"    a{i} = np.int16(row[base + {h * 64 + i}])" for i in range(64)]
-            lines += [f"    b{i} = np.int16(row[base + {128 + h * 32 + i}])" for i in range(32)]
+            lines += [f"    a{i} = np.int16(row[{h * 64 + i}])" for i in range(64)]
+            lines += [f"    b{i} = np.int16(row[{128 + h * 32 + i}])" for i in range(32)]
             for t in range(4):
-                lines += [f"    w[k + {h * 128 + t * 32 + i}] = (((a{(t & 1) * 32 + i} >> {(t >> 1) * 4}) & 15) | "
+                lines += [f"    w[{h * 128 + t * 32 + i}] = (((a{(t & 1) * 32 + i} >> {(t >> 1) * 4}) & 15) | "
                           f"(((b{i} >> {2 * t}) & 3) << 4)) - 32" for i in range(32)]  # fmt: skip
     else:  # per pair of sub-blocks j: qs bytes (two nibbles), qh byte (bits 2j, 2j + 1)
-        lines += [f"    b{i} = np.int16(row[base + {16 + i}])" for i in range(32)]
+        lines += [f"    b{i} = np.int16(row[{16 + i}])" for i in range(32)]
         for j in range(4):
-            lines += [f"    a{i} = np.int16(row[base + {48 + j * 32 + i}])" for i in range(32)]
+            lines += [f"    a{i} = np.int16(row[{48 + j * 32 + i}])" for i in range(32)]
             for half in range(2):
                 i0 = 2 * j + half
-                lines += [f"    w[k + {i0 * 32 + i}] = ((a{i} >> {half * 4}) & 15) | (((b{i} >> {i0}) & 1) << 4)"
+                lines += [f"    w[{i0 * 32 + i}] = ((a{i} >> {half * 4}) & 15) | (((b{i} >> {i0}) & 1) << 4)"
                           for i in range(32)]  # fmt: skip
     return "\n".join(lines)
 
@@ -126,7 +128,7 @@ def q8_0_matmul(raw, d, xq, xs, y):  # pragma: no cover - compiled
 @njit(cache=True, nogil=True, inline="always")
 def _decode_q6_k(block, d, w, scale, k):  # pragma: no cover - compiled
     """One 210-byte block -> w[k : k + 256] = q - 32 and scale[k // 16 : k // 16 + 16] = d * sc."""
-    _unpack_q6_k(block, 0, w, k)
+    _unpack_q6_k(block, w[k : k + 256])
     for j in range(16):
         scale[k // 16 + j] = d * np.float32(np.int8(block[192 + j]))
 
@@ -155,7 +157,7 @@ def q6_k_matmul(raw, d, xq, xs, y):  # pragma: no cover - compiled
 def _decode_q5_k(block, d, dmin, w, scale, offset, k):  # pragma: no cover - compiled
     """One 176-byte block -> w[k : k + 256] = q, and per sub-block of 32 scale = d * sc and
     offset = dmin * m (llama.cpp's get_scale_min_k4 unpacking of bytes 4-15)."""
-    _unpack_q5_k(block, 0, w, k)
+    _unpack_q5_k(block, w[k : k + 256])
     for j in range(8):
         if j < 4:
             sc, mn = block[4 + j] & 63, block[8 + j] & 63
