@@ -103,3 +103,29 @@ def test_encoding_decoded_weights_again_keeps_them(qtype):
     once = decode(quantize_blocks(x, GGMLQuantizationType[qtype]), qtype, x.shape)
     twice = decode(quantize_blocks(once, GGMLQuantizationType[qtype]), qtype, x.shape)
     np.testing.assert_array_equal(twice, once)
+
+
+@pytest.mark.slow
+def test_synthetic_qwen2_script_writes_a_q4_k_m_mix(tmp_path):
+    """scripts/synthetic_qwen2_gguf.py at a tiny size: llama.cpp's Q4_K_M mix of types, the
+    embedded model's vocabulary, weights that decode to the random scale."""
+    import importlib.util
+    from pathlib import Path
+
+    from gguf import GGUFReader
+
+    spec = importlib.util.spec_from_file_location(
+        "synthetic_qwen2_gguf", Path(__file__).parent.parent / "scripts" / "synthetic_qwen2_gguf.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "tiny.gguf"
+    script.write(str(out), layers=3, hidden=256, ffn=512, heads=4, kv_heads=2, seed=0)
+    reader = GGUFReader(out)
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert reader.fields["general.architecture"].contents() == "qwen2"
+    assert len(reader.fields["tokenizer.ggml.tokens"].contents()) == 49152
+    assert types["token_embd.weight"] == "Q6_K" and types["blk.1.attn_q.weight"] == "Q4_K"
+    assert [types[f"blk.{i}.ffn_down.weight"] for i in range(3)] == ["Q4_K", "Q4_K", "Q6_K"]
+    assert types["blk.0.attn_q.bias"] == "F32"
+    q = next(t for t in reader.tensors if t.name == "blk.0.ffn_gate.weight")
+    assert abs(float(np.std(dequantize(q.data, q.tensor_type))) - 0.02) < 0.002
