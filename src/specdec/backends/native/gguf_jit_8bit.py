@@ -17,10 +17,14 @@ Integer sums are exact and no float operation is reordered or fused (numba compi
 fastmath), so y[m, n] depends only on x[m] and row n: not on M, nor on the thread count
 (threads share out chunks of rows n; each output's reduction runs whole on one thread).
 
-The 16 lanes are written out as scalars (generated source, `_lanes`): numba leaves SLP
-vectorisation off by default and arrays carry no aliasing facts, so a loop over a lane array
-stays scalar. SLP is switched on while this module compiles; it packs the independent lanes
-(vpmaddwd, then fp32 multiply and add per lane), which cannot change a result.
+Layout per call: Q8_0 reads its int8 q straight from the blocks; Q6_K and Q5_K unpack each
+row's integers into an int16 row buffer once (shared by all M activation rows), then run the
+same lanes. The lanes and the unpacking are generated source written out as scalars with
+constant indices: numba leaves SLP vectorisation off by default, arrays carry no aliasing
+facts, and a variable index costs a negative-index check, any of which keeps LLVM from
+packing them. SLP is switched on while this module compiles; it packs independent lanes
+(vpmaddwd, then fp32 multiply and add per lane) and byte unpacking, which cannot change a
+result. The generated helpers are not cached themselves; the cached kernels contain them.
 """
 
 from __future__ import annotations
