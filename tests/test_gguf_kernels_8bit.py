@@ -190,3 +190,12 @@ def test_reference_dequantize_matches_gguf():
     """The fixture's blocks are what the gguf package decodes (a guard on make_tensor itself)."""
     tensor = make_tensor("Q5_K", n=4)
     np.testing.assert_array_equal(tensor.dequantize(), dequantize(tensor.data, tensor.qtype).reshape(4, 512))
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_reads_a_read_only_mapping(qtype, kernel):
+    """GGUFReader maps the file read-only; the kernels take those bytes as they are."""
+    tensor = make_tensor(qtype, n=24)
+    writable = k8.BlockLinear8(tensor, kernel=kernel)(activations(2, 512))
+    tensor.data.setflags(write=False)
+    assert torch.equal(k8.BlockLinear8(tensor, kernel=kernel)(activations(2, 512)), writable)

@@ -31,7 +31,15 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+
+_f32_2d, _i16_2d = types.float32[:, ::1], types.int16[:, ::1]
+
+
+def _raw(dtype):
+    """The file's blocks: a read-only memory map (accepts writable arrays too)."""
+    return types.Array(dtype, 2, "C", readonly=True)
+
 
 LANES = 16
 CHUNK = 16  # output rows per parallel work item (scratch buffers are allocated per chunk)
@@ -114,7 +122,7 @@ def quantize_rows(x, xq, xs, xsum):  # pragma: no cover - compiled
             xsum[m, b] = total
 
 
-@njit("void(int8[:, ::1], float32[:, ::1], int16[:, ::1], float32[:, ::1], float32[:, ::1])",
+@njit(types.void(_raw(types.int8), _f32_2d, _i16_2d, _f32_2d, _f32_2d),
       cache=True, nogil=True, parallel=True)  # fmt: skip
 def q8_0_matmul(raw, d, xq, xs, y):  # pragma: no cover - compiled
     """raw [N, K // 32 * 34] (Q8_0 blocks as int8: fp16 d, then 32 q), d [N, K // 32] fp32
@@ -137,7 +145,7 @@ def _decode_q6_k(block, d, w, scale, k):  # pragma: no cover - compiled
         scale[k // 16 + j] = d * np.float32(np.int8(block[192 + j]))
 
 
-@njit("void(uint8[:, ::1], float32[:, ::1], int16[:, ::1], float32[:, ::1], float32[:, ::1])",
+@njit(types.void(_raw(types.uint8), _f32_2d, _i16_2d, _f32_2d, _f32_2d),
       cache=True, nogil=True, parallel=True)  # fmt: skip
 def q6_k_matmul(raw, d, xq, xs, y):  # pragma: no cover - compiled
     """raw [N, K // 256 * 210] (Q6_K blocks), d [N, K // 256] fp32 (each block's fp16 d) -> y [M, N]."""
@@ -172,7 +180,7 @@ def _decode_q5_k(block, d, dmin, w, scale, offset, k):  # pragma: no cover - com
         offset[k // 32 + j] = dmin * np.float32(mn)
 
 
-@njit("void(uint8[:, ::1], float32[:, :, ::1], int16[:, ::1], float32[:, ::1], int32[:, ::1], float32[:, ::1])",
+@njit(types.void(_raw(types.uint8), types.float32[:, :, ::1], _i16_2d, _f32_2d, types.int32[:, ::1], _f32_2d),
       cache=True, nogil=True, parallel=True)  # fmt: skip
 def q5_k_matmul(raw, d_dmin, xq, xs, xsum, y):  # pragma: no cover - compiled
     """raw [N, K // 256 * 176] (Q5_K blocks), d_dmin [N, K // 256, 2] fp32 -> y [M, N]."""
