@@ -1,0 +1,203 @@
+"""Linear layers over GGUF Q8_0, Q6_K and Q5_K matrices, read from the file's own blocks.
+
+`linear_for(tensor, bias)` is the entry point (gguf_tensors.linear_from_quant dispatches these
+three types to it). The layer keeps the file's bytes (memory-mapped, not copied) plus small
+fp32 tables of the blocks' fp16 scales: no dense float copy of the matrix.
+
+Arithmetic (gguf_jit_8bit.py states it exactly): int8 activations, quantized per block of 32
+of each row (scale max|x| / 127, as llama.cpp's Q8_0 activations), times the file's integers,
+with exact integer block sums; the weights' scales are the file's, exact in fp32 (d, d * sc,
+dmin * m), so the weights used equal the gguf package's reference dequantization as real
+numbers. The only roundings are the activations' quantization and the fp32 accumulation.
+Reduction order, for each output: 16 fp32 lanes over the blocks in order (lane l takes the
+pairs of elements 2l, 2l + 1 of every block), then the lanes summed left to right; Q5_K's min
+term is summed in block order and subtracted last. Nothing depends on M or on the thread
+count: rows share no arithmetic, threads split the output rows, never a reduction (no
+split-K). Prompts (any M) run the same kernel, so a row's bits do not depend on the path.
+
+Kernels, chosen per process (`kernel_name`):
+- "numba": gguf_jit_8bit.py, compiled by LLVM for this CPU (vpmaddwd on AVX2/AVX-512; NEON
+  on arm64), output rows on numba's threads (as many as torch's);
+- "torch": the same operations in the same order on PyTorch tensors, tile by tile of output
+  rows (transient memory only); bit-identical to "numba", and much slower. Runs where numba
+  is not installed or `SPECDEC_CPU_KERNELS=fallback`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from specdec.backends.native import jit_ops
+from specdec.backends.native.cpu import forced_fallback
+from specdec.backends.native.gguf_tensors import QuantTensor
+
+QTYPES = ("Q8_0", "Q6_K", "Q5_K")
+BLOCK = 32  # activation block (and the lanes' span)
+LANES = 16
+BLOCK_BYTES = {"Q8_0": 34, "Q6_K": 210, "Q5_K": 176}  # per 32 elements (Q8_0) or per 256 (K-quants)
+TORCH_TILE = 256  # output rows the torch kernel decodes at a time
+
+
+def kernel_name() -> str:
+    """"numba" where numba imports and the fallback is not forced, else "torch"."""
+    return "torch" if forced_fallback() or not jit_ops.importable() else "numba"
+
+
+def _fp16_at(blocks: np.ndarray, offset: int) -> np.ndarray:
+    """blocks [..., width] uint8 -> the fp16 at byte `offset` of each block, as fp32 [...]."""
+    return np.ascontiguousarray(blocks[..., offset : offset + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+
+class BlockLinear8(torch.nn.Module):
+    """x [M, K] -> y [M, N] = x @ W.T (+ bias) for a Q8_0 / Q6_K / Q5_K matrix W [N, K];
+    fp32 activations in, x's dtype out."""
+
+    def __init__(self, tensor: QuantTensor, bias: torch.Tensor | None = None, kernel: str | None = None):
+        super().__init__()
+        qtype = tensor.qtype.name
+        if qtype not in QTYPES:
+            raise ValueError(f"BlockLinear8 reads {', '.join(QTYPES)}, not {qtype} (tensor {tensor.name!r})")
+        n, k = tensor.shape
+        span = BLOCK if qtype == "Q8_0" else 256
+        if k % span:
+            raise ValueError(f"tensor {tensor.name!r}: {qtype} rows of {k} are not whole blocks of {span}")
+        self.qtype, self.in_features, self.out_features = qtype, k, n
+        self.act_dtype = torch.float32
+        self.raw = np.ascontiguousarray(tensor.data).reshape(n, -1)  # [N, bytes per row]: the file's own
+        blocks = self.raw.reshape(n, k // span, BLOCK_BYTES[qtype])
+        if qtype == "Q8_0":
+            self.scales = _fp16_at(blocks, 0)  # [N, K // 32] d
+        elif qtype == "Q6_K":
+            self.scales = _fp16_at(blocks, 208)  # [N, K // 256] d
+        else:
+            self.scales = np.ascontiguousarray(np.stack([_fp16_at(blocks, 0), _fp16_at(blocks, 2)], axis=-1))
+        self.bias = None if bias is None else bias.detach().float().cpu()  # [N]
+        self.kernel = kernel or kernel_name()
+
+    def nbytes(self) -> int:
+        """Bytes this layer holds besides the file's mapping (the scale tables and the bias)."""
+        return self.scales.nbytes + (0 if self.bias is None else self.bias.nbytes)
+
+    @torch.compiler.disable  # numba and numpy: compiled graphs call it eagerly
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+        a = x.detach().to("cpu", torch.float32).contiguous()
+        y = self._numba(a.numpy()) if self.kernel == "numba" else self._torch(a)
+        if self.bias is not None:
+            y = y + self.bias
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def _numba(self, x: np.ndarray) -> torch.Tensor:
+        jit = _jit()
+        m, blocks = x.shape[0], self.in_features // BLOCK
+        xq, xs = np.empty(x.shape, np.int16), np.empty((m, blocks), np.float32)
+        xsum = np.empty((m, blocks), np.int32)
+        jit.quantize_rows(x, xq, xs, xsum)
+        y = np.empty((m, self.out_features), np.float32)
+        if self.qtype == "Q8_0":
+            jit.q8_0_matmul(self.raw.view(np.int8), self.scales, xq, xs, y)
+        elif self.qtype == "Q6_K":
+            jit.q6_k_matmul(self.raw, self.scales, xq, xs, y)
+        else:
+            jit.q5_k_matmul(self.raw, self.scales, xq, xs, xsum, y)
+        return torch.from_numpy(y)
+
+    def _torch(self, x: torch.Tensor) -> torch.Tensor:
+        xq, xs, xsum = quantize_activations(x)
+        tiles = []
+        for start in range(0, self.out_features, TORCH_TILE):
+            w, lo, hi, offset = decode_integers(self.qtype, self.raw[start : start + TORCH_TILE],
+                                                self.scales[start : start + TORCH_TILE])  # fmt: skip
+            tiles.append(lanes_matmul(xq, xs, xsum, *(torch.from_numpy(t) for t in (w, lo, hi)),
+                                      None if offset is None else torch.from_numpy(offset)))  # fmt: skip
+        return torch.cat(tiles, dim=1)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] fp32 -> (xq [M, K // 32, 32] integer-valued fp32, xs [M, K // 32], xsum [M, K // 32]),
+    the operations of gguf_jit_8bit.quantize_rows."""
+    blocks = x.reshape(x.shape[0], -1, BLOCK)
+    d = blocks.abs().amax(-1) / 127
+    inv = torch.where(d > 0, 1 / torch.where(d > 0, d, 1), 0)
+    xq = torch.round(blocks * inv[..., None])  # half to even, as np.rint
+    return xq, d, xq.sum(-1)
+
+
+def decode_integers(qtype: str, raw: np.ndarray, scales: np.ndarray) -> tuple:
+    """Rows of raw blocks -> (w [n, K // 32, 32] the file's integers as fp32, scale_lo and
+    scale_hi [n, K // 32] for lanes 0-7 and 8-15 of each block, offset [n, K // 32] or None)."""
+    n = raw.shape[0]
+    if qtype == "Q8_0":
+        q = raw.reshape(n, -1, 34)[..., 2:].view(np.int8).astype(np.float32)
+        return q, scales, scales, None
+    if qtype == "Q6_K":
+        b = raw.reshape(n, -1, 210)
+        q = _q6_k_values(b)
+        sc = b[..., 192:208].view(np.int8).astype(np.float32)  # [n, S, 16]
+        scale = (scales[..., None] * sc).reshape(n, -1, 2)  # [n, K // 32, 2]: per sub-block of 16
+        return q.reshape(n, -1, 32), scale[..., 0].copy(), scale[..., 1].copy(), None
+    b = raw.reshape(n, -1, 176)
+    q, sc, mn = _q5_k_values(b)
+    scale = (scales[..., 0:1] * sc).reshape(n, -1)
+    offset = (scales[..., 1:2] * mn).reshape(n, -1)
+    return q.reshape(n, -1, 32), scale, scale, offset
+
+
+def _q6_k_values(b: np.ndarray) -> np.ndarray:
+    """Q6_K blocks [n, S, 210] -> q - 32 [n, S, 256] fp32 (element h*128 + t*32 + l: nibble
+    t // 2 of ql[h*64 + (t % 2)*32 + l], bit pair t of qh[h*32 + l])."""
+    ql = b[..., :128].reshape(*b.shape[:2], 2, 2, 32)  # [n, S, half, t % 2, l]
+    qh = b[..., 128:192].reshape(*b.shape[:2], 2, 1, 32)  # [n, S, half, 1, l]
+    low = np.concatenate([ql & 15, ql >> 4], axis=-2)  # [n, S, half, t, l], t = 0..3
+    high = (qh >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
+    return ((low | (high << 4)).astype(np.float32) - 32).reshape(*b.shape[:2], 256)
+
+
+def _q5_k_values(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q5_K blocks [n, S, 176] -> (q [n, S, 256], sc and m [n, S, 8]) as fp32."""
+    s = b[..., 4:16].astype(np.uint8)
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], -1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+    qs = b[..., 48:176].reshape(*b.shape[:2], 4, 1, 32)
+    low = np.concatenate([qs & 15, qs >> 4], axis=-2).reshape(*b.shape[:2], 8, 32)  # sub-block 2j, 2j+1
+    high = (b[..., 16:48][..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [n, S, 8, 32]
+    q = (low | (high << 4)).astype(np.float32).reshape(*b.shape[:2], 256)
+    return q, sc.astype(np.float32), mn.astype(np.float32)
+
+
+def lanes_matmul(xq: torch.Tensor, xs: torch.Tensor, xsum: torch.Tensor, w: torch.Tensor, lo: torch.Tensor,
+                 hi: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
+    """The kernels' reduction in PyTorch ops: xq [M, B, 32], w [n, B, 32] -> y [M, n] fp32.
+    Every operation is elementwise (one rounding per element, whatever the shapes), and the
+    sums over blocks and lanes run in Python loops in the kernels' order."""
+    pairs = xq[:, None] * w[None]  # [M, n, B, 32], exact integers
+    p = pairs[..., 0::2] + pairs[..., 1::2]  # [M, n, B, 16], exact
+    s_lo, s_hi = lo[None] * xs[:, None], hi[None] * xs[:, None]  # [M, n, B]
+    c = torch.zeros(p.shape[0], p.shape[1], LANES)
+    for b in range(p.shape[2]):
+        scale = torch.cat([s_lo[:, :, b, None].expand(-1, -1, 8), s_hi[:, :, b, None].expand(-1, -1, 8)], -1)
+        c = c + scale * p[:, :, b]
+    y = c[..., 0]
+    for lane in range(1, LANES):
+        y = y + c[..., lane]
+    if offset is not None:
+        mins = torch.zeros_like(y)
+        for b in range(p.shape[2]):
+            mins = mins + (offset[None, :, b] * xs[:, None, b]) * xsum[:, None, b]
+        y = y - mins
+    return y
+
+
+def linear_for(tensor: QuantTensor, bias: torch.Tensor | None = None) -> BlockLinear8:
+    """The layer for a Q8_0, Q6_K or Q5_K matrix [N, K], on this process's kernel."""
+    return BlockLinear8(tensor, bias)
+
+
+@functools.cache
+def _jit():
+    jit_ops.numba_threads()  # the threading layer and count, before the first parallel launch
+    import specdec.backends.native.gguf_jit_8bit as jit  # compiles, or loads from disk
+
+    return jit

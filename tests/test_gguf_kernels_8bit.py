@@ -1,0 +1,201 @@
+"""The Q8_0 / Q6_K / Q5_K weight kernels (gguf_kernels_8bit.py) on synthetic blocks, each
+test for every type and both kernels (numba, and the PyTorch replica):
+- the integers and scales the kernels read reproduce the gguf package's reference weights
+  bit for bit, and the outputs stay within the int8 activations' error bound of the exact
+  dequantized product (a misplaced decoder breaks the bound);
+- numba and the replica agree bit for bit;
+- rows are bit-identical whatever M (decode and prompt sizes) and at 1 or 2 threads;
+- the layer keeps the file's bytes without copying them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from specdec.backends.native import gguf_kernels_8bit as k8
+from specdec.backends.native import jit_ops
+from specdec.backends.native.gguf_encode import quantize_blocks
+from specdec.backends.native.gguf_tensors import QuantTensor, ReferenceLinear
+
+QTYPES = ["Q8_0", "Q6_K", "Q5_K"]
+KERNELS = ["numba", "torch"]
+
+
+def make_tensor(qtype: str, n: int = 40, k: int = 512, seed: int = 0) -> QuantTensor:
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.2, 3, (n, 1)).astype(np.float32)
+    return QuantTensor(f"blk.0.{qtype}.weight", GGMLQuantizationType[qtype], (n, k),
+                       quantize_blocks(w, GGMLQuantizationType[qtype]))  # fmt: skip
+
+
+def activations(m: int, k: int, seed: int = 1) -> torch.Tensor:
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
+    x[:, 7] *= 20  # an outlier channel, as real activations have
+    return x
+
+
+@pytest.fixture(params=KERNELS)
+def kernel(request):
+    if request.param == "numba" and not jit_ops.importable():
+        pytest.skip("numba is not installed")
+    return request.param
+
+
+def error_bound(tensor: QuantTensor, x: torch.Tensor) -> torch.Tensor:
+    """|y - x @ W.T| per output [M, N] from int8 activations: each element is off by at most
+    half a step (max|x| of its block / 254), plus fp32 accumulation slack."""
+    w = torch.from_numpy(tensor.dequantize()).abs().reshape(tensor.shape[0], -1, 32).sum(-1)  # [N, B]
+    step = x.abs().reshape(x.shape[0], -1, 32).amax(-1) / 254  # [M, B]
+    magnitude = x.abs() @ torch.from_numpy(tensor.dequantize()).abs().T
+    return step @ w.T * 1.001 + magnitude * 1e-5
+
+
+def within_bound(layer, tensor: QuantTensor, x: torch.Tensor) -> bool:
+    want = ReferenceLinear(tensor)(x)
+    return bool(((layer(x) - want).abs() <= error_bound(tensor, x)).all())
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_decoded_integers_are_the_reference_weights(qtype):
+    tensor = make_tensor(qtype)
+    layer = k8.BlockLinear8(tensor, kernel="torch")
+    w, lo, hi, offset = k8.decode_integers(qtype, layer.raw, layer.scales)
+    lanes = np.concatenate([np.repeat(lo[..., None], 16, -1), np.repeat(hi[..., None], 16, -1)], -1)  # [N, B, 32]
+    weights = lanes * w if offset is None else lanes * w - offset[..., None]
+    np.testing.assert_array_equal(weights.reshape(tensor.shape), tensor.dequantize())
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_outputs_within_the_int8_activation_bound(qtype, kernel):
+    tensor = make_tensor(qtype)
+    layer = k8.BlockLinear8(tensor, kernel=kernel)
+    x = activations(6, tensor.shape[1])
+    assert within_bound(layer, tensor, x)
+    # and the bound is tight enough to mean something: the relative error is about 1%
+    want = ReferenceLinear(tensor)(x)
+    assert ((layer(x) - want).norm() / want.norm()).item() < 0.02
+
+
+def misplaced_q6_k_values(b: np.ndarray) -> np.ndarray:
+    """A wrong Q6_K decoder: the high bit pairs taken in the reverse order."""
+    ql = b[..., :128].reshape(*b.shape[:2], 2, 2, 32)
+    qh = b[..., 128:192].reshape(*b.shape[:2], 2, 1, 32)
+    low = np.concatenate([ql & 15, ql >> 4], axis=-2)
+    high = (qh >> (2 * np.arange(3, -1, -1, dtype=np.uint8))[:, None]) & 3
+    return ((low | (high << 4)).astype(np.float32) - 32).reshape(*b.shape[:2], 256)
+
+
+def test_a_misplaced_decoder_breaks_the_bound(monkeypatch):
+    tensor = make_tensor("Q6_K")
+    x = activations(4, tensor.shape[1])
+    assert within_bound(k8.BlockLinear8(tensor, kernel="torch"), tensor, x)
+    monkeypatch.setattr(k8, "_q6_k_values", misplaced_q6_k_values)
+    assert not within_bound(k8.BlockLinear8(tensor, kernel="torch"), tensor, x)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_logits_keep_top1_and_kl(qtype, kernel):
+    """A logits-like output (a vocabulary of 2000 rows): the argmax and the distribution of the
+    int8-activation kernel against the exact dequantized product."""
+    tensor = make_tensor(qtype, n=2000, k=256, seed=4)
+    x = activations(16, 256, seed=5) * 0.1  # logits of std ~4, as a language model's
+    got, want = k8.BlockLinear8(tensor, kernel=kernel)(x), ReferenceLinear(tensor)(x)
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 15 / 16
+    kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True, reduction="batchmean")
+    assert kl.item() < 1e-3
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_numba_and_torch_kernels_agree_bit_for_bit(qtype):
+    if not jit_ops.importable():
+        pytest.skip("numba is not installed")
+    tensor = make_tensor(qtype, n=70)  # not a multiple of the 16-row chunks
+    x = activations(5, tensor.shape[1])
+    x[2] = 0  # an all-zero row: zero scales
+    bias = torch.randn(70)
+    got = k8.BlockLinear8(tensor, bias, kernel="numba")(x)
+    assert torch.equal(got, k8.BlockLinear8(tensor, bias, kernel="torch")(x))
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_rows_do_not_depend_on_the_batch(qtype, kernel):
+    tensor = make_tensor(qtype)
+    layer = k8.BlockLinear8(tensor, kernel=kernel)
+    x = activations(40, tensor.shape[1])  # 40: past the decode sizes, a prompt's
+    alone = torch.cat([layer(x[i : i + 1].clone()) for i in range(9)])
+    for m in (2, 3, 8, 9, 40):
+        assert torch.equal(layer(x[:m].clone())[: min(m, 9)], alone[: min(m, 9)])
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_rows_do_not_depend_on_the_thread_count(qtype, kernel):
+    tensor = make_tensor(qtype, n=96)
+    layer = k8.BlockLinear8(tensor, kernel=kernel)
+    x = activations(33, tensor.shape[1])
+    threads = torch.get_num_threads()
+    outputs = []
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            if kernel == "numba":
+                import numba
+
+                k8._jit()  # sets the threading layer first
+                numba.set_num_threads(min(count, numba.config.NUMBA_NUM_THREADS))
+            outputs.append(layer(x))
+    finally:
+        torch.set_num_threads(threads)
+        if kernel == "numba":
+            import numba
+
+            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    assert torch.equal(outputs[0], outputs[1])
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_keeps_the_file_bytes_without_a_dense_copy(qtype):
+    tensor = make_tensor(qtype, n=64, k=1024)
+    layer = k8.linear_for(tensor)
+    assert np.shares_memory(layer.raw, tensor.data)
+    assert layer.nbytes() <= 0.13 * tensor.data.nbytes  # Q8_0's fp32 copy of its fp16 scales is the most
+    assert layer.out_features == 64 and layer.act_dtype == torch.float32
+
+
+def test_dtype_and_bias_and_bad_shapes():
+    tensor = make_tensor("Q8_0")
+    bias = torch.randn(40)
+    x = activations(3, tensor.shape[1])
+    layer = k8.BlockLinear8(tensor, bias, kernel="torch")
+    assert torch.equal(layer(x), k8.BlockLinear8(tensor, kernel="torch")(x) + bias)
+    assert layer(x.to(torch.bfloat16)).dtype == torch.bfloat16
+    odd = QuantTensor("blk.0.odd.weight", GGMLQuantizationType.Q6_K, (2, 288), np.zeros((2, 1), np.uint8))
+    with pytest.raises(ValueError, match="blk.0.odd.weight"):
+        k8.BlockLinear8(odd)
+    with pytest.raises(ValueError, match="Q4_K"):
+        k8.BlockLinear8(QuantTensor("t", GGMLQuantizationType.Q4_K, (1, 256), np.zeros((1, 144), np.uint8)))
+
+
+def test_fallback_is_forced_by_the_environment(monkeypatch):
+    monkeypatch.setenv("SPECDEC_CPU_KERNELS", "fallback")
+    assert k8.kernel_name() == "torch"
+    assert k8.linear_for(make_tensor("Q5_K")).kernel == "torch"
+    monkeypatch.delenv("SPECDEC_CPU_KERNELS")
+    assert k8.kernel_name() == ("numba" if jit_ops.importable() else "torch")
+
+
+def test_reference_dequantize_matches_gguf():
+    """The fixture's blocks are what the gguf package decodes (a guard on make_tensor itself)."""
+    tensor = make_tensor("Q5_K", n=4)
+    np.testing.assert_array_equal(tensor.dequantize(), dequantize(tensor.data, tensor.qtype).reshape(4, 512))
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_reads_a_read_only_mapping(qtype, kernel):
+    """GGUFReader maps the file read-only; the kernels take those bytes as they are."""
+    tensor = make_tensor(qtype, n=24)
+    writable = k8.BlockLinear8(tensor, kernel=kernel)(activations(2, 512))
+    tensor.data.setflags(write=False)
+    assert torch.equal(k8.BlockLinear8(tensor, kernel=kernel)(activations(2, 512)), writable)
