@@ -14,14 +14,15 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from specdec.backends.native import gguf_q4
-from specdec.backends.native.gguf_kernels import concat_rows, prompt_view, vector_from_quant
-from specdec.backends.native.gguf_q4 import ExactQ4Linear, Int4BlockLinear, OrtQ4Linear
-from specdec.backends.native.gguf_tensors import (
-    QuantTensor,
-    ReferenceLinear,
+from specdec.backends.native.gguf_kernels import (
+    concat_rows,
     embedding_from_quant,
     linear_from_quant,
+    prompt_view,
+    vector_from_quant,
 )
+from specdec.backends.native.gguf_q4 import ExactQ4Linear, Int4BlockLinear, OrtQ4Linear
+from specdec.backends.native.gguf_tensors import QuantTensor, ReferenceLinear
 from specdec.backends.native.ort_linear import ort_available
 from specdec.backends.native.quant import FusedLinear
 from specdec.errors import SpecdecError

@@ -27,9 +27,10 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES
 
+from specdec.backends.native import gguf_kernels_8bit
 from specdec.backends.native.cpu import forced_fallback, has_int4_kernel
 from specdec.backends.native.gguf_q4 import Q4_TYPES, ExactQ4Linear, Int4BlockLinear
-from specdec.backends.native.gguf_tensors import QuantTensor, ReferenceLinear, check_type
+from specdec.backends.native.gguf_tensors import QuantTensor, check_type
 from specdec.backends.native.quant import DenseLinear, FP16Linear, FusedLinear
 from specdec.errors import SpecdecError
 
@@ -92,15 +93,8 @@ def _single(tensor: QuantTensor, bias):
 
 
 def _eight_bit(tensor: QuantTensor, bias):
-    # ---- Q8_0 / Q5_K / Q6_K: gguf_kernels_8bit.py (written on the `kquant` branch) ----------
-    # Contract: make_linear(tensor: QuantTensor, bias: Tensor | None) -> a layer with forward,
-    # prompt_forward, out_features, act_dtype. Until the module exists: the dequantizing
-    # reference (a dense fp32 copy; correct, not lean).
-    try:
-        from specdec.backends.native import gguf_kernels_8bit
-    except ImportError:
-        return PromptSame(ReferenceLinear(tensor, bias))
-    return gguf_kernels_8bit.make_linear(tensor, bias)
+    # Q8_0 / Q5_K / Q6_K: one kernel over the file's blocks for decode steps and prompts alike
+    return PromptSame(gguf_kernels_8bit.linear_for(tensor, bias))
 
 
 def _matrix_shape(tensor: QuantTensor) -> tuple[int, int]:
@@ -218,3 +212,14 @@ def vector_from_quant(tensor: QuantTensor) -> torch.Tensor:
     check_type(tensor.name, tensor.qtype)
     return torch.from_numpy(np.ascontiguousarray(tensor.dequantize()).reshape(tensor.shape).copy())
 
+
+def linear_from_quant(tensor: QuantTensor | list[QuantTensor], bias=None):
+    """A linear layer over `tensor` [N, K] in its own quant type, or over a list of tensors of
+    one K side by side (a FusedLinear; `bias` then one per tensor)."""
+    return build_linear(tensor, bias)
+
+
+def embedding_from_quant(tensor: QuantTensor):
+    """Row lookups: token ids [T] -> [T, hidden] fp32, decoding only those rows."""
+    check_type(tensor.name, tensor.qtype)
+    return QuantEmbedding(tensor)

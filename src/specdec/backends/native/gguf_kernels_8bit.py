@@ -1,6 +1,6 @@
 """Linear layers over GGUF Q8_0, Q6_K and Q5_K matrices, read from the file's own blocks.
 
-`linear_for(tensor, bias)` is the entry point (gguf_tensors.linear_from_quant dispatches these
+`linear_for(tensor, bias)` is the entry point (gguf_kernels.linear_from_quant dispatches these
 three types to it). The layer keeps the file's bytes (memory-mapped, not copied) plus small
 fp32 tables of the blocks' fp16 scales: no dense float copy of the matrix.
 

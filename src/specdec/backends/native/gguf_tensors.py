@@ -3,9 +3,9 @@
 The contract between the GGUF reader (gguf.py) and the weight kernels:
 - the reader yields a `QuantTensor` per matrix: the file's raw bytes (memory-mapped, in the
   file's own quant type) plus the type and the logical shape in PyTorch order;
-- `linear_from_quant` turns one into a linear layer (x [M, K] -> y [M, N], the `Linear`
+- `gguf_kernels.linear_from_quant` turns one into a linear layer (x [M, K] -> y [M, N], the `Linear`
   interface of quant.py: `forward`, `out_features`, `act_dtype`);
-- `embedding_from_quant` turns one into a row lookup (token ids [N] -> [N, hidden] fp32).
+- `gguf_kernels.embedding_from_quant` turns one into a row lookup (token ids [N] -> [N, hidden] fp32).
 
 Neither may keep a dense fp32 or bf16 copy of a quantized matrix.
 """
@@ -62,19 +62,3 @@ class ReferenceLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         return torch.nn.functional.linear(x.float(), self.weight, self.bias).to(x.dtype)
-
-
-def linear_from_quant(tensor: QuantTensor | list[QuantTensor], bias=None):
-    """A linear layer over `tensor` [N, K] in its own quant type, or over a list of tensors of
-    one K side by side (a FusedLinear; `bias` then one per tensor). See gguf_kernels.py."""
-    from specdec.backends.native.gguf_kernels import build_linear
-
-    return build_linear(tensor, bias)
-
-
-def embedding_from_quant(tensor: QuantTensor):
-    """Row lookups: token ids [T] -> [T, hidden] fp32, decoding only those rows."""
-    from specdec.backends.native.gguf_kernels import QuantEmbedding
-
-    check_type(tensor.name, tensor.qtype)
-    return QuantEmbedding(tensor)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from specdec.backends.native.attention import attention as batch_invariant_attention
 from specdec.backends.native.attention import kernel_chain_row
+from specdec.backends.native.hf_config import native_config
 from specdec.backends.native.jit_ops import (
     add_rms_norm_bf16,
     fast_layer_usable,
@@ -60,8 +61,6 @@ class NativeConfig:
     @classmethod
     def from_hf(cls, config, embedding_dtype: torch.dtype = torch.float32) -> NativeConfig:
         """The config of an HF model (hf_config.native_config: the one reader of HF configs)."""
-        from specdec.backends.native.hf_config import native_config
-
         return cls(**native_config(config, SUPPORTED_TYPES, embedding_dtype))
 
     def sliding(self, layer: int) -> bool:
