@@ -1,24 +1,26 @@
 """`auto`, the default backend: native where it runs the target's architecture, else hf.
 
-The native backend runs Llama-family models (layer.SUPPORTED_TYPES) about twice as fast as
+The native backend runs the architectures of layer.SUPPORTED_TYPES (GGUF files of llama,
+mistral, qwen2, qwen3, gemma3 and phi3 read as they are) several times faster than
 transformers on a CPU; everything else runs on transformers. `resolve_backend` decides from
 the target's name before any weights load (a GGUF's architecture, a directory's
 config.json), so that the CLI, bench reports and the server see the concrete backend; the
-registered `auto` factory decides from a loaded target the same way.
+registered `auto` factory decides from a loaded target (its metadata) the same way. Falling
+back to hf is never silent: a one-line notice names the architecture and the backend chosen.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
-from gguf import GGUFReader
-
 from specdec.backends import REGISTRY, Backend, register
+from specdec.backends.native.gguf import MODEL_TYPES, gguf_file
 from specdec.backends.native.layer import SUPPORTED_TYPES
-from specdec.models import resolve
+from specdec.models import LoadedModel, resolve
 
-NATIVE_GGUF_ARCHITECTURES = ("llama", "qwen2")  # what transformers converts to SUPPORTED_TYPES
+log = logging.getLogger("specdec")
 
 
 def resolve_backend(kind: str, target: str) -> str:
@@ -27,23 +29,27 @@ def resolve_backend(kind: str, target: str) -> str:
         return kind
     source, path = resolve(target)
     if source == "gguf":
-        return "native" if _gguf_architecture(path) in NATIVE_GGUF_ARCHITECTURES else "hf"
+        arch = gguf_file(path).meta("general.architecture")
+        return _choose(MODEL_TYPES.get(arch, arch), target)
     try:
         model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type")
     except (OSError, ValueError):
         return "hf"  # transformers reports what is wrong with the directory
-    return "native" if model_type in SUPPORTED_TYPES else "hf"
+    return _choose(model_type, target)
 
 
-def backend_for(target) -> str:
-    """native or hf for a loaded target (a LoadedModel)."""
-    model_type = getattr(getattr(target.model, "config", None), "model_type", None)
-    return "native" if model_type in SUPPORTED_TYPES else "hf"
+def backend_for(target: LoadedModel) -> str:
+    """native or hf for a loaded target, from its metadata (no weights load)."""
+    return _choose(target.model_type, target.name)
 
 
-def _gguf_architecture(path) -> str | None:
-    field = GGUFReader(str(path)).fields.get("general.architecture")
-    return None if field is None else field.contents()
+def _choose(model_type: str | None, name: str) -> str:
+    if model_type in SUPPORTED_TYPES:
+        return "native"
+    # with no handler configured, logging's last resort writes the warning to stderr
+    log.warning("specdec: backend auto: the native backend does not run %r models (%s); using the hf "
+                "backend (transformers)", model_type, name)  # fmt: skip
+    return "hf"
 
 
 @register("auto")
