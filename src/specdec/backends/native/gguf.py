@@ -25,7 +25,12 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from specdec.backends.native.gguf_tensors import QuantTensor, check_type, embedding_from_quant, linear_from_quant
+from specdec.backends.native.gguf_tensors import (
+    QuantTensor,
+    check_type,
+    embedding_from_quant,
+    linear_from_quant,
+)
 from specdec.errors import SpecdecError
 
 # GGUF metadata value types: fixed-size scalars (struct format), 8 = string, 9 = array
