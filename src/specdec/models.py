@@ -337,5 +337,5 @@ def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
             f"({len(draft_vocab)} vs {len(target_vocab)} tokens, {only_target} target entries differ)",
             "drafter",
         )
-    if draft.vocab_size < len(target_vocab):
+    if draft.vocab_size < min(target.vocab_size, len(target_vocab)):  # ids the target emits the draft cannot
         raise SpecdecError(f"draft {draft.name!r} has only {draft.vocab_size} output rows", "drafter")

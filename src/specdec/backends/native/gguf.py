@@ -37,7 +37,9 @@ from specdec.errors import SpecdecError
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32, 7: np.bool_,
           10: np.uint64, 11: np.int64, 12: np.float64}  # fmt: skip
-_FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}  # BF16 stays raw 16-bit words
+# types held as numpy floats; every other (BF16 included, as the gguf package reads it) is raw
+# bytes, [N, bytes per row]
+_FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16}
 
 
 @dataclass

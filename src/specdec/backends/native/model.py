@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from specdec.backends.native.cache import COMPILE_BUCKETS, DEFAULT_MAX_LENGTH, CachePool, NativeSequence
 from specdec.backends.native.cpu import cpu_features, forced_fallback
 from specdec.backends.native.gguf import float_state, quant_state, read_gguf
-from specdec.backends.native.layer import DecoderLayer, KVRow, NativeConfig, rms_norm
+from specdec.backends.native.layer import SUPPORTED_TYPES, DecoderLayer, KVRow, NativeConfig, rms_norm
 from specdec.backends.native.quant import LM_HEADS, PRECISIONS, FusedLinear, Linear, make_linear, make_lm_head
 from specdec.errors import SpecdecError
 
@@ -182,6 +182,9 @@ class NativeModel:
         the file's quant type (gguf_tensors' kernels); another precision dequantizes each
         tensor and builds that precision's layers from the floats."""
         model = read_gguf(path)
+        if model.config["model_type"] not in SUPPORTED_TYPES:  # the layers would silently skip its features
+            raise SpecdecError(f"the native backend supports {', '.join(SUPPORTED_TYPES)} models, not "
+                               f"{model.config['model_type']!r} ({Path(path).name}); use the hf backend", "backend")
         state = quant_state(model) if precision == GGUF_PRECISION else float_state(model)
         inv_freq = None if model.rope_inv_freq is None else torch.tensor(model.rope_inv_freq)
         return cls(NativeConfig(**model.config), state, precision, device, inv_freq, model.rope_attention_scaling,
