@@ -85,8 +85,7 @@ class NativeModel:
                 ))  # fmt: skip
             return out
 
-        # [V, hidden] fp32 for lookups, or the loader's lookup (token ids [N] -> [N, hidden] fp32)
-        self.embed = tensor("model.embed_tokens.weight") if isinstance(embed, torch.Tensor) else embed
+        self.embed = tensor("model.embed_tokens.weight") if isinstance(embed, torch.Tensor) else embed  # (see above)
         self.layers = layers(precision)
         self.norm = tensor("model.norm.weight")
         if "lm_head.weight" not in state:  # tied embeddings
