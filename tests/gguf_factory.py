@@ -241,3 +241,41 @@ def _write_metadata(writer: gguf.GGUFWriter, spec: Spec, tok: dict) -> None:
     writer.add_pad_token_id(tok["ids"]["padding"])
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATES[_TEMPLATE_OF[spec.arch]])
+
+
+def requantize_gguf(source, path, qtype: str) -> None:
+    """A llama GGUF (the embedded SmolLM2) re-encoded: every matrix dequantized by the gguf
+    package and encoded again in `qtype`, the rest (rows as laid out, metadata) as it is."""
+    f = gguf_file(source)
+    arch = f.meta("general.architecture")
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"{f.meta('general.name')} {qtype}")
+    keys = ("block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count",
+            "attention.head_count_kv", "rope.dimension_count", "vocab_size")  # fmt: skip
+    for key in keys:
+        writer.add_uint32(f"{arch}.{key}", int(f.meta(f"{arch}.{key}")))
+    writer.add_float32(f"{arch}.rope.freq_base", float(f.meta(f"{arch}.rope.freq_base")))
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon",
+                       float(f.meta(f"{arch}.attention.layer_norm_rms_epsilon")))  # fmt: skip
+    tok = tokenizer_fields()
+    writer.add_tokenizer_model(f.meta("tokenizer.ggml.model"))
+    writer.add_tokenizer_pre(f.meta("tokenizer.ggml.pre"))
+    writer.add_token_list(tok["tokens"])
+    writer.add_token_types(tok["token_type"])
+    writer.add_token_merges(tok["merges"])
+    writer.add_bos_token_id(tok["ids"]["bos"])
+    writer.add_eos_token_id(tok["ids"]["eos"])
+    writer.add_unk_token_id(tok["ids"]["unknown"])
+    writer.add_pad_token_id(tok["ids"]["padding"])
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(f.meta("tokenizer.chat_template"))
+    target = gguf.GGMLQuantizationType[qtype]
+    for name, tensor in f.tensors.items():
+        if len(tensor.shape) == 2:
+            writer.add_tensor(name, quantize_blocks(tensor.dequantize(), target), raw_dtype=target)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(tensor.dequantize()))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

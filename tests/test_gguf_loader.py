@@ -313,3 +313,25 @@ def test_the_synthetic_qwen_script_writes_a_q4_k_m_file(tmp_path):
     types = {name: t.qtype.name for name, t in model.tensors.items()}
     assert types["model.embed_tokens.weight"] == "Q6_K" and types["model.layers.0.mlp.down_proj.weight"] == "Q6_K"
     assert types["model.layers.0.self_attn.q_proj.weight"] == "Q4_K"
+
+
+@pytest.mark.slow
+def test_smollm2_q4_0_drafts_for_smollm2_q8_0_exactly(tmp_path_factory):
+    """The embedded model re-encoded into two files (our own encoders): a Q8_0 target and a
+    Q4_0 draft (model:FILE), both on the native path; speculative equals plain greedy."""
+    from gguf_factory import requantize_gguf
+    from specdec.models import builtin_gguf_path
+
+    folder = tmp_path_factory.mktemp("smollm2")
+    for qtype in ("Q8_0", "Q4_0"):
+        requantize_gguf(builtin_gguf_path("smollm2-135m"), folder / f"smollm2-{qtype}.gguf", qtype)
+    target = load_model(str(folder / "smollm2-Q8_0.gguf"))
+    plain = Engine(target=target, drafter="none", backend="native")
+    spec = Engine(target=target, drafter=f"model:{folder / 'smollm2-Q4_0.gguf'}", k=4, backend="native")
+    assert spec.drafter.backend.pool.model.precision == "gguf"
+    accepted = 0
+    for prompt in ("List three uses of a hash map.", "Write a Python function that reverses a string."):
+        result = spec.generate(prompt, max_new_tokens=48)
+        assert result.token_ids == plain.generate(prompt, max_new_tokens=48).token_ids, prompt
+        accepted += result.stats.num_accepted_tokens
+    assert accepted > 0 and not target.model_loaded

@@ -186,8 +186,9 @@ class NativeModel:
                                f"{model.config['model_type']!r} ({Path(path).name}); use the hf backend", "backend")
         state = quant_state(model) if precision == GGUF_PRECISION else float_state(model)
         inv_freq = None if model.rope_inv_freq is None else torch.tensor(model.rope_inv_freq)
+        # another precision keeps the floats, so prompts may run dense over them (as from_hf's)
         return cls(NativeConfig(**model.config), state, precision, device, inv_freq, model.rope_attention_scaling,
-                   lm_head=lm_head)  # fmt: skip
+                   dense_prompts=precision != GGUF_PRECISION, lm_head=lm_head)  # fmt: skip
 
     def new_pool(self, slots: int = 1, max_length: int | None = None, kv_dtype=torch.float32,
                  prefix_cache: str = "prompt") -> CachePool:
