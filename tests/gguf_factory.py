@@ -63,8 +63,9 @@ class Spec:
 
 
 def spec_for(arch: str, qtype: str = "Q8_0", **changes) -> Spec:
-    """Each architecture's typical shape: gemma3 with six layers (five sliding, one global)."""
-    defaults = {"gemma3": {"layers": 6, "window": 16, "tied": True}, "mistral": {"window": 4096},
+    """Each architecture's typical shape: gemma3 with six layers (five sliding, one global) and
+    head_dim 256 (transformers scales its queries by query_pre_attn_scalar, 256 by default)."""
+    defaults = {"gemma3": {"layers": 6, "window": 16, "tied": True, "head_dim": 256}, "mistral": {"window": 4096},
                 "phi3": {"window": 2047}, "qwen3": {"tied": True, "head_dim": 128}}.get(arch, {})  # fmt: skip
     return Spec(arch=arch, qtype=qtype, **{**defaults, **changes})
 

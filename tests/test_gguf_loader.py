@@ -92,7 +92,7 @@ def test_reader_tensors_and_config_match_the_file(tmp_path_factory, arch, qtype)
         assert config["layer_types"] == ("sliding_attention",) * 5 + ("full_attention",)
         assert config["sliding_window"] == 16 and config["rope_local_theta"] == 10000.0
         assert config["sandwich_norms"] and config["activation"] == "gelu_tanh"
-        assert config["embedding_scale"] == pytest.approx(16.0) and config["attention_scale"] == 64**-0.5
+        assert config["embedding_scale"] == pytest.approx(16.0) and config["attention_scale"] == 256**-0.5
     elif spec.window:
         assert config["layer_types"] == ("sliding_attention",) * spec.layers and config["sliding_window"] == spec.window
     else:
