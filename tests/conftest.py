@@ -74,7 +74,8 @@ def save_loaded(loaded, path) -> str:
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """The real embedded default model (slow: converts the GGUF once, then loads from cache)."""
+    """The real embedded default model: its tokenizer and facts; `.model` (transformers) builds
+    on first use (slow: converts the GGUF once, then loads from the cache)."""
     from specdec.models import load_model
 
     return load_model("smollm2-135m")

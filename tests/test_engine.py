@@ -246,9 +246,16 @@ def test_model_drafter_refuses_a_different_tokenizer(target, tmp_path):
         Engine(target=target, drafter=f"model:{path}")
 
 
-def test_model_drafter_from_a_directory(target, tmp_path):
+@pytest.mark.parametrize("backend", ["native", "hf"])
+def test_model_drafter_from_a_directory(target, tmp_path, backend):
+    """A model draft runs where `auto` puts it (native for a llama) unless its spec names a
+    backend; the same weights on the target's backend accept every draft."""
     path = save_loaded(tiny_llama(seed=0), tmp_path / "same")
-    engine = Engine(target=target, drafter=f"model:{path}", k=4)
+    # fp32 on native: int4 targets prefill through dense layers, which an int4 draft does not
+    spec = f"model:{path}:precision=fp32" if backend == "native" else f"model:{path}:backend=hf"
+    options = {"precision": "fp32"} if backend == "native" else {}
+    engine = Engine(target=target, drafter=spec, k=4, backend=backend, backend_options=options)
+    assert type(engine.drafter.backend).__name__ == ("NativeSequence" if backend == "native" else "HFBackend")
     result = engine.generate(PROMPTS[0], max_new_tokens=20, chat=False)
     assert result.stats.acceptance_rate == 1.0  # same weights, loaded from disk
 

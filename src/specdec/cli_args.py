@@ -53,14 +53,17 @@ def add_engine_args(p: argparse.ArgumentParser, drafter: str | None = None) -> N
 
 
 def add_backend_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", help="model backend: auto (the default: native for Llama-family targets, else hf), "
-                                      "native (lean PyTorch) or hf (transformers)")
+    p.add_argument("--backend", help="model backend: auto (the default: native for llama, mistral, qwen2/3, gemma3 "
+                                      "and phi3 targets, else hf, with a notice), native (lean PyTorch) or hf "
+                                      "(transformers)")  # fmt: skip
     p.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="backend option, repeatable (native: precision=fp32|bf16|int8|int4, device=cuda, "
-                        "max_length=N, compile=1: torch.compile the decode step, for faster single streams; "
-                        "no token trees, and a batch runs one sequence at a time)")
+                   help="backend option, repeatable (native: precision=gguf|fp32|bf16|int8|int4, gguf: a GGUF's "
+                        "own types, the default for GGUF files on a cpu; device=cuda, max_length=N (default: the "
+                        "model's window up to 4096), kv_dtype=fp32|bf16|fp16, compile=1: torch.compile the decode "
+                        "step, for faster single streams; no token trees, and a batch runs one sequence at a time)")
     p.add_argument("--draft-device", metavar="DEVICE",
-                   help="where a model drafter runs, e.g. cpu while the target is on cuda (default: the target's)")
+                   help="where a model drafter runs, e.g. cpu while the target is on cuda (default: cpu for a "
+                        "GGUF draft, else the draft model's)")
     p.add_argument("--prefix-cache", choices=PREFIX_CACHE_MODES,
                    help="reuse the cached start of a prompt: prompt tokens only, bit-exact against a cold start "
                         "(default); decoded: the previous answers too, so a conversation's next turn skips "

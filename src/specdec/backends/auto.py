@@ -1,12 +1,13 @@
 """`auto`, the default backend: native where it runs the target's architecture, else hf.
 
-The native backend runs llama, mistral, qwen2, qwen3, gemma3 and phi3 (layer.SUPPORTED_TYPES)
-about twice as fast as transformers on a CPU; everything else, and a supported type with a
-feature the native layers do not compute (NativeConfig.from_hf refuses it by name), runs on
-transformers, with a warning that says why. `resolve_backend` decides from the target's name
-before any weights load (a GGUF's architecture, a directory's config), so that the CLI, bench
-reports and the server see the concrete backend; the registered `auto` factory decides from
-a loaded target the same way.
+The native backend runs the architectures of layer.SUPPORTED_TYPES (GGUF files of llama,
+mistral, qwen2, qwen3, gemma3 and phi3 read as they are) several times faster than
+transformers on a CPU; everything else, and an HF config with a feature the native layers do
+not compute (NativeConfig.from_hf refuses it by name), runs on transformers. `resolve_backend` decides from
+the target's name before any weights load (a GGUF's architecture, a directory's
+config.json), so that the CLI, bench reports and the server see the concrete backend; the
+registered `auto` factory decides from a loaded target (its metadata) the same way. Falling
+back to hf is never silent: a one-line notice names the architecture and the backend chosen.
 """
 
 from __future__ import annotations
@@ -15,16 +16,13 @@ import json
 import logging
 from pathlib import Path
 
-from gguf import GGUFReader
-
 from specdec.backends import REGISTRY, Backend, register
+from specdec.backends.native.gguf import MODEL_TYPES, gguf_file
 from specdec.backends.native.layer import SUPPORTED_TYPES, NativeConfig
 from specdec.errors import SpecdecError
-from specdec.models import resolve
+from specdec.models import LoadedModel, resolve
 
 log = logging.getLogger("specdec")
-
-NATIVE_GGUF_ARCHITECTURES = ("llama", "qwen2")  # what transformers converts to SUPPORTED_TYPES
 
 
 def resolve_backend(kind: str, target: str) -> str:
@@ -33,24 +31,28 @@ def resolve_backend(kind: str, target: str) -> str:
         return kind
     source, path = resolve(target)
     if source == "gguf":
-        return "native" if _gguf_architecture(path) in NATIVE_GGUF_ARCHITECTURES else "hf"
+        arch = gguf_file(path).meta("general.architecture")
+        return _choose(MODEL_TYPES.get(arch, arch), target)
     try:
         model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type")
     except (OSError, ValueError):
         return "hf"  # transformers reports what is wrong with the directory
-    if model_type not in SUPPORTED_TYPES:
-        return "hf"
-    from transformers import AutoConfig
+    if model_type in SUPPORTED_TYPES:
+        from transformers import AutoConfig
 
-    return _native_or_hf(AutoConfig.from_pretrained(str(path), trust_remote_code=False), target)
+        return _native_or_hf(AutoConfig.from_pretrained(str(path), trust_remote_code=False), target)
+    return _choose(model_type, target)
 
 
-def backend_for(target) -> str:
-    """native or hf for a loaded target (a LoadedModel)."""
-    config = getattr(target.model, "config", None)
-    if getattr(config, "model_type", None) not in SUPPORTED_TYPES:
-        return "hf"
-    return _native_or_hf(config, target.name)
+def backend_for(target: LoadedModel) -> str:
+    """native or hf for a loaded target, from its metadata (no weights load)."""
+    if target.gguf_path is None and target.model_type in SUPPORTED_TYPES:  # an HF config: check its features
+        if target.model_loaded:
+            return _native_or_hf(target.model.config, target.name)
+        from transformers import AutoConfig
+
+        return _native_or_hf(AutoConfig.from_pretrained(str(target.directory), trust_remote_code=False), target.name)
+    return _choose(target.model_type, target.name)
 
 
 def _native_or_hf(config, name: str) -> str:
@@ -58,14 +60,18 @@ def _native_or_hf(config, name: str) -> str:
     try:
         NativeConfig.from_hf(config)
     except SpecdecError as e:
-        log.warning("backend auto: %s runs on hf: %s", name, e)
+        log.warning("specdec: backend auto: %s runs on the hf backend (transformers): %s", name, e)
         return "hf"
     return "native"
 
 
-def _gguf_architecture(path) -> str | None:
-    field = GGUFReader(str(path)).fields.get("general.architecture")
-    return None if field is None else field.contents()
+def _choose(model_type: str | None, name: str) -> str:
+    if model_type in SUPPORTED_TYPES:
+        return "native"
+    # with no handler configured, logging's last resort writes the warning to stderr
+    log.warning("specdec: backend auto: the native backend does not run %r models (%s); using the hf "
+                "backend (transformers)", model_type, name)  # fmt: skip
+    return "hf"
 
 
 @register("auto")

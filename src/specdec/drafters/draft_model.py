@@ -1,5 +1,10 @@
 """`model:PATH_OR_NAME`: a smaller causal LM with the target's tokenizer drafts k tokens.
 
+PATH is a GGUF file or a model directory; the draft runs on the native kernels where they
+run its architecture (a GGUF in its own quant types, no transformers model), on the device
+`--draft-device` names (a CPU draft beside an accelerator target). The vocabularies are
+compared from the tokenizers alone (models.check_same_tokenizer).
+
 The draft keeps its own KV cache. Before each proposal it rolls back to the longest prefix
 it shares with the context, so tokens the target accepted are never recomputed.
 """
@@ -9,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from specdec.backends import RollbackLM, make_backend
+from specdec.backends.auto import backend_for
 from specdec.drafters import Draft, Drafter, DrafterSpec, register
 from specdec.drafters.common import common_prefix
 from specdec.errors import SpecdecError
@@ -69,11 +75,16 @@ def _make(spec: DrafterSpec, target: LoadedModel) -> Drafter:
         except SpecdecError as e:
             raise SpecdecError(f"draft model: {e.message}", "drafter") from e
         check_same_tokenizer(target, draft)
-    # model:NAME:backend=native:device=cpu:precision=int4 runs the draft natively, on any device
+    # model:NAME:backend=hf:device=cpu:precision=int4; by default the draft runs where `auto`
+    # puts it: the native kernels for the architectures they run (a GGUF read as it is), with
+    # a notice where it falls back to transformers
     options = {key: spec.options[key] for key in ("device", "precision") if key in spec.options}
     if spec.device is not None and "device" not in options:
         options["device"] = spec.device
-    # only the native backend places weights on another device than the loaded model's
-    kind = spec.options.get("backend", "native" if "device" in options else "hf")
+    kind = spec.options.get("backend", "auto")
+    if kind == "auto":
+        kind = backend_for(draft)
+    if kind != "native" and "device" in options:  # only the native backend places weights on a device
+        raise SpecdecError(f"the draft's device option needs the native backend, not {kind!r}", "drafter")
     backend = make_backend(kind, draft, prefix_cache="off", **options)  # it never prefills
     return ModelDrafter(backend, target.eos_token_ids)

@@ -98,7 +98,7 @@ class Gateway:
             self.tokenizers = TokenizerPool(target.tokenizer)
             self.eos_token_ids = target.eos_token_ids
             self.logprob_format = LogprobFormatter(target.tokenizer, target.eos_token_ids, self._vocab_lock)
-            self.vocab_size = int(target.model.get_input_embeddings().num_embeddings)
+            self.vocab_size = target.vocab_size
             scheduler.start()
             self.scheduler = scheduler  # last: from here on the server is ready
             if callable(cfg.on_ready):

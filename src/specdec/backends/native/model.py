@@ -23,15 +23,27 @@ import torch
 import torch.nn.functional as F
 
 from specdec.backends.native.attention import windowed
-from specdec.backends.native.cache import COMPILE_BUCKETS, CachePool, NativeSequence
+from specdec.backends.native.cache import COMPILE_BUCKETS, DEFAULT_MAX_LENGTH, CachePool, NativeSequence
 from specdec.backends.native.cpu import cpu_features, forced_fallback
-from specdec.backends.native.gguf import read_gguf
+from specdec.backends.native.gguf import float_state, quant_state, read_gguf
 from specdec.backends.native.hf_config import hf_state
-from specdec.backends.native.layer import DecoderLayer, KVRow, NativeConfig, rms_norm
+from specdec.backends.native.layer import SUPPORTED_TYPES, DecoderLayer, KVRow, NativeConfig, rms_norm
 from specdec.backends.native.quant import LM_HEADS, PRECISIONS, FusedLinear, Linear, make_linear, make_lm_head
 from specdec.errors import SpecdecError
 
-NATIVE_OPTIONS = ("precision", "device", "max_length", "slots", "compile", "lm_head")
+NATIVE_OPTIONS = ("precision", "device", "max_length", "slots", "compile", "lm_head", "kv_dtype")
+# The precision of a GGUF read as it is: each matrix in the file's own quant type, through the
+# per-type kernels of gguf_tensors (CPU); the default for GGUF targets on a CPU.
+GGUF_PRECISION = "gguf"
+# KV-cache element types (the kv_dtype option). fp32 is the default and the only one the numba
+# attention kernel takes (jit_ops.usable); bf16 and fp16 halve the cache and run the PyTorch
+# routine of attention.py, batch-invariant as well.
+KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The cache is preallocated, so a window as long as a 128k-context file's would be allocated
+# whole (Qwen2.5-1.5B at 128k: 28 layers x 2 kv heads x 128 dims x 2 x 4 bytes = 7.5 GB in
+# fp32): a cache is cache.DEFAULT_MAX_LENGTH (4096) tokens unless max_length asks for more
+# (up to the model's window), room for agent turns at a fraction of the weights' memory.
+DEFAULT_CONTEXT_CAP = DEFAULT_MAX_LENGTH
 
 
 class NativeModel:
@@ -81,7 +93,7 @@ class NativeModel:
     def head_rows_independent(self) -> bool:
         """Whether the LM head computes each row on its own (the int kernels on a CPU), so that
         leaving rows out of it (CachePool.forward_batch's `unscored`) changes no other row's bits."""
-        return self.precision in ("int4", "int8") and self.device.type == "cpu"
+        return self.precision in ("int4", "int8", GGUF_PRECISION) and self.device.type == "cpu"
 
     def compile(self, pool: CachePool | None = None) -> float:
         """torch.compile the decoder layer for single-sequence forwards, chains and token trees
@@ -139,10 +151,20 @@ class NativeModel:
         return cls(config, hf_state(config.model_type, state), precision, device)
 
     @classmethod
-    def from_gguf(cls, path: str | Path, precision: str = "fp32", device=None) -> NativeModel:
-        """Read a GGUF directly. With int4, Q4_0/Q4_1 blocks become int4 weights as they are."""
-        meta, state = read_gguf(path, int4_blocks=precision == "int4")
-        return cls(NativeConfig(**meta), state, precision, device)
+    def from_gguf(cls, path: str | Path, precision: str = GGUF_PRECISION, device=None,
+                  lm_head: str = "auto") -> NativeModel:
+        """Read a GGUF directly, memory-mapped. With the "gguf" precision every matrix stays in
+        the file's quant type (gguf_tensors' kernels); another precision dequantizes each
+        tensor and builds that precision's layers from the floats."""
+        model = read_gguf(path)
+        if model.config["model_type"] not in SUPPORTED_TYPES:  # the layers would silently skip its features
+            raise SpecdecError(f"the native backend supports {', '.join(SUPPORTED_TYPES)} models, not "
+                               f"{model.config['model_type']!r} ({Path(path).name}); use the hf backend", "backend")
+        state = quant_state(model) if precision == GGUF_PRECISION else float_state(model)
+        inv_freq = None if model.rope_inv_freq is None else tuple(float(f) for f in model.rope_inv_freq)
+        config = NativeConfig(**model.config, rope_inv_freq=inv_freq, rope_attention_scaling=model.rope_attention_scaling)
+        # another precision keeps the floats, so prompts may run dense over them (as from_hf's)
+        return cls(config, state, precision, device, dense_prompts=precision != GGUF_PRECISION, lm_head=lm_head)
 
     def new_pool(self, slots: int = 1, max_length: int | None = None, kv_dtype=torch.float32,
                  prefix_cache: str = "prompt") -> CachePool:
@@ -269,9 +291,10 @@ def prompt_precision(device: torch.device, precision: str) -> str:
 
 
 def _check_precision(precision: str, device: torch.device) -> None:
-    if precision not in PRECISIONS:
-        raise SpecdecError(f"unknown precision {precision!r}; choose one of: {', '.join(PRECISIONS)}", "precision")
-    if precision in ("fp16", "int8", "int4") and device.type != "cpu":
+    if precision not in (*PRECISIONS, GGUF_PRECISION):
+        raise SpecdecError(f"unknown precision {precision!r}; choose one of: {', '.join(PRECISIONS)}, "
+                           f"{GGUF_PRECISION} (a GGUF's own types)", "precision")  # fmt: skip
+    if precision in ("fp16", "int8", "int4", GGUF_PRECISION) and device.type != "cpu":
         raise SpecdecError(f"precision {precision} runs on cpu only; use fp32 or bf16 on {device}", "precision")
     if precision == "fp16" and "fbgemm" not in torch.backends.quantized.supported_engines:
         raise SpecdecError("precision fp16 needs fbgemm (x86 cpus); use int4", "precision")
@@ -279,17 +302,27 @@ def _check_precision(precision: str, device: torch.device) -> None:
 
 # ---- building backends ---------------------------------------------------------------------
 
-_SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # HF model -> {(precision, device): model}
+# a GGUF target (LoadedModel) or an HF model -> {(precision, device, ...): model}
+_SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def native_model_for(hf_model: torch.nn.Module, precision: str = "fp32", device=None,
-                     compile: bool = False, lm_head: str = "auto") -> NativeModel:
-    """The NativeModel over a loaded HF model, built once per (precision, device) and shared."""
-    device = torch.device(device) if device is not None else next(hf_model.parameters()).device
-    models = _SHARED.setdefault(hf_model, {})
+def native_model_for(target, precision: str | None = None, device=None, compile: bool = False,
+                     lm_head: str = "auto") -> NativeModel:
+    """The NativeModel of a LoadedModel, built once per (precision, device) and shared: a GGUF
+    target's from its file as it is (no transformers model), any other's over the transformers
+    model's tensors (no copy for fp32 on its device). `precision` None: default_precision."""
+    device = torch.device(device) if device is not None else target.device
+    precision = precision or default_precision(device, target.gguf_path is not None)
+    if precision == GGUF_PRECISION and target.gguf_path is None:
+        raise SpecdecError(f"precision {GGUF_PRECISION} reads GGUF files; {target.name!r} is not one", "precision")
+    owner = target if target.gguf_path is not None else target.model
+    models = _SHARED.setdefault(owner, {})
     key = (precision, str(device), bool(compile), lm_head, forced_fallback())
     if key not in models:
-        models[key] = NativeModel.from_hf(hf_model, precision, device, lm_head)
+        if target.gguf_path is not None:
+            models[key] = NativeModel.from_gguf(target.gguf_path, precision, device, lm_head)
+        else:
+            models[key] = NativeModel.from_hf(target.model, precision, device, lm_head)
     return models[key]
 
 
@@ -311,7 +344,7 @@ def compare_precisions(target, text: str = HELDOUT_TEXT, precisions=("bf16", "in
     ids = target.tokenizer.encode(text)
 
     def logprobs(precision: str) -> torch.Tensor:  # [T-1, V]
-        seq = native_model_for(target.model, precision).new_pool(max_length=len(ids)).new_sequence()
+        seq = native_model_for(target, precision).new_pool(max_length=len(ids)).new_sequence()
         # short chunks: the precision's own layers (prompt-length forwards may run dense fp32)
         logits = torch.cat([seq.forward(ids[i : i + 32]) for i in range(0, len(ids), 32)])
         return torch.log_softmax(logits[:-1].double(), dim=-1)
@@ -344,28 +377,33 @@ def check_device(device) -> torch.device:
     return device
 
 
-def default_precision(device=None) -> str:
-    """int4 on cpus, bf16 elsewhere. On a cpu int4 decodes fastest of the precisions (fbgemm's
-    fp16 GEMM uses one thread), it keeps a Q4 GGUF's own weights up to bf16 rounding, and its
-    logits do not depend on how many tokens a forward scores, so speculation reproduces plain
-    greedy decoding bit for bit."""
-    return "int4" if torch.device(device or "cpu").type == "cpu" else "bf16"
+def default_precision(device=None, gguf: bool = False) -> str:
+    """On a cpu: a GGUF's own types ("gguf") for a GGUF, else int4; bf16 elsewhere. On a cpu
+    int4 decodes fastest of the precisions (fbgemm's fp16 GEMM uses one thread), and both
+    compute each row on its own, so a token's logits do not depend on how many tokens a
+    forward scores and speculation reproduces plain greedy decoding bit for bit."""
+    if torch.device(device or "cpu").type != "cpu":
+        return "bf16"
+    return GGUF_PRECISION if gguf else "int4"
 
 
 def make_native_backend(target, prefix_cache: str = "prompt", precision: str | None = None, device=None,
                         max_length: int | None = None, slots: int = 1, compile: bool = False,
-                        lm_head: str = "auto") -> NativeSequence:
-    """A sequence over a fresh pool (its own KV cache) for a LoadedModel's weights."""
-    if device is None:
-        device = next(target.model.parameters()).device
-    device = check_device(device)
+                        lm_head: str = "auto", kv_dtype: str = "fp32") -> NativeSequence:
+    """A sequence over a fresh pool (its own KV cache) for a LoadedModel's weights: a GGUF's read
+    from its file, others' from the transformers model. The cache holds `max_length` tokens
+    (default: the model's window up to DEFAULT_CONTEXT_CAP) of `kv_dtype` (KV_DTYPES)."""
+    device = check_device(device if device is not None else target.device)
     if lm_head not in LM_HEADS:
         raise SpecdecError(f"unknown lm_head {lm_head!r}; choose one of: {', '.join(LM_HEADS)}", "lm_head")
+    if kv_dtype not in KV_DTYPES:
+        raise SpecdecError(f"unknown kv_dtype {kv_dtype!r}; choose one of: {', '.join(KV_DTYPES)}", "kv_dtype")
     try:
-        model = native_model_for(target.model, precision or default_precision(device), device, _flag(compile), lm_head)
+        model = native_model_for(target, precision, device, _flag(compile), lm_head)
     except ValueError as e:  # lm_head ort8 where it cannot run
         raise SpecdecError(str(e), "lm_head") from None
-    pool = model.new_pool(int(slots), int(max_length) if max_length else None, prefix_cache=prefix_cache)
+    length = int(max_length) if max_length else min(model.config.max_positions, DEFAULT_CONTEXT_CAP)
+    pool = model.new_pool(int(slots), length, KV_DTYPES[kv_dtype], prefix_cache=prefix_cache)
     if _flag(compile) and not model.compiled:
         model.compile(pool)  # traced on this pool's cache shapes; the seconds are in compile_seconds
     return pool.new_sequence()

@@ -1,0 +1,337 @@
+"""GGUF files read as they are: synthetic files of every architecture x quant type
+(tests/gguf_factory.py) against the gguf package's reference and transformers' GGUF loader,
+speculative decoding on them, memory after load, and the real gemma3-270m (slow)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gguf_factory import ARCHS, K_QUANTS, QTYPES, llama3_rope_factors, spec_for, write_gguf
+from specdec import Engine
+from specdec.backends import make_backend
+from specdec.backends.auto import resolve_backend
+from specdec.backends.native import gguf as reader
+from specdec.backends.native.gguf import MODEL_TYPES, read_gguf
+from specdec.backends.native.gguf_tensors import ReferenceLinear
+from specdec.backends.native.layer import SUPPORTED_TYPES
+from specdec.backends.native.model import NativeModel
+from specdec.errors import SpecdecError
+from specdec.models import LoadedModel, load_model, load_tokenizer
+
+VOCAB = 512  # synthetic files take SmolLM2's first 512 tokens (no merges) unless a test needs them all
+TOKENS = [int(t) for t in np.random.default_rng(0).integers(3, VOCAB, 40)]
+# native against transformers on the same file: a wrong rope, norm or row layout breaks these
+# (see the mutation tests below); the per-type kernels may round activations (bf16)
+TOP1_MIN, KL_MAX = 0.95, 0.01
+
+
+def _write(tmp_path_factory, arch: str, qtype: str, **changes) -> tuple[Path, dict]:
+    path = tmp_path_factory.mktemp(f"{arch}-{qtype}") / f"{arch}-{qtype}.gguf"
+    try:
+        weights = write_gguf(path, spec_for(arch, qtype, **{"vocab": VOCAB, **changes}))
+    except NotImplementedError as e:  # the K-quant encoders are written separately
+        pytest.skip(f"no {qtype} encoder yet: {e}")
+    return path, weights
+
+
+def _needs_native(arch: str) -> None:
+    model_type = "mistral" if arch == "mistral" else MODEL_TYPES[arch]
+    if model_type not in SUPPORTED_TYPES:
+        pytest.skip(f"the native layers do not run {model_type} yet (layer.SUPPORTED_TYPES)")
+
+
+def _kl_top1(reference: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
+    lp, lq = reference.double().log_softmax(-1), got.double().log_softmax(-1)
+    return float((lp.exp() * (lp - lq)).sum(-1).mean()), float((reference.argmax(-1) == got.argmax(-1)).double().mean())
+
+
+def _transformers_logits(path: Path, tokens: list[int], inv_freq: torch.Tensor | None = None) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    from specdec.backends.hf import HFBackend
+
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    if inv_freq is not None:  # transformers' GGUF loader does not read rope_freqs: give it the same frequencies
+        model.model.rotary_emb.inv_freq = inv_freq.float()
+        model.model.rotary_emb.original_inv_freq = inv_freq.float()
+    return HFBackend(model).prefill(tokens)
+
+
+def _native_logits(path: Path, tokens: list[int]) -> torch.Tensor:
+    return NativeModel.from_gguf(path).new_pool(max_length=256).new_sequence().prefill(tokens)
+
+
+# ---- the reader --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_reader_tensors_and_config_match_the_file(tmp_path_factory, arch, qtype):
+    path, weights = _write(tmp_path_factory, arch, qtype)
+    model = read_gguf(path)
+    assert set(model.tensors) == set(weights)
+    for name, expected in weights.items():  # q/k rows of llama files are back in transformers' layout
+        tensor = model.tensors[name]
+        if len(tensor.shape) == 2 and name != "model.embed_tokens.weight" and not name.endswith("norm.weight"):
+            assert tensor.qtype.name == qtype, name  # kept in the file's type
+        np.testing.assert_array_equal(tensor.dequantize(), expected, err_msg=name)
+    spec, config = spec_for(arch, qtype), model.config
+    assert (config["num_layers"], config["num_heads"], config["num_kv_heads"], config["head_dim"]) == (
+        spec.layers, spec.heads, spec.kv_heads, spec.head_dim)
+    assert config["model_type"] == ("mistral" if arch == "mistral" else MODEL_TYPES[arch])
+    assert config["vocab_size"] == VOCAB and config["qk_norm"] == (arch in ("qwen3", "gemma3"))
+    if arch == "gemma3":
+        assert config["layer_types"] == ("sliding_attention",) * 5 + ("full_attention",)
+        assert config["sliding_window"] == 16 and config["rope_local_theta"] == 10000.0
+        assert config["sandwich_norms"] and config["activation"] == "gelu_tanh"
+        assert config["embedding_scale"] == pytest.approx(16.0) and config["attention_scale"] == 256**-0.5
+    elif spec.window:
+        assert config["layer_types"] == ("sliding_attention",) * spec.layers and config["sliding_window"] == spec.window
+    else:
+        assert "layer_types" not in config
+
+
+def test_metadata_equals_the_gguf_packages_reader(tmp_path_factory):
+    from gguf import GGUFReader
+
+    path, _ = _write(tmp_path_factory, "qwen2", "Q8_0")
+    ours = reader.GGUFFile(path)
+    fields = {k: f for k, f in GGUFReader(str(path)).fields.items() if not k.startswith("GGUF.")}
+    assert set(fields) == set(ours.metadata)
+    for key, field in fields.items():
+        value = ours.meta(key)
+        value = value.values() if isinstance(value, reader.StringArray) else value
+        expected = field.contents()
+        assert (list(value) if isinstance(value, np.ndarray) else value) == pytest.approx(expected), key
+
+
+def test_unsupported_types_and_architectures_are_named(tmp_path_factory, monkeypatch):
+    path, _ = _write(tmp_path_factory, "llama", "Q8_0")
+    monkeypatch.setattr("specdec.backends.native.gguf_tensors.SUPPORTED_QTYPES", ("F32",))
+    with pytest.raises(SpecdecError, match=r"tensor '[\w.]+' has GGUF type Q8_0, which the native backend does not read"):
+        read_gguf(path)
+    bad = path.with_name("bad.gguf")
+    bad.write_bytes(b"GGUF" + bytes(20))
+    with pytest.raises(SpecdecError, match="GGUF"):
+        read_gguf(bad)
+
+
+def test_llama3_rope_freqs_give_transformers_llama3_frequencies(tmp_path_factory):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    path, _ = _write(tmp_path_factory, "llama", "F32", llama3_rope=True)
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
+    config = LlamaConfig(hidden_size=256, num_attention_heads=4, head_dim=64, rope_parameters=rope)
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config, torch.device("cpu"))
+    got = torch.tensor(read_gguf(path).rope_inv_freq)
+    torch.testing.assert_close(got, expected.float(), rtol=1e-5, atol=0)
+    assert not torch.allclose(got, torch.tensor(1.0 / llama3_rope_factors(64, 10000.0)))  # a scaled rope
+
+
+# ---- native against transformers ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_0", "Q4_1", *K_QUANTS])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_native_logits_match_transformers_on_the_same_file(tmp_path_factory, arch, qtype):
+    _needs_native(arch)
+    path, _ = _write(tmp_path_factory, arch, qtype)
+    kl, top1 = _kl_top1(_transformers_logits(path, TOKENS), _native_logits(path, TOKENS))
+    assert top1 >= TOP1_MIN and kl <= KL_MAX, (top1, kl)
+
+
+def test_a_wrong_row_layout_breaks_the_bound(tmp_path_factory, monkeypatch):
+    """The bound above can fail: llama's q/k rows left interleaved (the rope then pairs the
+    wrong dimensions) and Llama 3's rope_freqs ignored are both far outside it."""
+    path, _ = _write(tmp_path_factory, "llama", "Q8_0", llama3_rope=True)
+    inv_freq = torch.tensor(read_gguf(path).rope_inv_freq)
+    reference = _transformers_logits(path, TOKENS, inv_freq)
+    kl, top1 = _kl_top1(reference, _native_logits(path, TOKENS))
+    assert top1 >= TOP1_MIN and kl <= KL_MAX
+    reader.open_gguf.cache_clear()
+    monkeypatch.setattr(reader, "unpermute_rows", lambda rows, n_head: rows)
+    kl, top1 = _kl_top1(reference, _native_logits(path, TOKENS))
+    assert kl > 10 * KL_MAX
+    monkeypatch.undo()
+    monkeypatch.setattr(reader, "_ROPE_TENSORS", ())  # rope_freqs read as an unknown tensor: refused
+    with pytest.raises(SpecdecError, match="rope_freqs"):
+        read_gguf(path)
+
+
+# ---- decoding ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    return load_tokenizer("smollm2-135m")  # the synthetic files carry its vocabulary (or its first 512 ids)
+
+
+def _exact(target: LoadedModel, drafter: str, options: dict | None = None) -> int:
+    plain = Engine(target=target, drafter="none", backend="native", backend_options=options or {})
+    spec = Engine(target=target, drafter=drafter, k=4, backend="native", backend_options=options or {})
+    accepted = 0
+    for start in (0, 7):
+        prompt = TOKENS[start : start + 12]
+        result = spec.generate(prompt, max_new_tokens=40, chat=False)
+        assert result.token_ids == plain.generate(prompt, max_new_tokens=40, chat=False).token_ids
+        accepted += result.stats.num_accepted_tokens
+    return accepted
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_speculative_decoding_is_exact_on_each_file(tmp_path_factory, smollm2_tokenizer, arch, qtype):
+    _needs_native(arch)
+    path, _ = _write(tmp_path_factory, arch, qtype)
+    target = LoadedModel(path.name, tokenizer=smollm2_tokenizer, gguf_path=path)
+    # random weights rarely repeat, so the model drafts for itself: k-token chains verified
+    # against one-token steps, every draft accepted
+    assert _exact(target, f"model:{path.name}") > 0
+    assert not target.model_loaded  # the native path never built a transformers model
+
+
+def test_a_bf16_kv_cache_is_exact_too(tmp_path_factory, smollm2_tokenizer):
+    path, _ = _write(tmp_path_factory, "llama", "Q8_0")
+    target = LoadedModel(path.name, tokenizer=smollm2_tokenizer, gguf_path=path)
+    assert _exact(target, f"model:{path.name}", {"kv_dtype": "bf16"}) > 0
+    assert make_backend("native", target, kv_dtype="bf16").pool.k.dtype == torch.bfloat16
+    with pytest.raises(SpecdecError, match="unknown kv_dtype"):
+        make_backend("native", target, kv_dtype="int3")
+
+
+def test_a_draft_file_drafts_for_a_target_file_on_the_native_path(tmp_path_factory, smollm2_tokenizer, monkeypatch):
+    """Two files, one model: the target at Q8_0, its Q4_0 sibling as the draft (model:FILE)."""
+    target_path, _ = _write(tmp_path_factory, "llama", "Q8_0")
+    draft_path, _ = _write(tmp_path_factory, "llama", "Q4_0")
+    monkeypatch.setattr("specdec.drafters.draft_model.load_model",
+                        lambda name: LoadedModel(name, tokenizer=smollm2_tokenizer, gguf_path=Path(name)))
+    target = LoadedModel(target_path.name, tokenizer=smollm2_tokenizer, gguf_path=target_path)
+    engine = Engine(target=target, drafter=f"model:{draft_path}", k=4, backend="native")
+    assert type(engine.drafter.backend).__name__ == "NativeSequence"
+    assert engine.drafter.backend.pool.model.precision == "gguf"
+    assert _exact(target, f"model:{draft_path}") > 0
+
+
+# ---- loading -------------------------------------------------------------------------------------
+
+
+def test_load_model_reads_the_tokenizer_and_facts_without_weights(tmp_path_factory, monkeypatch):
+    cache = tmp_path_factory.mktemp("cache")
+    monkeypatch.setenv("SPECDEC_CACHE", str(cache))
+    path, _ = _write(tmp_path_factory, "qwen2", "Q8_0", vocab=None)  # the whole vocabulary and merges
+    loaded = load_model(str(path))
+    assert not loaded.model_loaded and loaded.gguf_path == path
+    assert loaded.model_type == "qwen2" and loaded.vocab_size == 49152 and loaded.max_length == 2048
+    assert loaded.eos_token_ids == {2, 0}  # the file's eos (<|im_end|>) and qwen's <|endoftext|>
+    text = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                                add_generation_prompt=True)  # fmt: skip
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert loaded.tokenizer.encode("Hello world") == load_tokenizer("smollm2-135m").encode("Hello world")
+    make_backend("native", loaded).prefill([1, 2, 3])
+    assert not loaded.model_loaded and not (cache / "models").exists()  # no fp32 safetensors on this path
+    assert (cache / "tokenizers").is_dir()  # the converted tokenizer, for the next load
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_auto_picks_native_for_each_architecture_or_says_why_not(tmp_path_factory, arch, caplog):
+    path, _ = _write(tmp_path_factory, arch, "Q8_0")
+    model_type = "mistral" if arch == "mistral" else MODEL_TYPES[arch]
+    with caplog.at_level(logging.WARNING, logger="specdec"):
+        chosen = resolve_backend("auto", str(path))
+    assert chosen == ("native" if model_type in SUPPORTED_TYPES else "hf")
+    assert ("using the hf backend" in caplog.text) == (chosen == "hf")
+
+
+MEMORY_SCRIPT = """
+import json, os, sys
+import specdec.backends.native.model as m
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+before = rss()
+model = m.NativeModel.from_gguf(sys.argv[1])
+pool = model.new_pool(max_length=256)
+print(json.dumps({"delta": rss() - before, "kv": pool.k.numel() * pool.k.element_size() * 2}))
+"""
+
+
+def test_memory_after_load_is_bounded_by_the_file(tmp_path_factory):
+    """RSS after loading, above the process with the runtime imported: at most 1.3x the file
+    plus the KV cache (and 40 MB of allocator slack), measured in a fresh interpreter."""
+    path, _ = _write(tmp_path_factory, "llama", "Q4_0", vocab=None, hidden=512, ffn=1536, layers=6)
+    model = NativeModel.from_gguf(path)
+    if isinstance(model.layers[0].o, ReferenceLinear):
+        pytest.skip("linear_from_quant still returns the dense reference layer (the per-type kernels come separately)")
+    out = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(path)], capture_output=True, text=True, check=True)
+    report = json.loads(out.stdout)
+    assert report["delta"] <= 1.3 * path.stat().st_size + report["kv"] + 40e6, report
+
+
+# ---- the real gemma3-270m ------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_real_gemma3_270m_loads_natively_and_decodes():
+    from specdec.models import builtin_gguf_path
+
+    path = builtin_gguf_path("gemma3-270m")
+    try:
+        read_gguf(path)
+    except SpecdecError as e:
+        pytest.skip(f"the native backend does not read this file yet: {e.message}")
+    if "gemma3_text" not in SUPPORTED_TYPES:
+        pytest.skip("the native layers do not run gemma3 yet")
+    target = load_model("gemma3-270m")
+    engine = Engine(target=target, drafter="ngram", k=4, backend="native")
+    plain = Engine(target=target, drafter="none", backend="native")
+    prompt = "The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is"
+    result = engine.generate(prompt, max_new_tokens=32, chat=False)
+    assert result.token_ids == plain.generate(prompt, max_new_tokens=32, chat=False).token_ids
+    assert "madrid" in result.text.lower() and not target.model_loaded
+
+
+@pytest.mark.slow
+def test_the_synthetic_qwen_script_writes_a_q4_k_m_file(tmp_path):
+    """scripts/make_synthetic_gguf.py at one layer: the shape, the tokenizer and the Q4_K_M mixture."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "make_synthetic_gguf.py"
+    out = subprocess.run([sys.executable, str(script), "--layers", "1", str(tmp_path / "q.gguf")],
+                         capture_output=True, text=True)  # fmt: skip
+    if out.returncode and "not written yet" in out.stderr:
+        pytest.skip(out.stderr.strip())
+    assert out.returncode == 0, out.stderr
+    model = read_gguf(tmp_path / "q.gguf")
+    assert (model.config["hidden_size"], model.config["num_heads"], model.config["num_kv_heads"]) == (1536, 12, 2)
+    types = {name: t.qtype.name for name, t in model.tensors.items()}
+    assert types["model.embed_tokens.weight"] == "Q6_K" and types["model.layers.0.mlp.down_proj.weight"] == "Q6_K"
+    assert types["model.layers.0.self_attn.q_proj.weight"] == "Q4_K"
+
+
+@pytest.mark.slow
+def test_smollm2_q4_0_drafts_for_smollm2_q8_0_exactly(tmp_path_factory):
+    """The embedded model re-encoded into two files (our own encoders): a Q8_0 target and a
+    Q4_0 draft (model:FILE), both on the native path; speculative equals plain greedy."""
+    from gguf_factory import requantize_gguf
+    from specdec.models import builtin_gguf_path
+
+    folder = tmp_path_factory.mktemp("smollm2")
+    for qtype in ("Q8_0", "Q4_0"):
+        requantize_gguf(builtin_gguf_path("smollm2-135m"), folder / f"smollm2-{qtype}.gguf", qtype)
+    target = load_model(str(folder / "smollm2-Q8_0.gguf"))
+    plain = Engine(target=target, drafter="none", backend="native")
+    spec = Engine(target=target, drafter=f"model:{folder / 'smollm2-Q4_0.gguf'}", k=4, backend="native")
+    assert spec.drafter.backend.pool.model.precision == "gguf"
+    accepted = 0
+    for prompt in ("List three uses of a hash map.", "Write a Python function that reverses a string."):
+        result = spec.generate(prompt, max_new_tokens=48)
+        assert result.token_ids == plain.generate(prompt, max_new_tokens=48).token_ids, prompt
+        accepted += result.stats.num_accepted_tokens
+    assert accepted > 0 and not target.model_loaded
