@@ -22,8 +22,8 @@ import time
 import gguf
 import numpy as np
 
-from specdec.backends.native.gguf import gguf_file
 from specdec.backends.native.gguf_encode import quantize_blocks
+from specdec.gguf_file import gguf_file
 from specdec.models import builtin_gguf_path
 
 SHAPE = dict(layers=28, hidden=1536, heads=12, kv_heads=2, head_dim=128, ffn=8960, context=32768, theta=1e6)

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import gguf
 import numpy as np
 
-from specdec.backends.native.gguf import gguf_file
 from specdec.backends.native.gguf_encode import quantize_blocks
+from specdec.gguf_file import gguf_file
 from specdec.models import builtin_gguf_path
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3")  # mistral: a llama file with a window

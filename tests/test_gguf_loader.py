@@ -19,11 +19,12 @@ from specdec import Engine
 from specdec.backends import make_backend
 from specdec.backends.auto import resolve_backend
 from specdec.backends.native import gguf as reader
-from specdec.backends.native.gguf import MODEL_TYPES, read_gguf
+from specdec.backends.native.gguf import read_gguf
 from specdec.backends.native.gguf_tensors import ReferenceLinear
 from specdec.backends.native.layer import SUPPORTED_TYPES
 from specdec.backends.native.model import NativeModel
 from specdec.errors import SpecdecError
+from specdec.gguf_file import MODEL_TYPES
 from specdec.models import LoadedModel, load_model, load_tokenizer
 
 VOCAB = 512  # synthetic files take SmolLM2's first 512 tokens (no merges) unless a test needs them all

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from specdec.backends.native.gguf import MODEL_TYPES, gguf_file
 from specdec.errors import SpecdecError
+from specdec.gguf_file import MODEL_TYPES, gguf_file
 
 DEFAULT_TARGET = "smollm2-135m"
 

@@ -17,9 +17,9 @@ import logging
 from pathlib import Path
 
 from specdec.backends import REGISTRY, Backend, register
-from specdec.backends.native.gguf import MODEL_TYPES, gguf_file
 from specdec.backends.native.layer import SUPPORTED_TYPES, NativeConfig
 from specdec.errors import SpecdecError
+from specdec.gguf_file import MODEL_TYPES, gguf_file
 from specdec.models import LoadedModel, resolve
 
 log = logging.getLogger("specdec")

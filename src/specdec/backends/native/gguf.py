@@ -1,9 +1,6 @@
 """Reading GGUF files as they are: metadata, and each tensor in its own quant type.
 
-`GGUFFile` parses the header itself and maps the file: the gguf package's `GGUFReader` turns
-every element of the tokenizer's arrays into a numpy object, which takes seconds to a minute
-for a 50k-260k vocabulary, while the header holds a few thousand scalars and a tensor table.
-Nothing here dequantizes: a tensor is a `QuantTensor` over the mapped bytes.
+The header and the mapping are specdec.gguf_file's (`GGUFFile`). Nothing here dequantizes: a tensor is a `QuantTensor` over the mapped bytes.
 
 `read_gguf` turns a file of one of the native architectures (llama incl. Llama 3 and
 mistral files, qwen2, qwen3, gemma3, phi3) into NativeConfig's fields, the rope frequencies
@@ -16,148 +13,19 @@ dict the native model takes: linear layers (`linear_from_quant`), the embedding 
 from __future__ import annotations
 
 import math
-import struct
-from dataclasses import dataclass, field
-from functools import cache
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from specdec.backends.native.gguf_tensors import (
-    QuantTensor,
-    check_type,
-    embedding_from_quant,
-    linear_from_quant,
-)
+from specdec.backends.native.gguf_kernels import embedding_from_quant, linear_from_quant
+from specdec.backends.native.gguf_tensors import QuantTensor, check_type
 from specdec.errors import SpecdecError
-
-# GGUF metadata value types: fixed-size scalars (struct format), 8 = string, 9 = array
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32, 7: np.bool_,
-          10: np.uint64, 11: np.int64, 12: np.float64}  # fmt: skip
-# types held as numpy floats; every other (BF16 included, as the gguf package reads it) is raw
-# bytes, [N, bytes per row]
-_FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16}
-
-
-@dataclass
-class StringArray:
-    """A metadata array of strings, decoded on first use (a tokenizer's 262k tokens cost time)."""
-
-    blob: np.ndarray = field(repr=False)
-    offset: int
-    count: int
-
-    def values(self) -> list[str]:
-        out, pos = [], self.offset
-        for _ in range(self.count):
-            value, pos = _string(self.blob, pos)
-            out.append(value)
-        return out
-
-
-class GGUFFile:
-    """A GGUF file's metadata (`meta`) and tensors (`tensor`), memory-mapped."""
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        try:
-            self.blob = np.memmap(self.path, dtype=np.uint8, mode="r")
-        except (OSError, ValueError) as e:
-            raise SpecdecError(f"cannot read GGUF file {str(path)!r}: {e}", "target") from None
-        try:
-            self.metadata, self.tensors = self._parse()
-        except (struct.error, ValueError, IndexError, UnicodeDecodeError) as e:
-            raise SpecdecError(f"{self.path.name} is not a readable GGUF file ({e})", "target") from None
-
-    def meta(self, key: str, default=None):
-        """A metadata value: a scalar, a str, a numpy array, or a StringArray."""
-        return self.metadata.get(key, default)
-
-    def _parse(self) -> tuple[dict, dict[str, QuantTensor]]:
-        blob = self.blob
-        if bytes(blob[:4]) != b"GGUF":
-            raise ValueError("no GGUF magic")
-        version, tensor_count, kv_count = struct.unpack_from("<IQQ", blob, 4)
-        if version not in (2, 3):
-            raise ValueError(f"GGUF version {version}")
-        metadata, pos = {}, 24
-        for _ in range(kv_count):
-            key, pos = _string(blob, pos)
-            (kind,), pos = struct.unpack_from("<I", blob, pos), pos + 4
-            metadata[key], pos = _value(blob, pos, kind)
-        infos = []
-        for _ in range(tensor_count):
-            name, pos = _string(blob, pos)
-            (dims,), pos = struct.unpack_from("<I", blob, pos), pos + 4
-            ne = struct.unpack_from(f"<{dims}Q", blob, pos)
-            kind, offset = struct.unpack_from("<IQ", blob, pos + 8 * dims)
-            infos.append((name, ne, kind, offset))
-            pos += 8 * dims + 12
-        align = int(metadata.get("general.alignment", 32))
-        start = -(-pos // align) * align
-        return metadata, {name: self._tensor(name, ne, kind, start + offset) for name, ne, kind, offset in infos}
-
-    def _tensor(self, name: str, ne: tuple[int, ...], kind: int, offset: int) -> QuantTensor:
-        try:
-            qtype = GGMLQuantizationType(kind)
-        except ValueError:
-            raise SpecdecError(f"tensor {name!r} has unknown GGUF type id {kind}", "target") from None
-        shape = tuple(int(n) for n in reversed(ne))  # PyTorch order: rows last in the file's ne
-        rows, width = math.prod(shape[:-1]), shape[-1]
-        block, size = GGML_QUANT_SIZES[qtype]
-        row_bytes = width // block * size
-        data = self.blob[offset : offset + rows * row_bytes]
-        if qtype.name in _FLOAT_DTYPES:
-            data = data.view(_FLOAT_DTYPES[qtype.name]).reshape(shape)  # [N, K] (or [K]) of the float type
-        else:
-            data = data.reshape(rows, row_bytes)  # [N, bytes per row]
-        return QuantTensor(name, qtype, shape, data)
-
-
-def _string(blob: np.ndarray, pos: int) -> tuple[str, int]:
-    (n,) = struct.unpack_from("<Q", blob, pos)
-    return bytes(blob[pos + 8 : pos + 8 + n]).decode("utf-8"), pos + 8 + n
-
-
-def _value(blob: np.ndarray, pos: int, kind: int):
-    if kind in _SCALARS:
-        return struct.unpack_from(_SCALARS[kind], blob, pos)[0], pos + struct.calcsize(_SCALARS[kind])
-    if kind == 8:
-        return _string(blob, pos)
-    if kind != 9:
-        raise ValueError(f"metadata type {kind}")
-    item, count = struct.unpack_from("<IQ", blob, pos)
-    pos += 12
-    if item in _NUMPY:
-        width = np.dtype(_NUMPY[item]).itemsize
-        return np.asarray(blob[pos : pos + count * width]).view(_NUMPY[item]), pos + count * width
-    if item == 8:
-        array, end = StringArray(blob, pos, count), pos
-        for _ in range(count):  # only the lengths are read to find the end
-            (n,) = struct.unpack_from("<Q", blob, end)
-            end += 8 + n
-        return array, end
-    raise ValueError(f"metadata array of type {item}")
-
-
-@cache
-def open_gguf(path: str, size: int, mtime_ns: int) -> GGUFFile:
-    """One parsed file per path and version (a target and its draft may name the same file)."""
-    return GGUFFile(path)
-
-
-def gguf_file(path: str | Path) -> GGUFFile:
-    stat = Path(path).stat()
-    return open_gguf(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
-
+from specdec.gguf_file import MODEL_TYPES, GGUFFile, gguf_file
 
 # ---- native architectures ----------------------------------------------------------------------
 
-# GGUF architecture -> the Hugging Face model_type the native backend knows it by
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text", "phi3": "phi3"}
 
 # llama.cpp's block tensor names -> Hugging Face names (the native state-dict convention)
 _BLOCK_NAMES = {

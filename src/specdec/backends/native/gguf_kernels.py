@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES
 
-from specdec.backends.native import gguf_kernels_8bit
 from specdec.backends.native.cpu import forced_fallback, has_int4_kernel
+from specdec.backends.native.gguf_kernels_8bit import linear_for as eight_bit_linear
 from specdec.backends.native.gguf_q4 import Q4_TYPES, ExactQ4Linear, Int4BlockLinear
 from specdec.backends.native.gguf_tensors import QuantTensor, check_type
 from specdec.backends.native.quant import DenseLinear, FP16Linear, FusedLinear
@@ -94,7 +94,7 @@ def _single(tensor: QuantTensor, bias):
 
 def _eight_bit(tensor: QuantTensor, bias):
     # Q8_0 / Q5_K / Q6_K: one kernel over the file's blocks for decode steps and prompts alike
-    return PromptSame(gguf_kernels_8bit.linear_for(tensor, bias))
+    return PromptSame(eight_bit_linear(tensor, bias))
 
 
 def _matrix_shape(tensor: QuantTensor) -> tuple[int, int]:

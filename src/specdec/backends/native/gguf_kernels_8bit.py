@@ -30,9 +30,10 @@ import functools
 import numpy as np
 import torch
 
-from specdec.backends.native import jit_ops
 from specdec.backends.native.cpu import forced_fallback
 from specdec.backends.native.gguf_tensors import QuantTensor
+from specdec.backends.native.jit_ops import importable as numba_importable
+from specdec.backends.native.jit_ops import numba_threads
 
 QTYPES = ("Q8_0", "Q6_K", "Q5_K")
 BLOCK = 32  # activation block (and the lanes' span)
@@ -43,7 +44,7 @@ TORCH_TILE = 256  # output rows the torch kernel decodes at a time
 
 def kernel_name() -> str:
     """"numba" where numba imports and the fallback is not forced, else "torch"."""
-    return "torch" if forced_fallback() or not jit_ops.importable() else "numba"
+    return "torch" if forced_fallback() or not numba_importable() else "numba"
 
 
 def _fp16_at(blocks: np.ndarray, offset: int) -> np.ndarray:
@@ -197,7 +198,7 @@ def linear_for(tensor: QuantTensor, bias: torch.Tensor | None = None) -> BlockLi
 
 @functools.cache
 def _jit():
-    jit_ops.numba_threads()  # the threading layer and count, before the first parallel launch
+    numba_threads()  # the threading layer and count, before the first parallel launch
     import specdec.backends.native.gguf_jit_8bit as jit  # compiles, or loads from disk
 
     return jit

@@ -12,36 +12,14 @@ Neither may keep a dense fp32 or bf16 copy of a quantized matrix.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
 import torch
 from gguf import GGMLQuantizationType
-from gguf.quants import dequantize
 
 from specdec.errors import SpecdecError
+from specdec.gguf_file import QuantTensor
 
 # The types the native backend reads; any other is refused by name (see check_type).
 SUPPORTED_QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
-
-
-@dataclass(frozen=True)
-class QuantTensor:
-    """One GGUF tensor, undecoded."""
-
-    name: str  # the GGUF name, e.g. "blk.3.attn_q.weight"
-    qtype: GGMLQuantizationType
-    shape: tuple[int, ...]  # PyTorch order: [N, K] for a matrix (N rows of K), [K] for a vector
-    data: np.ndarray  # the file's bytes: [N, bytes per row] uint8 for block types, [N, K] for floats
-
-    def dequantize(self) -> np.ndarray:
-        """The reference floats (the gguf package's own decoder), fp32 in `shape`."""
-        return np.asarray(dequantize(np.asarray(self.data), self.qtype), dtype=np.float32).reshape(self.shape)
-
-    def rows(self, index: np.ndarray) -> np.ndarray:
-        """The reference floats of rows `index` only (an embedding lookup), fp32 [len(index), K]."""
-        return np.asarray(dequantize(np.asarray(self.data[index]), self.qtype), dtype=np.float32).reshape(
-            len(index), *self.shape[1:])
 
 
 def check_type(name: str, qtype: GGMLQuantizationType) -> None:
