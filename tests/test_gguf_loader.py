@@ -16,10 +16,12 @@ import torch
 
 from gguf_factory import ARCHS, K_QUANTS, QTYPES, llama3_rope_factors, spec_for, write_gguf
 from specdec import Engine
+from specdec import gguf_file as gguf_file_module
 from specdec.backends import make_backend
 from specdec.backends.auto import resolve_backend
 from specdec.backends.native import gguf as reader
 from specdec.backends.native.gguf import read_gguf
+from specdec.backends.native.gguf_kernels import EIGHT_BIT_TYPES
 from specdec.backends.native.gguf_tensors import ReferenceLinear
 from specdec.backends.native.layer import SUPPORTED_TYPES
 from specdec.backends.native.model import NativeModel
@@ -32,6 +34,13 @@ TOKENS = [int(t) for t in np.random.default_rng(0).integers(3, VOCAB, 40)]
 # native against transformers on the same file: a wrong rope, norm or row layout breaks these
 # (see the mutation tests below); the per-type kernels may round activations (bf16)
 TOP1_MIN, KL_MAX = 0.95, 0.01
+# Q8_0/Q5_K/Q6_K multiply int8-quantized activations (per block of 32, as llama.cpp does), a
+# larger rounding on these random models' flat logits; a wrong layout still lands above 10x this
+INT8_ACT_TOP1_MIN, INT8_ACT_KL_MAX = 0.85, 0.03
+
+
+def _bounds(qtype: str) -> tuple[float, float]:
+    return (INT8_ACT_TOP1_MIN, INT8_ACT_KL_MAX) if qtype in EIGHT_BIT_TYPES else (TOP1_MIN, KL_MAX)
 
 
 def _write(tmp_path_factory, arch: str, qtype: str, **changes) -> tuple[Path, dict]:
@@ -104,12 +113,12 @@ def test_metadata_equals_the_gguf_packages_reader(tmp_path_factory):
     from gguf import GGUFReader
 
     path, _ = _write(tmp_path_factory, "qwen2", "Q8_0")
-    ours = reader.GGUFFile(path)
+    ours = gguf_file_module.GGUFFile(path)
     fields = {k: f for k, f in GGUFReader(str(path)).fields.items() if not k.startswith("GGUF.")}
     assert set(fields) == set(ours.metadata)
     for key, field in fields.items():
         value = ours.meta(key)
-        value = value.values() if isinstance(value, reader.StringArray) else value
+        value = value.values() if isinstance(value, gguf_file_module.StringArray) else value
         expected = field.contents()
         assert (list(value) if isinstance(value, np.ndarray) else value) == pytest.approx(expected), key
 
@@ -148,7 +157,8 @@ def test_native_logits_match_transformers_on_the_same_file(tmp_path_factory, arc
     _needs_native(arch)
     path, _ = _write(tmp_path_factory, arch, qtype)
     kl, top1 = _kl_top1(_transformers_logits(path, TOKENS), _native_logits(path, TOKENS))
-    assert top1 >= TOP1_MIN and kl <= KL_MAX, (top1, kl)
+    top1_min, kl_max = _bounds(qtype)
+    assert top1 >= top1_min and kl <= kl_max, (top1, kl)
 
 
 def test_a_wrong_row_layout_breaks_the_bound(tmp_path_factory, monkeypatch):
@@ -158,11 +168,12 @@ def test_a_wrong_row_layout_breaks_the_bound(tmp_path_factory, monkeypatch):
     inv_freq = torch.tensor(read_gguf(path).rope_inv_freq)
     reference = _transformers_logits(path, TOKENS, inv_freq)
     kl, top1 = _kl_top1(reference, _native_logits(path, TOKENS))
-    assert top1 >= TOP1_MIN and kl <= KL_MAX
-    reader.open_gguf.cache_clear()
+    top1_min, kl_max = _bounds("Q8_0")
+    assert top1 >= top1_min and kl <= kl_max
+    gguf_file_module.open_gguf.cache_clear()
     monkeypatch.setattr(reader, "unpermute_rows", lambda rows, n_head: rows)
     kl, top1 = _kl_top1(reference, _native_logits(path, TOKENS))
-    assert kl > 10 * KL_MAX
+    assert kl > 10 * INT8_ACT_KL_MAX
     monkeypatch.undo()
     monkeypatch.setattr(reader, "_ROPE_TENSORS", ())  # rope_freqs read as an unknown tensor: refused
     with pytest.raises(SpecdecError, match="rope_freqs"):
