@@ -118,15 +118,19 @@ def test_the_traffic_log_queue_is_bounded_and_never_blocks(tmp_path):
 
     class SlowLog(TrafficLog):
         def record(self, *args, **kwargs):
-            gate.wait(30)
+            gate.wait(60)
             super().record(*args, **kwargs)
 
     log = QueuedTrafficLog(SlowLog(tmp_path, 1 << 20), max_pending=2)
-    start = time.perf_counter()
-    outcomes = [log.record(f"prompt {i}", "output", {"i": i}) for i in range(6)]
-    assert time.perf_counter() - start < 0.5  # the writer is stuck; the callers are not
-    assert outcomes[:2] == [True, True] and not all(outcomes) and log.dropped >= 3
+    outcomes: list[bool] = []
+    caller = threading.Thread(target=lambda: outcomes.extend(log.record(f"prompt {i}", "output", {"i": i})
+                                                             for i in range(6)))
+    caller.start()
+    caller.join(20)  # a hang guard: the writer stays stuck until the gate opens
+    stuck = caller.is_alive()
     gate.set()
+    assert not stuck, "a caller waited for the stuck writer"
+    assert outcomes[:2] == [True, True] and not all(outcomes) and log.dropped >= 3
     while not log.record(lambda: "rendered by the writer", "output"):  # until the writer makes room
         time.sleep(0.01)
     log.close()
@@ -187,10 +191,8 @@ def test_sigterm_ends_what_still_runs_at_the_deadline(endless_model_dir):
     srv = ServerProcess(endless_model_dir, "--drafter", "none", "--shutdown-timeout", "1")
     try:
         running = Stream(srv.url, 1000)
-        sent = time.time()
         srv.proc.send_signal(signal.SIGTERM)
-        assert srv.proc.wait(30) == 0
-        assert time.time() - sent < 15
+        assert srv.proc.wait(30) == 0  # a hang guard; the error below shows the deadline ended it
         running.thread.join(10)
         errors = [c["error"] for c in running.chunks() if "error" in c]
         assert errors and errors[0]["code"] == 503 and "shutting down" in errors[0]["message"], running.lines[-3:]
