@@ -4,6 +4,8 @@ that they cannot drift from the code or the stored results.
 A page asks for them with one marker on a line of its own:
 
     <!-- config-reference -->      EngineConfig and ServeConfig fields, and every command's flags
+    <!-- models-reference -->      the architectures, GGUF tensor types and precisions the native
+                                   backend takes
     <!-- results: NAME -->         the table of docs/results/NAME.json (written by
                                    scripts/bench/record.py, or converted from an older record)
 
@@ -27,7 +29,7 @@ from pathlib import Path
 log = logging.getLogger("mkdocs.plugins.specdec")
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "docs" / "results"
-MARKER = re.compile(r"^<!-- (config-reference|results: ([\w.-]+)) -->$", re.MULTILINE)
+MARKER = re.compile(r"^<!-- (config-reference|models-reference|results: ([\w.-]+)) -->$", re.MULTILINE)
 _shown: set[str] = set()
 
 
@@ -39,6 +41,8 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
     def render(match: re.Match) -> str:
         if match.group(1) == "config-reference":
             return config_reference()
+        if match.group(1) == "models-reference":
+            return models_reference()
         _shown.add(match.group(2))
         return results_table(match.group(2))
 
@@ -89,15 +93,41 @@ def _flatten(value, prefix: str = "") -> list[list]:
     return [[prefix.rstrip("."), json.dumps(value) if isinstance(value, list) else value]]
 
 
+# ---- models ----------------------------------------------------------------------------------
+
+
+def models_reference() -> str:
+    from specdec.backends.auto import NATIVE_GGUF_ARCHITECTURES
+    from specdec.backends.native.gguf_tensors import SUPPORTED_QTYPES
+    from specdec.backends.native.layer import SUPPORTED_TYPES
+    from specdec.backends.native.quant import PRECISIONS
+
+    def names(values) -> str:
+        return ", ".join(f"`{v}`" for v in values)
+
+    return "\n".join([
+        "| the native backend takes | from the code |", "|---|---|",
+        f"| model types (a Hugging Face directory's `config.json`) | {names(SUPPORTED_TYPES)} "
+        "(`backends/native/layer.py`) |",
+        f"| GGUF architectures | {names(NATIVE_GGUF_ARCHITECTURES)} (`backends/auto.py`) |",
+        f"| GGUF tensor types | {names(SUPPORTED_QTYPES)} (`backends/native/gguf_tensors.py`) |",
+        f"| weight precisions (`--backend-option precision=...`) | {names(PRECISIONS)} "
+        "(`backends/native/quant.py`) |", ""])
+
+
 # ---- configuration reference ----------------------------------------------------------------
 
 
 def config_reference() -> str:
     from specdec.cli import build_parser
-    from specdec.config import EngineConfig
+    from specdec.config import ALIASES, EngineConfig
     from specdec.serve.app import ServeConfig
 
-    parts = ["### `EngineConfig`", "", _first_paragraph(EngineConfig), "", _fields_table(EngineConfig), "",
+    aliases: dict[str, list[str]] = {}
+    for key, name in ALIASES.items():
+        if key != name:
+            aliases.setdefault(name, []).append(key)
+    parts = ["### `EngineConfig`", "", _first_paragraph(EngineConfig), "", _fields_table(EngineConfig, aliases), "",
              "### `ServeConfig`", "", _first_paragraph(ServeConfig), "", _fields_table(ServeConfig), ""]
     for name, sub, text in _commands(build_parser()):
         table = _flags_table(sub)
@@ -136,11 +166,14 @@ def _field_comments(cls) -> dict[str, str]:
     return out
 
 
-def _fields_table(cls) -> str:
+def _fields_table(cls, aliases: dict[str, list[str]] | None = None) -> str:
+    """One row per field; `aliases`: other names a config file may use for a field."""
     comments = _field_comments(cls)
     rows = ["| field | type | default | |", "|---|---|---|---|"]
     for f in dataclasses.fields(cls):
         text = f.metadata.get("help") or comments.get(f.name, "")
+        if aliases and aliases.get(f.name):
+            text += " (in a file also: " + ", ".join(f"`{a}`" for a in aliases[f.name]) + ")"
         rows.append(f"| `{f.name}` | `{_type_name(f.type)}` | {_default(f)} | {_cell(text)} |")
     return "\n".join(rows)
 
