@@ -150,3 +150,28 @@ def _env() -> dict:
     src = str(ROOT / "src")
     return {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""),
             "NO_MKDOCS_2_WARNING": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def test_a_recorded_bench_run_renders_as_a_table(tmp_path, monkeypatch):
+    """record.py's rows from a `specdec bench` results.json, and a script's raw JSON, as the
+    benchmarks page shows them."""
+    record = runpy.run_path(str(ROOT / "scripts" / "bench" / "record.py"))
+    hooks = runpy.run_path(str(ROOT / "scripts" / "docs" / "hooks.py"))
+    entry = {"per_category": {"math": {"speedup": 1.5}}, "speedup": 1.5, "mean_accepted_length": 2.0,
+             "tokens_per_second": 30.0, "exact_match": "4/4", "valid_calls": None}
+    peer = {**entry, "mean_accepted_length": None, "exact_match": "1/4"}
+    columns, rows = record["bench_rows"]({"methods": {"ngram": entry}, "peers": {"llamacpp": peer}})
+    assert columns == ["Method", "math", "Overall", "τ", "tok/s", "Exact match"]
+    assert rows == [["`ngram`", "1.50x", "1.50x", "2.00", "30.0", "4/4"],
+                    ["`llamacpp` (peer)", "1.50x", "1.50x", None, "30.0", "1/4"]]
+    base = {"title": "T", "command": "specdec bench", "machine": {"cpu": "C", "threads": 2}, "commit": "abc",
+            "date": "2026-01-01"}
+    (tmp_path / "bench.json").write_text(json.dumps({**base, "columns": columns, "rows": rows}))
+    (tmp_path / "script.json").write_text(json.dumps({**base, "raw": {"itl": {"p99": 7}, "ok": True}}))
+    render = hooks["results_table"]
+    monkeypatch.setitem(render.__globals__, "RESULTS_DIR", tmp_path)
+    assert "| `llamacpp` (peer) | 1.50x | 1.50x | – | 30.0 | 1/4 |" in render("bench")
+    assert "CPU: C; threads: 2; commit `abc`; date 2026-01-01." in render("bench")
+    assert "| itl.p99 | 7 |" in render("script")
+    with pytest.raises(FileNotFoundError):
+        render("missing")

@@ -74,18 +74,19 @@ def out_dir(command: list[str]) -> Path | None:
             return Path(command[i + 1])
         if arg.startswith("--out="):
             return Path(arg.split("=", 1)[1])
-    return None
+    return Path("out/bench") if command[:2] == ["specdec", "bench"] else None  # bench's default --out
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(usage="%(prog)s NAME --title TITLE [--notes NOTES] -- COMMAND...",
+                                description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("name", help="the results file's name: docs/results/NAME.json")
     p.add_argument("--title", required=True, help="the table's title on the benchmarks page")
     p.add_argument("--notes", default="", help="a sentence shown under the table")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the benchmark's command line")
-    args = p.parse_args()
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    args, command = p.parse_args(argv[:split]), argv[split + 1:]
     if not command:
         p.error("give the benchmark's command after --")
     run = subprocess.run(command, cwd=ROOT, stdout=subprocess.PIPE, text=True)
