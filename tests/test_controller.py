@@ -4,8 +4,24 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.controller import AdaptiveK, FixedK, ScoreCosts, context_bucket, expected_tokens, make_controller
+from specdec.controller import (
+    FIXED_COSTS_ENV,
+    AdaptiveK,
+    FixedK,
+    ScoreCosts,
+    context_bucket,
+    expected_tokens,
+    make_controller,
+    parse_fixed_costs,
+)
 from specdec.errors import SpecdecError
+
+
+@pytest.fixture(autouse=True)
+def measured_costs(monkeypatch):
+    """These tests feed the measuring cost model fake timings; conftest fixes costs for the
+    rest of the suite through the environment."""
+    monkeypatch.delenv(FIXED_COSTS_ENV, raising=False)
 
 
 def drive(controller, accept_fraction, steps, t1=0.03, slope=0.15, t_draft=0.0):
@@ -116,10 +132,54 @@ def test_calibrate_times_every_size_and_leaves_the_cache_as_it_was(kind):
 
     backend = make_backend(kind, tiny_llama())
     backend.prefill([1, 2, 3])
-    costs = ScoreCosts()
+    clock = FakeClock(backend)
+    costs = ScoreCosts(clock=clock)
     costs.calibrate(backend, sizes=(1, 2, 5), repeats=2)
     assert costs.calibrated and backend.length == 3
-    assert all(costs.cost(n) > 0 for n in (1, 2, 5)) and costs.sizes(3) == {1, 2, 5}
+    assert {n: costs.cost(n) for n in (1, 2, 5)} == {n: pytest.approx(clock.seconds(n)) for n in (1, 2, 5)}
+    assert costs.sizes(3) == {1, 2, 5}
+
+
+class FakeClock:
+    """A clock that a backend's forward of n tokens advances by a fixed staircase, whatever
+    the machine does meanwhile."""
+
+    def __init__(self, backend):
+        self.now = 0.0
+        forward = backend.forward
+
+        def timed_forward(token_ids, *args, **kwargs):
+            self.now += self.seconds(len(token_ids))
+            return forward(token_ids, *args, **kwargs)
+
+        backend.forward = timed_forward
+
+    @staticmethod
+    def seconds(n: int) -> float:
+        return 0.01 * (1 + (n - 1) // 4)
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_fixed_costs_learn_nothing_from_measured_steps():
+    fixed = {1: 1.0, 4: 1.3, 5: 2.2}
+    costs = ScoreCosts(fixed=fixed)
+    assert costs.calibrated and costs.frozen
+    costs.calibrate(None)  # nothing to time: it never touches the backend
+    costs.observe(1, 50.0)  # a busy machine's step
+    costs.observe_draft(4, 9.0)
+    assert {n: costs.cost(n) for n in fixed} == fixed and costs.t_draft == 0.0
+    assert drive(AdaptiveK(costs=costs), 1.0, 10, t1=5.0) == drive(AdaptiveK(costs=ScoreCosts(fixed=fixed)), 1.0, 10)
+
+
+def test_fixed_costs_from_the_environment(monkeypatch):
+    monkeypatch.setenv(FIXED_COSTS_ENV, "1=1.0,17=2.6")
+    costs = ScoreCosts()
+    assert costs.frozen and costs.cost(9) == pytest.approx(1.8)  # on the line through the two
+    for bad in ("", "x", "0=1", "1=0", "1=1,2"):
+        with pytest.raises(ValueError, match=FIXED_COSTS_ENV):
+            parse_fixed_costs(bad)
 
 
 # ---- costs that know the context ---------------------------------------------------------------
@@ -199,3 +259,34 @@ def test_verification_widths_fill_the_row_block_when_free(table, k, filled):
         costs.observe(n, t)
     controller = AdaptiveK(costs=costs, prior_alpha=0.8, prior_weight=1e9, k_max=15)
     assert controller.fill_block(k) == filled
+
+
+class BusyClock:
+    """Time as an engine on a busy machine reads it: every step slow, and each by another amount."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1.0 + self.now % 7
+        return self.now
+
+
+def test_with_fixed_costs_k_does_not_depend_on_the_machines_load(monkeypatch):
+    """What failed on a busy machine: measured step times bypassed speculation. With fixed
+    costs, an engine whose every timing is erratic chooses the same k, step for step."""
+    import specdec.engine as engine_mod
+    from conftest import tiny_llama
+    from specdec.engine import Engine
+
+    monkeypatch.setenv(FIXED_COSTS_ENV, "1=1.0,17=2.6")
+    target = tiny_llama()
+    prompt = target.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
+
+    def stats():
+        return Engine(target, drafter="ngram:min=1", k="auto").generate(prompt, max_new_tokens=24).stats
+
+    idle = stats()
+    monkeypatch.setattr(engine_mod, "time", BusyClock())
+    busy = stats()
+    assert busy.k_history == idle.k_history and busy.num_draft_tokens == idle.num_draft_tokens > 0

@@ -48,7 +48,7 @@ def test_each_prefix_cache_mode_through_a_real_server(model_dir, mode):
         second = complete(turn2, n=8)
         assert second.usage.prompt_tokens_details.cached_tokens == want
         expected = plain.generate(turn2, max_new_tokens=8).token_ids
-        if mode != "decoded":  # decoded reuse may continue differently (README); the others are exact
+        if mode != "decoded":  # decoded reuse may continue differently (docs/models.md); the others are exact
             assert second.choices[0].text == plain.tokenizer.decode(expected, skip_special_tokens=True)
     finally:
         server.close()

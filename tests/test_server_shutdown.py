@@ -25,6 +25,7 @@ from specdec.serve.protocol import CompletionRequest
 from specdec.serve.tokenize import TokenizerPool
 from specdec.traffic_log import QueuedTrafficLog, TrafficLog, read_traffic
 
+HANG_GUARD_S = 180  # how long a server may take to exit after SIGTERM before the test calls it a hang
 LONG_PROMPT = "fox " * 2000  # past the context: tokenizing it is the only way to find out
 
 
@@ -118,15 +119,19 @@ def test_the_traffic_log_queue_is_bounded_and_never_blocks(tmp_path):
 
     class SlowLog(TrafficLog):
         def record(self, *args, **kwargs):
-            gate.wait(30)
+            gate.wait(60)
             super().record(*args, **kwargs)
 
     log = QueuedTrafficLog(SlowLog(tmp_path, 1 << 20), max_pending=2)
-    start = time.perf_counter()
-    outcomes = [log.record(f"prompt {i}", "output", {"i": i}) for i in range(6)]
-    assert time.perf_counter() - start < 0.5  # the writer is stuck; the callers are not
-    assert outcomes[:2] == [True, True] and not all(outcomes) and log.dropped >= 3
+    outcomes: list[bool] = []
+    caller = threading.Thread(target=lambda: outcomes.extend(log.record(f"prompt {i}", "output", {"i": i})
+                                                             for i in range(6)))
+    caller.start()
+    caller.join(20)  # a hang guard: the writer stays stuck until the gate opens
+    stuck = caller.is_alive()
     gate.set()
+    assert not stuck, "a caller waited for the stuck writer"
+    assert outcomes[:2] == [True, True] and not all(outcomes) and log.dropped >= 3
     while not log.record(lambda: "rendered by the writer", "output"):  # until the writer makes room
         time.sleep(0.01)
     log.close()
@@ -178,7 +183,7 @@ def test_sigterm_drains_running_requests_then_exits_0(endless_model_dir):
         chunks = running.chunks()
         assert running.lines[-1] == "[DONE]" and chunks[-1]["usage"]["completion_tokens"] == 300
         assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
-        assert srv.proc.wait(30) == 0
+        assert srv.proc.wait(HANG_GUARD_S) == 0
     finally:
         srv.close()
 
@@ -187,10 +192,9 @@ def test_sigterm_ends_what_still_runs_at_the_deadline(endless_model_dir):
     srv = ServerProcess(endless_model_dir, "--drafter", "none", "--shutdown-timeout", "1")
     try:
         running = Stream(srv.url, 1000)
-        sent = time.time()
         srv.proc.send_signal(signal.SIGTERM)
-        assert srv.proc.wait(30) == 0
-        assert time.time() - sent < 15
+        # A hang guard, generous for a busy machine; the error below shows the deadline ended it.
+        assert srv.proc.wait(HANG_GUARD_S) == 0
         running.thread.join(10)
         errors = [c["error"] for c in running.chunks() if "error" in c]
         assert errors and errors[0]["code"] == 503 and "shutting down" in errors[0]["message"], running.lines[-3:]

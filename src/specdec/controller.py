@@ -16,12 +16,18 @@ that doubles each time the probe does not pay, and the back-off outlives the req
 lives in the shared ScoreCosts): a bypassed drafter is not even asked to propose, so it costs
 nothing between probes. The first step at a new context bucket is a plain one, which times
 t(1) there. A chosen k is raised to fill the int4 kernel's 4-row block when that is free.
+
+Fixed costs (`ScoreCosts(fixed={n: seconds})`, or `SPECDEC_SCORE_COSTS="1=1.0,8=2.2"` for every
+cost model a process makes) freeze t(n): nothing is timed or learned, so k depends on the
+tokens alone, never on how busy the machine is. The test suite runs that way.
 """
 
 from __future__ import annotations
 
 import bisect
+import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from specdec.backends import RollbackLM
@@ -58,6 +64,20 @@ def context_bucket(context: int) -> int:
     return bisect.bisect_right(CONTEXT_BUCKETS, max(0, context)) - 1
 
 
+FIXED_COSTS_ENV = "SPECDEC_SCORE_COSTS"
+
+
+def parse_fixed_costs(text: str) -> dict[int, float]:
+    """"1=1.0,4=1.4,8=2.2" -> {1: 1.0, 4: 1.4, 8: 2.2}: seconds (or any unit) to score n tokens."""
+    try:
+        table = {int(n): float(t) for n, t in (part.split("=") for part in text.split(",") if part.strip())}
+    except ValueError:
+        table = {}
+    if not table or min(table) < 1 or min(table.values()) <= 0:
+        raise ValueError(f"{FIXED_COSTS_ENV} must read like '1=1.0,8=2.2' (n >= 1, costs > 0), got {text!r}")
+    return table
+
+
 class ScoreCosts:
     """Seconds to score n tokens in one target forward, per n and per context-length bucket,
     plus seconds to draft one token.
@@ -76,12 +96,21 @@ class ScoreCosts:
 
     CALIBRATION_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 17)  # 17 = the default k_max + 1
 
-    def __init__(self, prior_slope: float = 0.15):
+    def __init__(self, prior_slope: float = 0.15, clock: Callable[[], float] = time.perf_counter,
+                 fixed: dict[int, float] | None = None):
         self.prior_slope = prior_slope
+        self.clock = clock  # what calibrate times forwards with
         self._tables: dict[int, dict[int, float]] = {}  # bucket -> n -> EMA of seconds
         self.t_draft = 0.0
         self._fit: tuple[float, float] | None = None  # the reference bucket's (t1, slope), refitted lazily
         self.calibrated = False
+        if fixed is None and os.environ.get(FIXED_COSTS_ENV):
+            fixed = parse_fixed_costs(os.environ[FIXED_COSTS_ENV])
+        # Fixed costs: the bucket-0 table, never timed nor updated (other sizes on its line).
+        self.frozen = fixed is not None
+        if self.frozen:
+            self._tables[0] = dict(fixed)
+            self.calibrated = True
         # The bypass back-off earlier requests reached: a drafter that does not pay stays
         # bypassed from a new request's first steps instead of being probed every 4 steps.
         self.backoff = 4
@@ -93,6 +122,8 @@ class ScoreCosts:
     def calibrate(self, backend: RollbackLM, sizes: tuple[int, ...] = CALIBRATION_SIZES, repeats: int = 3) -> None:
         """Time target forwards of each size on `backend` (median of `repeats`, interleaved so
         that a noisy moment does not hit one size only) and roll the cache back after each."""
+        if self.frozen:
+            return
         start = backend.length
         sizes = [n for n in sizes if start + n <= backend.max_length]
         times: dict[int, list[float]] = {n: [] for n in sizes}
@@ -100,9 +131,9 @@ class ScoreCosts:
         backend.rollback(start)
         for _ in range(repeats):
             for n in sizes:
-                t0 = time.perf_counter()
+                t0 = self.clock()
                 backend.forward([0] * n)
-                times[n].append(time.perf_counter() - t0)
+                times[n].append(self.clock() - t0)
                 backend.rollback(start)
         table = self._tables.setdefault(context_bucket(start), {})
         for n, ts in times.items():
@@ -111,7 +142,7 @@ class ScoreCosts:
 
     def observe(self, num_scored: int, score_s: float, context: int = 0) -> None:
         """One forward of num_scored tokens after `context` cached ones took score_s seconds."""
-        if num_scored < 1 or score_s <= 0:
+        if self.frozen or num_scored < 1 or score_s <= 0:
             return
         table = self._tables.setdefault(context_bucket(context), {})
         old = table.get(num_scored)
@@ -119,7 +150,7 @@ class ScoreCosts:
         self._fit = None
 
     def observe_draft(self, num_drafted: int, propose_s: float) -> None:
-        if num_drafted > 0:
+        if num_drafted > 0 and not self.frozen:
             self.t_draft = 0.8 * self.t_draft + 0.2 * (propose_s / num_drafted)
 
     def _reference(self) -> int:

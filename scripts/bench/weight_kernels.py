@@ -2,7 +2,7 @@
 time per op at 1, 2, 4 and 8 rows, a chain of the 120 decoder linears at one row, and batch
 invariance per row (row 0 of a one-row call == row 0 of an eight-row call, bit for bit).
 
-    taskset -c 1 python scripts/weight_kernels.py [--threads 1] [--rounds 15]
+    taskset -c 1 python scripts/bench/weight_kernels.py [--threads 1] [--rounds 15]
 
 Candidates: PyTorch's int4 kernel (`_weight_int4pack_mm_for_cpu`, bf16 activations, the
 decoder's default), its int8 kernel (`_weight_int8pack_mm`, the LM head's old path), int8

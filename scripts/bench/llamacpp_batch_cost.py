@@ -1,7 +1,7 @@
 """What llama.cpp charges to score n tokens in one batch, after a 600-token context: the
 question of whether speculation could run on llama.cpp's kernels as its target backend.
 
-    python scripts/llamacpp_batch_cost.py [--target smollm2-135m] [--threads 2]
+    python scripts/bench/llamacpp_batch_cost.py [--target smollm2-135m] [--threads 2]
 
 Needs the `llamacpp` extra (llama-cpp-python). Prints the median milliseconds of one batch of
 n tokens for n = 1..32, the prefill rate, and whether a batch's logits equal those of the

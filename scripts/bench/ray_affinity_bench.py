@@ -14,7 +14,7 @@ only: one
 replica holds every conversation's suffix statistics (what merging replicas' statistics
 would give at best), two replicas hold half each.
 
-    python scripts/ray_affinity_bench.py [--modes affinity,random,single,ray1] [--limit 3] [--max-tokens 64]
+    python scripts/bench/ray_affinity_bench.py [--modes affinity,random,single,ray1] [--limit 3] [--max-tokens 64]
 
 The last line of stdout is one JSON object.
 """

@@ -1,6 +1,6 @@
 """How fast agent sessions could get with a drafter that already knows the answers.
 
-    python scripts/agent_ceiling.py [--methods none,suffix] [--k auto] [--prefix-cache prompt]
+    python scripts/bench/agent_ceiling.py [--methods none,suffix] [--k auto] [--prefix-cache prompt]
 
 Runs the shipped agent sessions twice in one process, each pass the way `specdec bench`
 runs them (every session's turns in order, each turn after the runner's own answers). The

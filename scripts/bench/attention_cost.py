@@ -2,7 +2,7 @@
 one target forward of n = 1, 2, 4, 8 tokens after contexts of 100, 1000 and 3000 tokens, and
 each n's cost relative to one token.
 
-    python scripts/attention_cost.py [--target smollm2-135m] [--precision int4]
+    python scripts/bench/attention_cost.py [--target smollm2-135m] [--precision int4]
         [--contexts 100,1000,3000] [--sizes 1,2,4,8] [--repeats 15] [--routine kernel|torch] [--compile]
 
 `--routine torch` runs the PyTorch implementation of the batch-invariant attention instead of

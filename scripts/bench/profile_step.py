@@ -1,7 +1,7 @@
 """Where a native decode step spends its time (issue 15): a torch.profiler breakdown of one
 forward of 1 token (and of 8 tokens) after a short prompt, on the embedded SmolLM2.
 
-    taskset -c 1 python scripts/profile_step.py [--threads 1] [--repeats 20] [--precision int4]
+    taskset -c 1 python scripts/bench/profile_step.py [--threads 1] [--repeats 20] [--precision int4]
 
 Each part is timed inclusively through a `record_function` range wrapped around it (the
 wrappers add a few microseconds each): the decoder linears, the LM head, the RMSNorms, the

@@ -1,7 +1,7 @@
 """τ and decode speed of one drafter as chains and as token trees of fixed sizes, on the
 first turn of the first `--limit` bench questions per category (agent sessions left out).
 
-    python scripts/tree_sweep.py --drafter eagle:runs/smollm2-eagle-all [--limit 1]
+    python scripts/bench/tree_sweep.py --drafter eagle:runs/smollm2-eagle-all [--limit 1]
 
 Each setting is (k, nodes): chains at k = 2 and 3, trees of 3, 7, 12 and 16 nodes at depths
 3-6. The engine gives a fixed-k tree only k nodes (what the k-token chain costs); this script

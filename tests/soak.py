@@ -19,8 +19,8 @@ soak passes when
 It reports the inter-token latency of running streams: the gaps between consecutive chunks
 of each completed stream (a chunk is one decode step's tokens), p50 / p99 / max.
 
-    python scripts/soak.py --target DIR_OR_NAME [--server-arg=--max-batch=16 ...]  # spawns a server
-    python scripts/soak.py --url http://127.0.0.1:8000 --pid PID                   # a running one
+    python tests/soak.py --target DIR_OR_NAME [--server-arg=--max-batch=16 ...]  # spawns a server
+    python tests/soak.py --url http://127.0.0.1:8000 --pid PID                   # a running one
 
 The last line of stdout is one JSON object; the exit status is 0 when the soak passed.
 RSS is read from /proc (Linux).

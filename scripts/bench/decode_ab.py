@@ -1,7 +1,7 @@
 """Decode speed of one source tree, for A/B runs of two trees on one machine.
 
-    PYTHONPATH=OLD_TREE/src python scripts/decode_ab.py none,ngram
-    PYTHONPATH=src python scripts/decode_ab.py none,ngram [--backend-option lm_head=int8]
+    PYTHONPATH=OLD_TREE/src python scripts/bench/decode_ab.py none,ngram
+    PYTHONPATH=src python scripts/bench/decode_ab.py none,ngram [--backend-option lm_head=int8]
 
 Per drafter: the embedded model on the native backend, greedy, two prompts of 128 new
 tokens, each run twice; prints the best decode-only rate (wall time minus prefill) per prompt

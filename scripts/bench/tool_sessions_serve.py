@@ -8,7 +8,7 @@ Reports completion tokens per second (all turns' completion tokens over their re
 the speedup, the valid-call rate and whether every reply is identical. The last line of stdout
 is one JSON object.
 
-    python scripts/tool_sessions_serve.py [--config examples/agents.yaml] [--limit 8] [--repeat 2]
+    python scripts/bench/tool_sessions_serve.py [--config examples/agents.yaml] [--limit 8] [--repeat 2]
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ import time
 from pathlib import Path
 
 import openai
-import served  # scripts/served.py
+import served  # scripts/bench/served.py
 import yaml
 
 from specdec.bench.run import DEFAULT_DATA, load_questions
 from specdec.bench.tool_sessions import reply_is_valid
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def spawn(config: Path) -> tuple[subprocess.Popen, str]:

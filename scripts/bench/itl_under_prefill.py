@@ -11,8 +11,8 @@ to the last one's answer, and over the whole run, plus each long prompt's time t
 Run it with chunked prefill (the server's default) and with `--max-prefill-tokens 0`, which
 prefills whole prompts when they are admitted (the behaviour before issue 16):
 
-    python scripts/itl_under_prefill.py                          # chunked, 256 tokens a step
-    python scripts/itl_under_prefill.py --max-prefill-tokens 0   # whole prompts
+    python scripts/bench/itl_under_prefill.py                          # chunked, 256 tokens a step
+    python scripts/bench/itl_under_prefill.py --max-prefill-tokens 0   # whole prompts
 
 The last line of stdout is one JSON object.
 """
@@ -29,7 +29,7 @@ import threading
 import time
 
 import openai
-import served  # scripts/served.py
+import served  # scripts/bench/served.py
 
 SHORT_PROMPTS = [
     "Write a short story about a lighthouse keeper.",
