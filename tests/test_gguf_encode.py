@@ -107,7 +107,7 @@ def test_encoding_decoded_weights_again_keeps_them(qtype):
 
 @pytest.mark.slow
 def test_synthetic_qwen2_script_writes_a_q4_k_m_mix(tmp_path):
-    """scripts/synthetic_qwen2_gguf.py at a tiny size: llama.cpp's Q4_K_M mix of types, the
+    """scripts/bench/synthetic_qwen2_gguf.py at a tiny size: llama.cpp's Q4_K_M mix of types, the
     embedded model's vocabulary, weights that decode to the random scale."""
     import importlib.util
     from pathlib import Path
@@ -115,7 +115,7 @@ def test_synthetic_qwen2_script_writes_a_q4_k_m_mix(tmp_path):
     from gguf import GGUFReader
 
     spec = importlib.util.spec_from_file_location(
-        "synthetic_qwen2_gguf", Path(__file__).parent.parent / "scripts" / "synthetic_qwen2_gguf.py")
+        "synthetic_qwen2_gguf", Path(__file__).parent.parent / "scripts" / "bench" / "synthetic_qwen2_gguf.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     out = tmp_path / "tiny.gguf"

@@ -312,22 +312,6 @@ def test_real_gemma3_270m_loads_natively_and_decodes():
 
 
 @pytest.mark.slow
-def test_the_synthetic_qwen_script_writes_a_q4_k_m_file(tmp_path):
-    """scripts/make_synthetic_gguf.py at one layer: the shape, the tokenizer and the Q4_K_M mixture."""
-    script = Path(__file__).resolve().parents[1] / "scripts" / "make_synthetic_gguf.py"
-    out = subprocess.run([sys.executable, str(script), "--layers", "1", str(tmp_path / "q.gguf")],
-                         capture_output=True, text=True)  # fmt: skip
-    if out.returncode and "not written yet" in out.stderr:
-        pytest.skip(out.stderr.strip())
-    assert out.returncode == 0, out.stderr
-    model = read_gguf(tmp_path / "q.gguf")
-    assert (model.config["hidden_size"], model.config["num_heads"], model.config["num_kv_heads"]) == (1536, 12, 2)
-    types = {name: t.qtype.name for name, t in model.tensors.items()}
-    assert types["model.embed_tokens.weight"] == "Q6_K" and types["model.layers.0.mlp.down_proj.weight"] == "Q6_K"
-    assert types["model.layers.0.self_attn.q_proj.weight"] == "Q4_K"
-
-
-@pytest.mark.slow
 def test_smollm2_q4_0_drafts_for_smollm2_q8_0_exactly(tmp_path_factory):
     """The embedded model re-encoded into two files (our own encoders): a Q8_0 target and a
     Q4_0 draft (model:FILE), both on the native path; speculative equals plain greedy."""

@@ -1,6 +1,6 @@
 """Time the 4-bit GGUF kernel designs on random valid blocks (a short, repeated measurement).
 
-Usage: python scripts/bench_gguf_kernels.py [--threads 1] [--reps 7]
+Usage: python scripts/bench/gguf_4bit_kernels.py [--threads 1] [--reps 7]
 Prints medians in ms per call for decode rows M = 1..16 and prompt rows M = 128, 512.
 """
 

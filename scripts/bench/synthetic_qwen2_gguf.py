@@ -2,7 +2,7 @@
 SmolLM2-135M's tokenizer (so that specdec and llama.cpp tokenize alike), for speed and memory
 work at a size users run (issue 25, item 6).
 
-    python scripts/synthetic_qwen2_gguf.py OUT.gguf [--layers 28] [--hidden 1536] [--ffn 8960]
+    python scripts/bench/synthetic_qwen2_gguf.py OUT.gguf [--layers 28] [--hidden 1536] [--ffn 8960]
 
 Architecture `qwen2` (q/k/v biases, tied embeddings), 12 heads of 128 with 2 kv heads at the
 default size. Types follow llama.cpp's Q4_K_M mix: Q4_K for the matrices, Q6_K for the tied

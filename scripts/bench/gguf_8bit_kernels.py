@@ -1,6 +1,6 @@
 """Candidate kernels for GGUF Q8_0 / Q6_K / Q5_K matrices (issue 25), timed side by side.
 
-    python scripts/bench_gguf_8bit.py [--threads 2] [--rounds 7] [--rows 1,2,4,8,16,128,512] [--clock cpu]
+    python scripts/bench/gguf_8bit_kernels.py [--threads 2] [--rounds 7] [--rows 1,2,4,8,16,128,512] [--clock cpu]
 
 Random weights encoded into each type (gguf_encode), in two shapes (576 x 1536, SmolLM2's
 q_proj; 1536 x 8960, Qwen2.5-1.5B's down_proj). Per type and rows M, median milliseconds of
