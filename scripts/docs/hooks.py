@@ -97,10 +97,10 @@ def _flatten(value, prefix: str = "") -> list[list]:
 
 
 def models_reference() -> str:
-    from specdec.backends.auto import NATIVE_GGUF_ARCHITECTURES
     from specdec.backends.native.gguf_tensors import SUPPORTED_QTYPES
     from specdec.backends.native.layer import SUPPORTED_TYPES
     from specdec.backends.native.quant import PRECISIONS
+    from specdec.gguf_file import MODEL_TYPES
 
     def names(values) -> str:
         return ", ".join(f"`{v}`" for v in values)
@@ -109,7 +109,7 @@ def models_reference() -> str:
         "| the native backend takes | from the code |", "|---|---|",
         f"| model types (a Hugging Face directory's `config.json`) | {names(SUPPORTED_TYPES)} "
         "(`backends/native/layer.py`) |",
-        f"| GGUF architectures | {names(NATIVE_GGUF_ARCHITECTURES)} (`backends/auto.py`) |",
+        f"| GGUF architectures | {names(MODEL_TYPES)} (`gguf_file.py`; mistral files are `llama`) |",
         f"| GGUF tensor types | {names(SUPPORTED_QTYPES)} (`backends/native/gguf_tensors.py`) |",
         f"| weight precisions (`--backend-option precision=...`) | {names(PRECISIONS)} "
         "(`backends/native/quant.py`) |", ""])
@@ -121,7 +121,7 @@ def models_reference() -> str:
 def config_reference() -> str:
     from specdec.cli import build_parser
     from specdec.config import ALIASES, EngineConfig
-    from specdec.serve.app import ServeConfig
+    from specdec.serve.settings import ServeConfig
 
     aliases: dict[str, list[str]] = {}
     for key, name in ALIASES.items():
@@ -171,7 +171,7 @@ def _fields_table(cls, aliases: dict[str, list[str]] | None = None) -> str:
     comments = _field_comments(cls)
     rows = ["| field | type | default | |", "|---|---|---|---|"]
     for f in dataclasses.fields(cls):
-        text = f.metadata.get("help") or comments.get(f.name, "")
+        text = f.metadata.get("help") or f.metadata.get("setting", {}).get("help") or comments.get(f.name, "")
         if aliases and aliases.get(f.name):
             text += " (in a file also: " + ", ".join(f"`{a}`" for a in aliases[f.name]) + ")"
         rows.append(f"| `{f.name}` | `{_type_name(f.type)}` | {_default(f)} | {_cell(text)} |")
