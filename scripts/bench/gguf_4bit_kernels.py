@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from specdec.backends.native.gguf_q4 import ExactQ4Linear, Int4BlockLinear, decode_rows  # noqa: E402
 from specdec.backends.native.ort_linear import OrtBlockLinear, ort_available  # noqa: E402
 from test_gguf_kernels import random_tensor  # noqa: E402
