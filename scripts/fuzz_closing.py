@@ -61,6 +61,8 @@ def main() -> int:
     def draw(case):
         outcome = run_case(case, tok, eos, prompt)
         outcomes.append(outcome)
+        if len(outcomes) % 25 == 0:
+            print(f"{len(outcomes)} cases, {sum(bool(o.problems) for o in outcomes)} failed", file=sys.stderr, flush=True)
         if outcome.problems:
             print(json.dumps({"case": vars(case), "problems": outcome.problems, "text": outcome.text[:300]}))
 

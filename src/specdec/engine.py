@@ -418,17 +418,19 @@ class Sequence:
         self.context.extend(new)
         self.generated.extend(new)
         stats = self.stats
-        forced = min(num_forced, result.num_accepted)  # the drafter's counts leave forced tokens out
-        stats.observe_step(num_drafted - num_forced, result.num_accepted - forced, len(new), k, forced)
+        forced = min(num_forced, kept)  # the drafter's counts leave forced tokens out
+        # kept: the accepted drafts the output holds (the budget may cut a step, see _fit)
+        stats.observe_step(num_drafted - num_forced, kept - forced, len(new), k, forced)
         stats.propose_s += propose_s
         stats.score_s += score_s
         stats.verify_s += t3 - t2
-        self.controller.observe(num_drafted - num_forced, result.num_accepted - forced, logits.shape[0],
+        drafter_accepted = result.num_accepted - min(num_forced, result.num_accepted)  # cut or not
+        self.controller.observe(num_drafted - num_forced, drafter_accepted, logits.shape[0],
                                 score_s if solo else 0.0, propose_s)
         if done:
             self.done = True
             return ""
-        self.drafter.on_verified(self.context, kept - min(num_forced, kept))
+        self.drafter.on_verified(self.context, kept - forced)
         return self.tracker.delta() if self.track_text else ""
 
     def _fit(self, emitted: list[int], accepted: int, cache_len: int) -> tuple[list[int], int, bool]:

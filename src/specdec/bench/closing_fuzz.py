@@ -45,16 +45,22 @@ K = 4  # the speculative run's draft length
 # ---- the model: a stub that never wants to stop ---------------------------------------------
 
 
+_BASE: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}  # (id of a tokenizer, EOS ids) -> [V]
+
+
 def preference(tokenizer, eos_token_ids: set[int], seed: int) -> torch.Tensor:
     """[V] logits: content (letters, digits) and continuations (`,` `[` `{` `:`) over closers."""
-    scores = []
-    for token in range(len(tokenizer)):
-        text = tokenizer.decode([token])
-        content = sum(ch.isalnum() for ch in text) / max(1, len(text))
-        score = 3.0 * content + 2.0 * sum(ch in ",[{:" for ch in text) - 3.0 * sum(ch in '"}]' for ch in text)
-        scores.append(-6.0 if token in eos_token_ids else score)
-    noise = torch.randn(len(scores), generator=torch.Generator().manual_seed(seed))
-    return torch.tensor(scores) + 0.5 * noise  # [V]
+    key = (id(tokenizer), tuple(sorted(eos_token_ids)))
+    if key not in _BASE:
+        scores = []
+        for token in range(len(tokenizer)):
+            text = tokenizer.decode([token])
+            content = sum(ch.isalnum() for ch in text) / max(1, len(text))
+            score = 3.0 * content + 2.0 * sum(ch in ",[{:" for ch in text) - 3.0 * sum(ch in '"}]' for ch in text)
+            scores.append(-6.0 if token in eos_token_ids else score)
+        _BASE[key] = torch.tensor(scores)
+    noise = torch.randn(len(_BASE[key]), generator=torch.Generator().manual_seed(seed))
+    return _BASE[key] + 0.5 * noise  # [V]
 
 
 class PushyBackend:
