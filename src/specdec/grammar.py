@@ -329,6 +329,9 @@ class GrammarMatcher:
         n = self.valid_prefix([*forced, *tokens]) if tokens else len(forced)
         keep = max(0, n - len(forced))  # drafter tokens kept
         rejected = tokens[keep] if keep < len(tokens) else None
+        end = next((i for i, t in enumerate(tokens[:keep]) if t in self.eos_token_ids), None)
+        if end is not None:  # nothing after an EOS is ever emitted: no token to verify there
+            keep, rejected = end + 1, None
         rejected_probs = probs[keep] if rejected is not None and probs is not None else None
         joined = None
         if probs is not None:
