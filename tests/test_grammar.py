@@ -16,7 +16,6 @@ from specdec.drafters import Draft, Drafter
 from specdec.drafters.draft_model import ModelDrafter
 from specdec.engine import Sequence
 from specdec.grammar import (
-    CLOSING_RESERVE,
     ConstrainedDraft,
     GrammarMatcher,
     constraint_from_response_format,
@@ -74,8 +73,8 @@ _PLAIN: dict = {}
 
 def plain_constrained(target, prompt_ids, schema, max_new_tokens=MAX_NEW):
     """Constrained greedy decoding without any engine: transformers' forward with its cache,
-    one token at a time, the grammar's mask on each row (closing tokens preferred in the last
-    CLOSING_RESERVE tokens), until the grammar stops."""
+    one token at a time, the grammar's mask on each row and each token fitted to what is left
+    of the budget (the closing completion where it is due), until the grammar stops."""
     key = (id(target.model), tuple(prompt_ids), json.dumps(schema), max_new_tokens)
     if key in _PLAIN:
         return _PLAIN[key]
@@ -84,8 +83,12 @@ def plain_constrained(target, prompt_ids, schema, max_new_tokens=MAX_NEW):
     with torch.no_grad():
         while len(out) < max_new_tokens:
             step = target.model(ids, cache=cache, use_cache=True)
-            closing_from = max(0, max_new_tokens - CLOSING_RESERVE - len(out))
-            token = int(matcher.mask_logits(step.logits[0, -1:], [int(ids[0, -1])], closing_from).argmax())
+            budget = max_new_tokens - len(out)
+            token = int(matcher.mask_logits(step.logits[0, -1:], [int(ids[0, -1])], budget).argmax())
+            fitted, _ = matcher.fit([token], budget)
+            if not fitted:  # complete where it is: the token would leave it unclosable
+                break
+            token = fitted[0]
             out.append(token)
             if token in target.eos_token_ids or matcher.advance([token]) is not None:  # EOS, or the grammar stopped
                 break
@@ -174,7 +177,7 @@ def test_forced_tokens_are_free_and_always_accepted(target):
     assert result.token_ids == plain_constrained(target, ids, TOOL)
     assert stats.num_forced_tokens > 0 and stats.num_draft_tokens == 0 and stats.accepted_per_pos == []
     # a step emits one chosen token after its forced ones; the last may hold forced tokens only,
-    # when they complete the reply (here: closed within the limit, CLOSING_RESERVE)
+    # when they complete the reply (here: the closing completion, test_closing.py)
     chosen = len(result.token_ids) - stats.num_forced_tokens
     assert stats.num_steps in (chosen, chosen + 1) and chosen < len(result.token_ids)
     assert stats.summary()["forced_tokens"] == stats.num_forced_tokens
@@ -187,57 +190,11 @@ def test_forced_tokens_are_free_and_always_accepted(target):
         matcher.advance([token])
 
 
-def test_max_new_tokens_cuts_a_structured_reply(target):
-    ids = target.tokenizer.encode(PROMPTS[1])
-    full = plain_constrained(target, ids, TOOL)
-    for n in (1, 3, 9):
-        result = Engine(target, "ngram:min=1", k=4).generate(ids, max_new_tokens=n, json_schema=TOOL)
-        assert result.token_ids == full[:n] and result.finish_reason == "length"
-
-
 def test_grammar_stop_ends_the_reply_without_eos(target):
     ids = target.tokenizer.encode(PROMPTS[2])
     result = Engine(target, "none", k=0).generate(ids, max_new_tokens=80, json_schema=TOOL)
     assert result.finish_reason == "stop" and result.token_ids[-1] not in target.eos_token_ids
     assert json.loads(result.text)["name"] in ("search", "weather")
-
-
-@pytest.mark.parametrize("drafter", ["none", "ngram:min=1"])
-def test_a_reply_that_would_run_into_the_limit_is_closed_within_it(target, drafter, monkeypatch):
-    """The tiny model never closes the free string of TOOL by itself; in the last
-    CLOSING_RESERVE tokens the masks prefer closing tokens, so the reply ends as valid JSON
-    within max_new_tokens, the same under speculation. Without the reserve it is cut."""
-    import jsonschema
-
-    ids = target.tokenizer.encode(PROMPTS[1])
-    n = 32
-    result = Engine(target, drafter, k=4).generate(ids, max_new_tokens=n, json_schema=TOOL)
-    assert len(result.token_ids) <= n and result.finish_reason == "stop"
-    jsonschema.validate(json.loads(result.text), TOOL)
-    assert result.token_ids == plain_constrained(target, ids, TOOL, max_new_tokens=n)
-    monkeypatch.setattr("specdec.engine.CLOSING_RESERVE", 0)
-    cut = Engine(target, drafter, k=4).generate(ids, max_new_tokens=n, json_schema=TOOL)
-    assert cut.finish_reason == "length"
-    with pytest.raises(ValueError):
-        json.loads(cut.text)
-
-
-def test_closing_applies_to_whole_structures_only(target):
-    """A row in the reserve keeps only closing tokens where it may close (inside TOOL's free
-    string: the quote), any row outside keeps the grammar's mask, and a tool choice of
-    `auto` (free text around calls) is never narrowed."""
-    from specdec.tools import tool_plan
-
-    tok, vocab = target.tokenizer, len(target.tokenizer)
-    matcher = GrammarMatcher(json_schema(TOOL, strict=True), tok, target.eos_token_ids)
-    prefix = tok.encode('{"name": "search", "arguments": {"query": "fox', add_special_tokens=False)
-    assert matcher.advance(prefix) is None
-    free, closing = matcher.masks([prefix[-1]], vocab)[0], matcher.masks([prefix[-1]], vocab, closing_from=0)[0]
-    assert free.sum() > 100 and 0 < closing.sum() < 10 and bool((closing & ~free).sum() == 0)
-    assert all(set(tok.decode([t]).strip()) <= set('"}]') for t in closing.nonzero().flatten().tolist())
-    tools = [{"type": "function", "function": {"name": "search", "parameters": TOOL["properties"]["arguments"]}}]
-    auto = GrammarMatcher(tool_plan(tools, "auto").constraint(), tok, target.eos_token_ids)
-    assert torch.equal(auto.masks([0], vocab), auto.masks([0], vocab, closing_from=0))
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "sampling-model"])
@@ -321,7 +278,7 @@ def test_sampling_under_a_grammar_matches_the_constrained_target(target, monkeyp
     if wrong is not None:
         monkeypatch.setattr(ConstrainedDraft, "for_verification", lambda self: (self.tokens, self.probs))
     if wrong == "drafts filtered, target rows not masked":
-        monkeypatch.setattr(GrammarMatcher, "mask_logits", lambda self, logits, tokens, closing_from=None: logits)
+        monkeypatch.setattr(GrammarMatcher, "mask_logits", lambda self, logits, tokens, budget=None: logits)
     exact = logits_to_probs(target_logits[0].masked_fill(~allowed, float("-inf")), params)  # [V]
     trials = 4000
     gen = torch.Generator().manual_seed(1)

@@ -4,6 +4,7 @@ the official OpenAI client (the tiny random model: the grammar alone makes its c
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -67,13 +68,54 @@ def test_forced_choices_return_calls_that_follow_the_schema(client, choice, name
 
 def test_parallel_calls_each_follow_the_schema(client):
     reply = create(client, tool_choice="required", max_tokens=400)
-    calls = reply.choices[0].message.tool_calls
-    if reply.choices[0].finish_reason == "length":  # the last call may be cut short
-        calls = calls[:-1]
-    else:
-        assert reply.choices[0].finish_reason == "tool_calls"
-    if calls:
-        check_calls(calls)
+    assert reply.choices[0].finish_reason == "tool_calls"  # never cut: the budget closes the last call
+    check_calls(reply.choices[0].message.tool_calls)
+
+
+def _minimum(server, field: str, **body) -> int:
+    """The budget a request needs, from the 400 that a budget of 1 gets (naming the field)."""
+    payload = {"model": MODEL, "messages": ASK, "tools": TOOLS, field: 1, **body}
+    r = httpx.post(server.url + "/v1/chat/completions", json=payload, timeout=60)
+    assert r.status_code == 400, r.text
+    err = assert_error_shape(r.json(), 400)
+    assert err["param"] == field and "\n" not in err["message"], err
+    return int(re.search(r"at least (\d+) tokens", err["message"]).group(1))
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+@pytest.mark.parametrize("ask", [{"tool_choice": NAMED, "parallel_tool_calls": False}, {"tool_choice": "required"},
+                                 {"tools": None, "response_format": {"type": "json_object"}}])
+def test_a_budget_below_the_closing_completion_is_a_400_naming_the_field(server, field, ask):
+    need = _minimum(server, field, **ask)
+    payload = {"model": MODEL, "messages": ASK, "tools": TOOLS, field: need, "temperature": 0, **ask}
+    r = httpx.post(server.url + "/v1/chat/completions", json=payload, timeout=120)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+    assert r.json()["usage"]["completion_tokens"] <= need
+
+
+def test_a_reply_closed_by_the_budget_is_complete_and_marked(server, client):
+    """The tiny model never ends a note by itself: a budget a little above the minimum closes
+    the call, valid, with finish_reason tool_calls, the choice's specdec field, the header,
+    the final chunk's field when streamed, and the metric; the same with and without drafts."""
+    base = dict(messages=[{"role": "user", "content": "Note: the quick brown fox."}], tools=[NOTE],
+                tool_choice={"type": "function", "function": {"name": "take_note"}}, parallel_tool_calls=False)
+    need = _minimum(server, "max_tokens", **base)
+    before = server.metrics().get("specdec:num_requests_closed_by_budget_total", 0.0)
+    replies = []
+    for drafter in ("none", "ngram"):
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, temperature=0, max_tokens=need + 6, extra_body={"drafter": drafter}, **base)
+        reply = raw.parse()
+        assert raw.headers["x-specdec-closed-by-budget"] == "true"
+        assert reply.choices[0].finish_reason == "tool_calls" and reply.usage.completion_tokens <= need + 6
+        assert reply.choices[0].model_extra["specdec"] == {"closed_by_budget": True}
+        replies.append([c.function.model_dump() for c in reply.choices[0].message.tool_calls])
+        check_calls(reply.choices[0].message.tool_calls)
+    assert replies[0] == replies[1]
+    chunks = list(client.chat.completions.create(model=MODEL, temperature=0, max_tokens=need + 6, stream=True, **base))
+    final = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert [f.finish_reason for f in final] == ["tool_calls"] and final[0].model_extra["specdec"]["closed_by_budget"]
+    assert server.metrics()["specdec:num_requests_closed_by_budget_total"] == before + 3
 
 
 def test_streamed_tool_calls_reassemble_to_the_non_streamed_ones(client):
@@ -153,9 +195,8 @@ def test_response_format(client):
                                                                          stream=True) if c.choices)
     assert streamed == reply.choices[0].message.content
     obj = create(client, tools=None, response_format={"type": "json_object"}, max_tokens=20).choices[0]
-    assert obj.message.content.startswith("{")  # JSON mode (the random model's keys run long)
-    if obj.finish_reason == "stop":
-        assert isinstance(json.loads(obj.message.content), dict)
+    assert obj.finish_reason == "stop"  # JSON mode: the random model's keys run long, the budget closes them
+    assert isinstance(json.loads(obj.message.content), dict)
 
 
 BAD = [

@@ -21,7 +21,6 @@ from specdec.controller import AdaptiveK, ScoreCosts, make_controller
 from specdec.drafters import Drafter, make_drafter
 from specdec.errors import SpecdecError
 from specdec.grammar import (
-    CLOSING_RESERVE,
     MAX_FORCED,
     ConstrainedDraft,
     Constraint,
@@ -51,12 +50,16 @@ class GenerationResult:
     tool_calls: list[dict] = field(default_factory=list)
     content: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when asked for (logprobs.py)
+    # A structured reply the token budget closed: complete and valid, ended by the closing
+    # completion rather than by the model (grammar.py, docs/structured-budget.md).
+    closed_by_budget: bool = False
 
     def to_dict(self) -> dict:
         out = {
             "text": self.text,
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
+            "closed_by_budget": self.closed_by_budget,
             "stats": self.stats.summary(),
         }
         if self.tool_calls:
@@ -187,6 +190,10 @@ class Engine:
         if plan is not None:
             constraint = plan.constraint(constraint)
         grammar = GrammarMatcher(constraint, self.tokenizer, self.eos_token_ids) if constraint else None
+        if grammar is not None:  # a structured reply that cannot be complete within its budget is refused
+            room = self.backend.max_length - len(prompt_ids) + 1  # tokens the context leaves for the reply
+            grammar.require_budget(min(max_new_tokens, room), *(("max_new_tokens",) if max_new_tokens <= room
+                                                                 else ("prompt", True)))
         stream = GenerationStream(iter(()))
         stream._deltas = self._run(stream, prompt_ids, params, max_new_tokens, stop, seed, _text, grammar, plan,
                                    logprobs)
@@ -268,6 +275,8 @@ class Sequence:
         self.grammar, self.draft_forced = grammar, draft_forced
         self._constrained: ConstrainedDraft | None = None  # the grammar's view of the planned draft
         self._allowed: torch.Tensor | None = None  # the planned rows' grammar masks [rows, V]
+        self._budget = max_new_tokens  # tokens the reply may still emit, as of the planned step
+        self.closed_by_budget = False  # the closing completion ended the reply (grammar.py)
         # Rows of the planned step whose logits nobody reads: the grammar allows one token there,
         # so the masked row is that token whatever the logits say (greedy, sampling, logprobs).
         # The forward may skip their LM head (Backend.forward's `unscored`).
@@ -322,6 +331,7 @@ class Sequence:
         if k_cap is not None:
             k = min(k, max(0, k_cap))
         t0 = time.perf_counter()
+        self._budget = min(remaining, room + 1)  # a step emits at most room + 1 tokens
         if self.grammar is not None:
             return self._plan_constrained(k, k_cap, remaining, room, t0)
         draft = self.drafter.propose(self.context, k) if k > 0 else None
@@ -342,8 +352,11 @@ class Sequence:
         k (up to MAX_FORCED, and k_cap); the drafter gets what k leaves. Trees become chains:
         the masks follow one path."""
         limit = min(remaining - 1, room, MAX_FORCED if k_cap is None else k_cap) if self.draft_forced else 0
-        forced = self.grammar.forced()[: max(0, limit)]
-        budget = k - len(forced)
+        closing = self.grammar.closing_due(self._budget)
+        if closing is not None:  # the budget holds the closing completion and no more: emit it
+            self.closed_by_budget = True
+        forced = (closing or self.grammar.forced())[: max(0, limit)]
+        budget = k - len(forced) if closing is None else 0
         draft = self.drafter.propose(self.context + forced, budget) if budget > 0 else None
         if draft is not None and draft.parents is not None:
             draft = fit_tree(draft, budget, budget, use_tree=False)
@@ -351,15 +364,10 @@ class Sequence:
         probs = draft.probs[: len(tokens)] if draft and draft.probs is not None else None
         planned = self._constrained = self.grammar.draft(forced, tokens, probs)
         scored = [self.context[-1], *planned.tokens]
-        self._allowed = self.grammar.masks(scored, self.backend.vocab_size, self._closing_row())  # [rows, V]
+        self._allowed = self.grammar.masks(scored, self.backend.vocab_size, self._budget)  # [rows, V]
         self.unscored = [i for i, n in enumerate(self._allowed.sum(dim=-1).tolist()) if n == 1]
         self._step = (k, planned.tokens, planned.probs, self.backend.length, time.perf_counter() - t0)
         return scored
-
-    def _closing_row(self) -> int:
-        """The first of this step's rows in the grammar's closing reserve (row i scores output
-        position len(generated) + i)."""
-        return max(0, self.max_new_tokens - CLOSING_RESERVE - len(self.generated))
 
     def advance(self, logits: torch.Tensor, score_s: float = 0.0, solo: bool = True) -> str:
         """logits: [k+1, V] for the planned tokens. Verify, roll back, emit; return a text delta.
@@ -391,8 +399,7 @@ class Sequence:
         t3 = time.perf_counter()
 
         remaining = self.max_new_tokens - len(self.generated)
-        new = result.emitted(draft_tokens)
-        done = False
+        new, kept, done = self._fit(result.emitted(draft_tokens), result.num_accepted, cache_len)
         if self.grammar is not None and (end := self.grammar.advance(new)) is not None:  # the grammar stopped
             new, done, self.finish_reason = new[:end], True, "stop"  # the reply ends there, without an EOS
         for i, token in enumerate(new):
@@ -401,6 +408,8 @@ class Sequence:
                 break
         if len(new) >= remaining:
             new, done = new[:remaining], True
+        if self.finish_reason == "length" and len(new) >= self._budget and self._accepting():
+            done, self.finish_reason, self.closed_by_budget = True, "stop", True  # complete at the budget's end
         if self.track_text:
             keep = self.tracker.add(new)
             if keep is not None:
@@ -409,18 +418,41 @@ class Sequence:
         self.context.extend(new)
         self.generated.extend(new)
         stats = self.stats
-        forced = min(num_forced, result.num_accepted)  # the drafter's counts leave forced tokens out
-        stats.observe_step(num_drafted - num_forced, result.num_accepted - forced, len(new), k, forced)
+        forced = min(num_forced, kept)  # the drafter's counts leave forced tokens out
+        # kept: the accepted drafts the output holds (the budget may cut a step, see _fit)
+        stats.observe_step(num_drafted - num_forced, kept - forced, len(new), k, forced)
         stats.propose_s += propose_s
         stats.score_s += score_s
         stats.verify_s += t3 - t2
-        self.controller.observe(num_drafted - num_forced, result.num_accepted - forced, logits.shape[0],
+        drafter_accepted = result.num_accepted - min(num_forced, result.num_accepted)  # cut or not
+        self.controller.observe(num_drafted - num_forced, drafter_accepted, logits.shape[0],
                                 score_s if solo else 0.0, propose_s)
         if done:
             self.done = True
             return ""
-        self.drafter.on_verified(self.context, result.num_accepted - forced)
+        self.drafter.on_verified(self.context, kept - forced)
         return self.tracker.delta() if self.track_text else ""
+
+    def _fit(self, emitted: list[int], accepted: int, cache_len: int) -> tuple[list[int], int, bool]:
+        """A structured reply's step fitted to its budget (GrammarMatcher.fit): (the tokens it
+        emits, the accepted drafts among them, whether the reply ends). A cut step gives back
+        the cache of the drafts it drops."""
+        if self.grammar is None:
+            return emitted, accepted, False
+        new, fitted = self.grammar.fit(emitted, self._budget)
+        if fitted is None:
+            return new, accepted, False
+        self.closed_by_budget = True
+        kept = min(accepted, len(new) - (fitted == "closed"))
+        if kept < accepted:
+            self.backend.rollback(cache_len + 1 + kept)
+        if fitted == "ended":
+            self.finish_reason = "stop"
+        return new, kept, fitted == "ended"
+
+    def _accepting(self) -> bool:
+        """A structured reply whose grammar accepts what it emitted so far."""
+        return self.grammar is not None and self.grammar.constraint.closes and self.grammar.is_accepting
 
     def _add_logprobs(self, logits: torch.Tensor, result, new: list[int]) -> None:
         """Keep the logprobs of the emitted tokens `new` when the request asks for them."""
@@ -447,5 +479,6 @@ class Sequence:
         self.result = GenerationResult(
             self.tracker.text, self.generated, self.finish_reason, self.stats, self.prompt_ids,
             logprobs=self.token_logprobs if self.logprobs is not None else None,
+            closed_by_budget=self.closed_by_budget and self.finish_reason != "length",
         )
         return final

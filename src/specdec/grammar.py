@@ -20,12 +20,23 @@ regex) and matches it token by token. A constrained step (`Sequence.plan` / `adv
 EOS is allowed exactly when the grammar is accepting. Once the grammar is stopped (nothing
 but EOS could follow) the reply ends there, without generating the EOS.
 
-Closing before the limit: when the whole reply is structure (a JSON object or schema, a
-required or named tool call: `Constraint.closes`), in the last CLOSING_RESERVE tokens it
-may emit, a row whose allowed tokens include a closing one (a token of only `"`, `}` and `]`, or EOS) keeps only
-those, so a JSON value or tool call that would run into max_tokens (a small model repeating
-itself inside a string) is closed within it rather than cut. The rule depends on the output
-position alone, so plain and speculative decoding apply it alike.
+Valid by construction under any budget: when the whole reply is structure (a JSON object or
+schema, a required or named tool call: `Constraint.closes`), the matcher keeps a closing
+completion of the current state (closing.py: a run of tokens that completes the reply, its
+length known before it starts) and the engine passes each step's token budget (max_tokens
+and the context's room). Where fewer than MAX_CLOSING tokens are left:
+
+- a row whose budget equals its state's closing length allows only the completion's next
+  token, so from there the completion is emitted: every token fixed by the grammar state
+  alone, drafted as forced tokens, the same under plain and speculative decoding;
+- a token whose state could not be closed within what is left after it (opening a nested
+  object one token before the end) is replaced by the completion's next token, and the step
+  ends there (`fit`): the same rule on the same state under plain and speculative decoding;
+- a reply whose budget ends where the grammar accepts is complete.
+
+So the reply ends valid, with `finish_reason` "stop" (or "tool_calls"), and the request
+knows it was closed by the budget. `require_budget` refuses a request whose budget cannot
+hold even the completion from the start. See docs/structured-budget.md.
 """
 
 from __future__ import annotations
@@ -35,9 +46,9 @@ import weakref
 from dataclasses import dataclass, replace
 
 import llguidance
-import numpy as np
 import torch
 
+from specdec.closing import MAX_CLOSING, ClosingVocab, closing_vocab, find_closing
 from specdec.errors import SpecdecError
 
 # JSON is generated compact, with Python's json.dumps separators: free whitespace lets a
@@ -47,9 +58,6 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 # Forced tokens scored in one step, at most. Each saves a whole forward, while it widens the
 # forward by one row; this bounds the width like AdaptiveK.k_max bounds a draft.
 MAX_FORCED = 16
-# The last tokens of a reply's budget in which a constrained row prefers closing tokens.
-CLOSING_RESERVE = 24
-_CLOSERS = frozenset('"}]')
 _BITS = torch.arange(32, dtype=torch.int32)
 
 
@@ -60,8 +68,8 @@ class Constraint:
     grammar: str  # what llguidance.LLMatcher takes
     kind: str  # "json_object", "json_schema" or "grammar"
     name: str | None = None  # the schema's name in an OpenAI response_format
-    # the whole reply is structure (JSON, a required tool call), so it is closed near the
-    # limit (CLOSING_RESERVE); not for grammars that allow free text
+    # the whole reply is structure (JSON, a required tool call), so it is closed within its
+    # budget (see the module doc); not for grammars that allow free text
     closes: bool = False
 
 
@@ -146,24 +154,16 @@ def request_constraint(response_format: dict | Constraint | None = None, schema:
 
 
 _TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_CLOSING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {EOS ids: mask}
+_CLOSING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {EOS ids: ClosingVocab}
 
 
-def closing_tokens(tokenizer, eos_token_ids: set[int]) -> torch.Tensor:
-    """[llguidance's vocab size] bool: the tokens made only of `"`, `}` and `]` (spaces
-    aside), and EOS; built once per tokenizer (a pass over the vocabulary). Built in numpy:
-    the server builds it on a request thread, where a torch op would start a second OpenMP
-    thread team that then competes with the decoding thread's for the cores."""
+def closing_vocabulary(tokenizer, eos_token_ids: set[int]) -> ClosingVocab:
+    """The tokens closing completions are made of (closing.py), built once per tokenizer and
+    EOS set (a pass over the vocabulary: the server builds it before a step needs it)."""
     per_tokenizer = _CLOSING.setdefault(tokenizer, {})
     key = tuple(sorted(eos_token_ids))
     if key not in per_tokenizer:
-        ll = ll_tokenizer(tokenizer, eos_token_ids)
-        mask = np.zeros(ll.vocab_size, dtype=bool)
-        for token in range(ll.vocab_size):
-            text = ll.decode_bytes([token]).decode("utf-8", "replace").strip()
-            mask[token] = bool(text) and set(text) <= _CLOSERS and not ll.is_special_token(token)
-        mask[[t for t in eos_token_ids if t < ll.vocab_size]] = True
-        per_tokenizer[key] = torch.from_numpy(mask)
+        per_tokenizer[key] = closing_vocab(ll_tokenizer(tokenizer, eos_token_ids), set(eos_token_ids))
     return per_tokenizer[key]
 
 
@@ -216,6 +216,9 @@ class GrammarMatcher:
         self.matcher = llguidance.LLMatcher(self.ll, constraint.grammar, log_level=0)
         self.history: list[int] = []  # the tokens consumed: what the request emitted
         self._check("invalid " + constraint.kind.replace("_", " "))
+        # closing completions (closing.py) by state: the tokens past `history` that lead to it
+        self._closings: dict[tuple[int, ...], list[int] | None] = {}
+        self._vocab = closing_vocabulary(tokenizer, self.eos_token_ids) if constraint.closes else None
 
     def _check(self, what: str) -> None:
         if self.matcher.is_error():
@@ -232,6 +235,81 @@ class GrammarMatcher:
     def forced(self) -> list[int]:
         """The tokens the grammar forces next (possibly none)."""
         return [] if self.matcher.is_stopped() else list(self.matcher.compute_ff_tokens())
+
+    # ---- closing within the budget (see the module doc) ------------------------------------
+
+    def closing(self) -> list[int] | None:
+        """A closing completion of the current state ([] when it accepts), None if none is known."""
+        return self._closing_at(()) if self.constraint.closes else None
+
+    def _closing_at(self, ahead: tuple[int, ...]) -> list[int] | None:
+        """The completion of the state after `history` + `ahead`, where the matcher is now.
+        Cached per state, along with the states on the completion's path, so that after its
+        first token the completion is the rest of this one: its length then drops by one."""
+        if ahead not in self._closings:
+            found = find_closing(self.matcher, self._vocab)
+            self._closings[ahead] = found
+            for i in range(1, len(found or ())):
+                self._closings.setdefault(ahead + tuple(found[:i]), found[i:])
+        return self._closings[ahead]
+
+    def _due(self, ahead: tuple[int, ...], left: int) -> list[int] | None:
+        """The completion where it is due: `left` tokens may still be emitted and the completion
+        needs them all (or more). Only looked for in the last MAX_CLOSING + 1 tokens: before
+        them any known completion fits."""
+        if not self.constraint.closes or not 0 < left <= MAX_CLOSING + 1:
+            return None
+        completion = self._closing_at(ahead)
+        return completion if completion and len(completion) >= left else None
+
+    def closing_due(self, budget: int) -> list[int] | None:
+        """The completion to emit now, when the step's `budget` leaves no room for anything else."""
+        return self._due((), budget)
+
+    def require_budget(self, budget: int, param: str, context: bool = False) -> None:
+        """Refuse (SpecdecError naming `param`) a budget that cannot hold the completion from the
+        start. context=True: the budget is what the context leaves, `param` names the prompt."""
+        completion = self.closing()
+        need = max(1, len(completion)) if completion is not None else 0
+        if budget >= need:
+            return
+        kind = self.constraint.kind.replace("_", " ") if self.constraint.kind != "grammar" else "tool call"
+        if context:
+            raise SpecdecError(f"the context leaves {budget} tokens for the reply, but a complete {kind} needs at "
+                               f"least {need}; shorten the {param}", param)
+        raise SpecdecError(f"{param} is {budget}, but a complete {kind} needs at least {need} tokens; "
+                           f"set {param} to {need} or more", param)
+
+    def fit(self, tokens: list[int], budget: int) -> tuple[list[int], str | None]:
+        """A step's emitted tokens, fitted to its `budget` (the tokens the reply may still emit).
+        The first token after which the state could not be closed within what is left is
+        replaced by the current completion's next token and the step ends there ("closed");
+        where the grammar accepts already, the reply ends before it instead ("ended").
+        None: the tokens are kept. Nothing is consumed."""
+        if not self.constraint.closes:
+            return tokens, None
+        consumed: list[int] = []
+        try:
+            for token in tokens:
+                left = budget - len(consumed)  # for this token and what follows it
+                if token in self.eos_token_ids or left <= 0:
+                    break
+                here = self._closing_at(tuple(consumed)) if left <= MAX_CLOSING + 1 else None
+                if not self.matcher.try_consume_tokens([token]):
+                    break  # rejected or stopped: advance() deals with it
+                consumed.append(token)
+                if here is None:  # far from the limit, or no known completion: nothing to check
+                    continue
+                after = self._closing_at(tuple(consumed))
+                if after is not None and len(after) <= left - 1:
+                    continue
+                consumed.pop()
+                self.matcher.rollback(1)
+                return ([*consumed, here[0]], "closed") if here else (list(consumed), "ended")
+            return tokens, None
+        finally:
+            if consumed:
+                self.matcher.rollback(len(consumed))
 
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many leading tokens the grammar accepts from the current state. An EOS counts
@@ -251,6 +329,9 @@ class GrammarMatcher:
         n = self.valid_prefix([*forced, *tokens]) if tokens else len(forced)
         keep = max(0, n - len(forced))  # drafter tokens kept
         rejected = tokens[keep] if keep < len(tokens) else None
+        end = next((i for i, t in enumerate(tokens[:keep]) if t in self.eos_token_ids), None)
+        if end is not None:  # nothing after an EOS is ever emitted: no token to verify there
+            keep, rejected = end + 1, None
         rejected_probs = probs[keep] if rejected is not None and probs is not None else None
         joined = None
         if probs is not None:
@@ -259,16 +340,18 @@ class GrammarMatcher:
             joined = torch.cat([one_hot.to(probs.dtype), probs[:keep]])  # [len(forced) + keep, V]
         return ConstrainedDraft([*forced, *tokens[:keep]], joined, len(forced), rejected, rejected_probs)
 
-    def masks(self, tokens: list[int], vocab_size: int, closing_from: int | None = None) -> torch.Tensor:
+    def masks(self, tokens: list[int], vocab_size: int, budget: int | None = None) -> torch.Tensor:
         """Allowed tokens for each scored row -> [len(tokens), vocab_size] bool. tokens[0] is
         the pending token (already consumed); row i is the mask after tokens[1..i]. Rows
         after an EOS (or a token the grammar rejects) are never verified: they allow EOS.
-        Rows from `closing_from` on are in the closing reserve (see the module doc)."""
+        `budget`: the tokens the reply may still emit from row 0; a row where the closing
+        completion is due allows only its next token (see the module doc)."""
         rows = len(tokens)
         words = (self.vocab_size + 31) // 32
         bitmask = torch.zeros(rows, words, dtype=torch.int32)  # [rows, words]
         accepting = torch.zeros(rows, dtype=torch.bool)
         stopped = torch.ones(rows, dtype=torch.bool)
+        due: dict[int, int] = {}  # row -> the completion's next token, where it is due
         consumed = 0
         for i in range(rows):
             if i > 0:
@@ -276,6 +359,8 @@ class GrammarMatcher:
                 if token in self.eos_token_ids or not self.matcher.try_consume_tokens([token]):
                     break
                 consumed += 1
+            if budget is not None and (completion := self._due(tuple(tokens[1 : i + 1]), budget - i)):
+                due[i] = completion[0]
             row = bitmask[i]  # what llguidance.torch.fill_next_token_bitmask does, without importing dynamo
             self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
             accepting[i], stopped[i] = self.matcher.is_accepting(), self.matcher.is_stopped()
@@ -288,31 +373,34 @@ class GrammarMatcher:
         eos = self._eos[self._eos < vocab_size]
         allowed[stopped] = False
         allowed[:, eos] = (accepting | stopped).unsqueeze(-1)
-        if self.constraint.closes and closing_from is not None and closing_from < rows:
-            closers = torch.zeros(vocab_size, dtype=torch.bool)
-            closers[:width] = closing_tokens(self.tokenizer, self.eos_token_ids)[:width]
-            closing = allowed[closing_from:] & closers
-            can_close = closing.any(dim=-1, keepdim=True)  # [rows - closing_from, 1]
-            allowed[closing_from:] = torch.where(can_close, closing, allowed[closing_from:])
+        for i, token in due.items():
+            allowed[i] = False
+            allowed[i, token] = True
         return allowed
 
-    def mask_logits(self, logits: torch.Tensor, tokens: list[int], closing_from: int | None = None,
+    def mask_logits(self, logits: torch.Tensor, tokens: list[int], budget: int | None = None,
                     allowed: torch.Tensor | None = None) -> torch.Tensor:
         """logits: [len(tokens), V] for the scored tokens -> the same with disallowed at -inf.
         `allowed`: these tokens' masks() when the caller made them before the forward."""
         if allowed is None:
-            allowed = self.masks(tokens, logits.shape[-1], closing_from)
+            allowed = self.masks(tokens, logits.shape[-1], budget)
         return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
     def advance(self, tokens: list[int]) -> int | None:
         """Consume what a step emitted, up to an EOS. When the grammar stops, the reply is
         complete: return how many of `tokens` it keeps (what follows can only be EOS)."""
-        for i, token in enumerate(tokens):
-            if self.matcher.is_stopped():
-                return i
-            if token in self.eos_token_ids:
-                return None
-            if not self.matcher.consume_token(token):
-                raise RuntimeError(f"the grammar rejected emitted token {token}: {self.matcher.get_error()}")
-            self.history.append(token)
-        return len(tokens) if self.matcher.is_stopped() else None
+        start = len(self.history)
+        try:
+            for i, token in enumerate(tokens):
+                if self.matcher.is_stopped():
+                    return i
+                if token in self.eos_token_ids:
+                    return None
+                if not self.matcher.consume_token(token):
+                    raise RuntimeError(f"the grammar rejected emitted token {token}: {self.matcher.get_error()}")
+                self.history.append(token)
+            return len(tokens) if self.matcher.is_stopped() else None
+        finally:  # the cached completions of the states ahead of the new one, re-keyed from it
+            moved = tuple(self.history[start:])
+            n = len(moved)
+            self._closings = {key[n:]: c for key, c in self._closings.items() if key[:n] == moved}

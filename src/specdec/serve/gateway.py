@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from specdec.config import split_k
 from specdec.drafters import DrafterSpec, available
 from specdec.errors import SpecdecError
-from specdec.grammar import GrammarMatcher, closing_tokens, constraint_from_response_format, ll_tokenizer
+from specdec.grammar import GrammarMatcher, closing_vocabulary, constraint_from_response_format, ll_tokenizer
 from specdec.models import load_model
 from specdec.prompts import encode
 from specdec.sampling import SamplingParams
@@ -189,7 +189,7 @@ class Gateway:
         if not self._vocab_ready:
             with self._vocab_lock:  # the first one reads the whole vocabulary; later ones reuse it
                 ll_tokenizer(self.tokenizer, self.eos_token_ids)
-                closing_tokens(self.tokenizer, self.eos_token_ids)  # before a step needs it
+                closing_vocabulary(self.tokenizer, self.eos_token_ids)  # before a step needs it
                 self._vocab_ready = True
         return GrammarMatcher(constraint, self.tokenizer, self.eos_token_ids)
 
@@ -214,10 +214,14 @@ class Gateway:
             raise SpecdecError(problem, "drafter")
         if (logprobs := requested(body, chat)) is not None:
             self.logprob_format.prepare()
+        grammar = self.grammar(body, tools) if chat else None
+        if grammar is not None:  # a structured reply that cannot be complete within its budget: a 400
+            asked = body.max_completion_tokens if max_param == "max_completion_tokens" else body.max_tokens
+            grammar.require_budget(max_tokens, max_param if asked is not None else prompt_param, context=asked is None)
         req = GenRequest(
             prompt_ids, params, max_tokens, emit, stop=stop, seed=body.seed, drafter=body.drafter,
             k=body.k, stream=bool(body.stream), timeout_s=self.config.request_timeout,
-            grammar=self.grammar(body, tools) if chat else None, logprobs=logprobs, tenant=tenant,
+            grammar=grammar, logprobs=logprobs, tenant=tenant,
         )
         return req, tools
 

@@ -22,7 +22,9 @@ from specdec.serve.gateway import Gateway, chat_message, error_response
 from specdec.serve.guards import TENANT
 from specdec.serve.ops import CONTEXT
 from specdec.serve.protocol import (
+    CLOSED_BY_BUDGET_HEADER,
     ResponseBuilder,
+    mark_closed_by_budget,
     not_unicode,
     spec_decode,
     sse,
@@ -161,7 +163,9 @@ async def _whole(gw: Gateway, req, events: _Events, builder: ResponseBuilder, bo
             spec = spec_decode(payload.stats, req.drafter or gw.scheduler.default_drafter) if body.return_spec_decode else None
             text = tools.finish(payload).content if tools is not None else payload.text
             lps = gw.logprob_format.request(chat, req.logprobs or 0).whole(payload.logprobs)
-            return JSONResponse(builder.full(text, payload.finish_reason, use, spec, payload.tool_calls, lps))
+            reply = builder.full(text, payload.finish_reason, use, spec, payload.tool_calls, lps)
+            closed = mark_closed_by_budget(reply["choices"][0], payload)
+            return JSONResponse(reply, headers={CLOSED_BY_BUDGET_HEADER: "true"} if closed else None)
     req.cancel()  # the client disconnected: stop generating, free the cache slot
     _count_abort(gw, req, "client_disconnect")
     return Response(status_code=499)
@@ -193,6 +197,7 @@ async def _stream(gw: Gateway, req, events: _Events, builder: ResponseBuilder, b
                         yield sse(builder.chunk(delta=delta, logprobs=lps.take()))
                     reason = finish_reason(calls.calls, reason)
                 final = builder.chunk(None, reason, logprobs=lps.take())
+                mark_closed_by_budget(final["choices"][0], payload)
                 if body.return_spec_decode:
                     final["spec_decode"] = spec_decode(payload.stats, req.drafter or gw.scheduler.default_drafter)
                 yield sse(final)

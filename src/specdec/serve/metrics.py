@@ -20,7 +20,9 @@ the request). Gauges: num_requests_running, num_requests_waiting, kv_cache_usage
 fraction of KV-cache slots held by running requests). Counters: request_success{finished_reason},
 num_requests_rejected{reason} (refused before running: queue full, shutting down),
 num_requests_aborted{reason} (ended early: client_disconnect, timeout, error, shutdown; a request
-is counted once, as a success or an abort, whichever its worker or its handler claims first).
+is counted once, as a success or an abort, whichever its worker or its handler claims first),
+num_requests_closed_by_budget (ours: structured replies that the token budget closed, complete
+and valid, with finished_reason stop; see docs/structured-budget.md).
 """
 
 from __future__ import annotations
@@ -91,6 +93,8 @@ class ServerMetrics:
         self._success = family(Counter, "request_success", "Finished requests.", "finished_reason")
         self._rejected = family(Counter, "num_requests_rejected", "Requests refused.", "reason")
         self._aborted = family(Counter, "num_requests_aborted", "Requests ended before they finished.", "reason")
+        self.closed_by_budget = one(Counter, "num_requests_closed_by_budget",
+                                    "Structured replies the token budget closed (complete and valid).")
         self.batch_size = one(Histogram, "batch_size", "Requests scored by one target forward.",
                               buckets=_BATCH_BUCKETS)
         self.batch_tokens = one(Counter, "batch_scored_tokens", "Tokens scored by target forwards.")
@@ -156,6 +160,8 @@ class ServerMetrics:
         self.prefix_cache_hits.inc(result.stats.cached_prompt_tokens)
         self.generation_tokens.inc(len(result.token_ids))
         self._success.labels(model_name=self.model_name, finished_reason=result.finish_reason).inc()
+        if result.closed_by_budget:
+            self.closed_by_budget.inc()
 
     def observe_batch(self, num_sequences: int, num_tokens: int) -> None:
         self.batch_size.observe(num_sequences)

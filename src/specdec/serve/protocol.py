@@ -305,6 +305,19 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
 
 
+# A structured reply that its token budget closed (grammar.py): complete and valid, but ended
+# by the closing completion rather than by the model. Marked by the choice's `specdec` object,
+# this header on a non-streamed response, and specdec:num_requests_closed_by_budget.
+CLOSED_BY_BUDGET_HEADER = "X-Specdec-Closed-By-Budget"
+
+
+def mark_closed_by_budget(choice: dict, result) -> bool:
+    """Add the choice's `specdec` extension when the budget closed `result`; say whether it did."""
+    if result.closed_by_budget:
+        choice["specdec"] = {"closed_by_budget": True}
+    return result.closed_by_budget
+
+
 def spec_decode(stats, drafter: str) -> dict:
     """Per-request speculative statistics: tau (mean_accepted_length) counts the bonus token
     and grammar-forced tokens; drafted / accepted / acceptance_rate are the drafter's alone."""
