@@ -9,7 +9,7 @@ token for token the same under speculative decoding (k=4) as under plain decodin
 Prints one line per failing case and a summary; the last line of stdout is one JSON object.
 Exits 1 when any case fails.
 
-    python scripts/fuzz_closing.py [--cases 500] [--seed 0] [--tokenizer smollm2-135m|tiny]
+    python scripts/bench/fuzz_closing.py [--cases 500] [--seed 0] [--tokenizer smollm2-135m|tiny]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def load(name: str):
