@@ -131,7 +131,7 @@ def test_speculation_changes_nothing(client):
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
          "input[0].content[0].type"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
-        ({"tools": FLAT, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+        ({"tools": FLAT, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
         ({"max_output_tokens": 100000}, "max_output_tokens"),
     ],
 )

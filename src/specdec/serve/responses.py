@@ -254,6 +254,6 @@ def rename(param: str | None) -> str | None:
         return "text.format"
     if param.startswith("messages"):
         return "input"
-    if param.startswith("tools[") and ".function." in param:
-        return param.replace(".function.", ".", 1)
+    if param.startswith(("tools[", "tool_choice.")) and ".function." in param:
+        return param.replace(".function.", ".", 1)  # chat nests a function's fields; Responses does not
     return param
