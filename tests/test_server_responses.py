@@ -11,6 +11,7 @@ import pytest
 
 from conftest import save_loaded, tiny_llama
 from served_helpers import ServerProcess, assert_error_shape
+from specdec.serve.ray_routing import conversation_key
 from test_tools import TOOLS, valid_args
 
 MODEL = "tiny"
@@ -157,3 +158,13 @@ def test_the_openai_client_raises_on_a_refusal(client):
     with pytest.raises(openai.BadRequestError) as err:
         create(client, store=True)
     assert err.value.body["param"] == "store"
+
+
+def test_a_responses_conversation_keeps_its_replica():
+    """`--replicas` routes a Responses conversation by its instructions and first input, as chat's."""
+    turn1 = {"instructions": "Be brief.", "input": "Plan my trip."}
+    turn2 = {"instructions": "Be brief.", "input": [{"role": "user", "content": "Plan my trip."},
+                                                    {"type": "function_call_output", "call_id": "c", "output": "ok"}]}
+    chat = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Plan my trip."}]}
+    assert conversation_key(turn1) == conversation_key(turn2) == conversation_key(chat)
+    assert conversation_key({**turn1, "input": "Something else."}) != conversation_key(turn1)
