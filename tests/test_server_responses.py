@@ -168,3 +168,29 @@ def test_a_responses_conversation_keeps_its_replica():
     chat = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Plan my trip."}]}
     assert conversation_key(turn1) == conversation_key(turn2) == conversation_key(chat)
     assert conversation_key({**turn1, "input": "Something else."}) != conversation_key(turn1)
+
+
+@pytest.mark.slow
+def test_real_model_round_trip_through_responses():
+    """SmolLM2-135M: a named call through /v1/responses follows the schema, drafting changes
+    nothing, the streamed arguments equal the whole ones, and the call's result comes back as
+    a function_call_output item for the final text."""
+    srv = ServerProcess("smollm2-135m", "--served-model-name", "smol", backend="auto")
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        base = dict(model="smol", input="What's the weather in Paris, in celsius?", tools=FLAT, tool_choice=NAMED,
+                    parallel_tool_calls=False, temperature=0, max_output_tokens=60)
+        plain = client.responses.create(**base, extra_body={"drafter": "none"})
+        call = next(i for i in plain.output if i.type == "function_call")
+        assert plain.status == "completed" and valid_args(call.arguments, TOOLS[0])
+        for drafter in ("ngram", "suffix"):
+            spec = client.responses.create(**base, extra_body={"drafter": drafter, "return_spec_decode": True})
+            assert next(i for i in spec.output if i.type == "function_call").arguments == call.arguments
+        events = list(client.responses.create(**base, stream=True))
+        assert "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta") == call.arguments
+        history = [{"role": "user", "content": base["input"]}, call.model_dump(exclude_none=True),
+                   {"type": "function_call_output", "call_id": call.call_id, "output": '{"temp": 21}'}]
+        final = client.responses.create(**{**base, "input": history, "tool_choice": "none"})
+        assert final.output_text and final.usage.input_tokens > plain.usage.input_tokens
+    finally:
+        srv.close()
