@@ -194,3 +194,42 @@ def test_real_model_round_trip_through_responses():
         assert final.output_text and final.usage.input_tokens > plain.usage.input_tokens
     finally:
         srv.close()
+
+
+def test_the_agents_sdk_runs_on_the_responses_model(server):
+    """The OpenAI Agents SDK's default model class (OpenAIResponsesModel): a tool loop, a
+    streamed run and a structured output_type complete. The random model's words are
+    nonsense; the protocol is what is checked."""
+    agents = pytest.importorskip("agents")
+    import asyncio
+
+    from pydantic import BaseModel
+
+    agents.set_tracing_disabled(True)  # offline: no trace export
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return "sunny"
+
+    class Verdict(BaseModel):
+        answer: str
+
+    async def run() -> None:
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        model = agents.OpenAIResponsesModel(MODEL, client)
+        settings = agents.ModelSettings(tool_choice="required", max_tokens=400, temperature=0)
+        agent = agents.Agent(name="a", instructions="Be brief.", tools=[get_weather], model=model,
+                             model_settings=settings)
+        result = await agents.Runner.run(agent, "Weather in Paris?", max_turns=4)
+        kinds = [type(item).__name__ for item in result.new_items]
+        assert kinds[:2] == ["ToolCallItem", "ToolCallOutputItem"] and isinstance(result.final_output, str)
+        streamed = agents.Runner.run_streamed(agent, "Weather in Rome?", max_turns=4)
+        async for _ in streamed.stream_events():
+            pass
+        assert isinstance(streamed.final_output, str)
+        judge = agents.Agent(name="b", model=model, output_type=Verdict,
+                             model_settings=agents.ModelSettings(max_tokens=400, temperature=0))
+        assert isinstance((await agents.Runner.run(judge, "Is the sky blue?")).final_output, Verdict)
+
+    asyncio.run(run())
