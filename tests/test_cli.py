@@ -161,8 +161,9 @@ def test_make_run_request_is_valid(monkeypatch):
     line = next(ln for ln in (root / "Makefile").read_text().splitlines() if ln.startswith("REQUEST ?= "))
     args = build_parser().parse_args(["generate", *shlex.split(line.removeprefix("REQUEST ?= "))])
     monkeypatch.chdir(root)  # the paths are relative to the repository, as make runs them
-    prompt, extra = generate_request(args)
+    request = generate_request(args)
+    prompt, plan = request.prompt, request.tools
     assert prompt[-1]["role"] == "user" and any(m.get("tool_calls") for m in prompt)
-    assert extra["tool_choice"] == "required" and extra["parallel_tool_calls"] is False
-    assert {t["function"]["name"] for t in extra["tools"]} == {"get_weather", "search_contacts", "send_email",
-                                                              "create_event"}
+    assert plan.choice == "required" and plan.parallel is False
+    assert {t["function"]["name"] for t in plan.tools} == {"get_weather", "search_contacts", "send_email",
+                                                          "create_event"}

@@ -14,7 +14,7 @@ from specdec import Engine, SpecdecError
 from specdec.backends.hf import HFBackend
 from specdec.drafters import Draft, Drafter
 from specdec.drafters.draft_model import ModelDrafter
-from specdec.engine import Sequence
+from specdec.engine import Runtime, Sequence
 from specdec.grammar import (
     ConstrainedDraft,
     GrammarMatcher,
@@ -23,6 +23,7 @@ from specdec.grammar import (
     json_object,
     json_schema,
 )
+from specdec.request import Prepared, Request
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.verify import verify_sampling
 
@@ -207,8 +208,8 @@ def test_matcher_holds_exactly_the_emitted_tokens_after_each_step(target, drafte
     drafted = accepted = 0
     for prompt in PROMPTS:
         matcher = GrammarMatcher(json_schema(TOOL), tok, engine.eos_token_ids)
-        seq = Sequence(engine.backend, engine.drafter, tok.encode(prompt), SamplingParams(temperature), 60, 4, tok,
-                       engine.eos_token_ids, seed=1, grammar=matcher)
+        job = Prepared(Request(prompt, sampling=SamplingParams(temperature), seed=1), tok.encode(prompt), 60, matcher)
+        seq = Sequence(engine.backend, engine.drafter, job, 4, Runtime(tok, engine.eos_token_ids))
         seq.start()
         while (tokens := seq.plan()) is not None:
             seq.advance(engine.backend.forward(tokens))

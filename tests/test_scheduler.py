@@ -14,6 +14,7 @@ from specdec.backends.hf import HFBackend
 from specdec.config import EngineConfig
 from specdec.engine import Engine
 from specdec.errors import SpecdecError
+from specdec.request import Prepared
 from specdec.sampling import SamplingParams
 from specdec.serve.scheduler import GenRequest, LoadPolicy, QueueFull, RequestTimeout, Scheduler
 
@@ -60,7 +61,8 @@ class Recorder:
 def make_request(target, prompt: str, emit, max_new: int = 24, **kw) -> GenRequest:
     ids = target.tokenizer.encode(prompt)
     params = kw.pop("params", SamplingParams())
-    return GenRequest(ids, params, max_new, emit, **kw)
+    job = Prepared.tokens(ids, params, max_new, **{n: kw.pop(n) for n in ("seed", "stop", "logprobs") if n in kw})
+    return GenRequest(job, emit, **kw)
 
 
 def run_until_idle(sched: Scheduler, limit: int = 2000) -> None:
@@ -215,11 +217,11 @@ def test_speculation_off_under_load_but_on_when_alone(target):
     busy = Scheduler(target, EngineConfig(drafter="ngram:min=1", k=4), max_batch=4, policy=LoadPolicy(max_batch_tokens=4))
     recs = [Recorder() for _ in range(4)]
     for rec in recs:
-        busy.submit(GenRequest(list(ids), SamplingParams(), 20, rec))
+        busy.submit(GenRequest(Prepared.tokens(list(ids), SamplingParams(), 20), rec))
     run_until_idle(busy)
     assert all(rec.result.stats.num_draft_tokens == 0 for rec in recs)  # cap 4 // 4 - 1 = 0
     alone = Recorder()
-    busy.submit(GenRequest(list(ids), SamplingParams(), 20, alone))
+    busy.submit(GenRequest(Prepared.tokens(list(ids), SamplingParams(), 20), alone))
     run_until_idle(busy)
     assert alone.result.stats.num_draft_tokens > 0
     assert alone.result.token_ids == recs[0].result.token_ids
@@ -285,7 +287,7 @@ def test_tree_drafts_are_scored_with_tree_attention(target, monkeypatch):
     sched = Scheduler(target, EngineConfig(drafter="test-oracle-tree", k=4), max_batch=2)
     recs = [Recorder() for _ in prompts]
     for ids, rec in zip(prompts, recs, strict=True):
-        sched.submit(GenRequest(list(ids), SamplingParams(), 20, rec))
+        sched.submit(GenRequest(Prepared.tokens(list(ids), SamplingParams(), 20), rec))
     run_until_idle(sched)
     for seq, rec in zip(full, recs, strict=True):
         assert rec.result.prompt_ids + rec.result.token_ids == seq
@@ -310,7 +312,7 @@ def test_a_request_gets_the_slot_that_caches_its_prompt_prefix(target, monkeypat
     assert [r.result.stats.cached_prompt_tokens for r in recs] == [0, 0]
     turn2 = first + recs[0].result.token_ids + first[1:]  # the conversation so far plus a new message
     rec = Recorder()
-    sched.submit(GenRequest(turn2, SamplingParams(), 12, rec))
+    sched.submit(GenRequest(Prepared.tokens(turn2, SamplingParams(), 12), rec))
     run_until_idle(sched)
     if mode == "prompt":
         assert rec.result.stats.cached_prompt_tokens == (len(first) - 1) // 4 * 4  # turn 1's prefill, whole chunks

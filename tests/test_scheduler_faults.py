@@ -17,6 +17,7 @@ from specdec.config import EngineConfig
 from specdec.drafters import REGISTRY, Draft, Drafter, make_drafter
 from specdec.drafters.suffix import TenantStores
 from specdec.engine import Engine
+from specdec.request import Prepared
 from specdec.sampling import SamplingParams
 from specdec.serve.cli import serve_config
 from specdec.serve.scheduler import GenRequest, LoadPolicy, Scheduler
@@ -57,7 +58,7 @@ def test_hf_slots_are_bounded_and_the_least_recently_used_is_evicted(target, pla
     prompts = random_prompts(12, 20)
     recs = [Recorder() for _ in prompts]
     for ids, rec in zip(prompts, recs, strict=True):
-        sched.submit(GenRequest(list(ids), SamplingParams(), 8, rec))
+        sched.submit(GenRequest(Prepared.tokens(list(ids), SamplingParams(), 8), rec))
         sched.step()
         assert sched.slots.num_slots <= 3
     run_until_idle(sched)
@@ -65,8 +66,8 @@ def test_hf_slots_are_bounded_and_the_least_recently_used_is_evicted(target, pla
     for ids, rec in list(zip(prompts, recs, strict=True))[::4]:
         assert rec.result.token_ids == greedy(plain, ids, 8)
     recent, oldest = Recorder(), Recorder()
-    sched.submit(GenRequest(list(prompts[-1]), SamplingParams(), 8, recent))
-    sched.submit(GenRequest(list(prompts[0]), SamplingParams(), 8, oldest))
+    sched.submit(GenRequest(Prepared.tokens(list(prompts[-1]), SamplingParams(), 8), recent))
+    sched.submit(GenRequest(Prepared.tokens(list(prompts[0]), SamplingParams(), 8), oldest))
     run_until_idle(sched)
     assert recent.result.stats.cached_prompt_tokens == 16 and oldest.result.stats.cached_prompt_tokens == 0
     assert oldest.result.token_ids == recs[0].result.token_ids
@@ -99,11 +100,11 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(target, plain
         sched = Scheduler(target, EngineConfig(drafter="none", backend=backend, backend_options=options),
                           max_batch=2, policy=LoadPolicy(prefill_tokens=budget))
         running, arriving = Recorder(sched), Recorder(sched)
-        sched.submit(GenRequest(list(short), SamplingParams(), 100, running))
+        sched.submit(GenRequest(Prepared.tokens(list(short), SamplingParams(), 100), running))
         for _ in range(3):
             sched.step()
         stream = sched._active[0].seq
-        sched.submit(GenRequest(list(long), SamplingParams(), 10, arriving))
+        sched.submit(GenRequest(Prepared.tokens(list(long), SamplingParams(), 10), arriving))
         sched.step()  # admits it and feeds the first chunks
         emitted = []  # tokens the running request got in each step of the prefill
         while "started" not in arriving.step_of:
@@ -166,7 +167,7 @@ def test_one_failing_request_fails_alone(target, plain, monkeypatch, where, back
     poisoned = [FaultyDrafter.POISON, *prompts[0]]
     recs = [Recorder() for _ in range(4)]
     for ids, rec in zip([prompts[0], poisoned, prompts[1], prompts[2]], recs, strict=True):
-        sched.submit(GenRequest(list(ids), SamplingParams(), 24, rec))
+        sched.submit(GenRequest(Prepared.tokens(list(ids), SamplingParams(), 24), rec))
     run_until_idle(sched)
     assert isinstance(recs[1].error, RuntimeError | IndexError) and not any(k == "done" for k, _ in recs[1].events)
     for ids, rec in zip(prompts, [recs[0], recs[2], recs[3]], strict=True):
@@ -175,7 +176,7 @@ def test_one_failing_request_fails_alone(target, plain, monkeypatch, where, back
     assert sum(s.num_draft_tokens for s in stats) > 0 and sum(s.num_accepted_tokens for s in stats) > 0
     assert sched.slots.in_use == 0 and sched.num_active == 0
     again = Recorder()  # the server goes on serving
-    sched.submit(GenRequest(list(prompts[0]), SamplingParams(), 24, again))
+    sched.submit(GenRequest(Prepared.tokens(list(prompts[0]), SamplingParams(), 24), again))
     run_until_idle(sched)
     assert again.result.token_ids == recs[0].result.token_ids
 
@@ -189,7 +190,7 @@ def tenant_run(target, turns: list[tuple[str, list[int]]]) -> list:
     out = []
     for tenant, ids in turns:
         rec = Recorder()
-        sched.submit(GenRequest(list(ids), SamplingParams(), 40, rec, tenant=tenant))
+        sched.submit(GenRequest(Prepared.tokens(list(ids), SamplingParams(), 40), rec, tenant=tenant))
         run_until_idle(sched)
         s = rec.result.stats
         out.append((s.cached_prompt_tokens, s.num_draft_tokens, s.num_accepted_tokens, rec.result.token_ids))

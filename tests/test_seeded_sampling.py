@@ -16,6 +16,7 @@ from conftest import spy_trees, tiny_llama
 from specdec import verify
 from specdec.config import EngineConfig
 from specdec.engine import Engine
+from specdec.request import Prepared
 from specdec.sampling import PositionDraws, SamplingParams, logits_to_probs, sample_at
 from specdec.serve.scheduler import GenRequest, LoadPolicy, Scheduler
 from specdec.tree import verify_tree_sampling
@@ -271,11 +272,11 @@ def test_same_seed_same_reply_under_load(target):
     sched = Scheduler(target, EngineConfig(drafter="ngram:min=1", k=4), max_batch=4,
                       policy=LoadPolicy(max_batch_tokens=8))
     alone = Collect()
-    _serve(sched, [GenRequest(list(ids), params, MAX_NEW, alone, seed=3)])
+    _serve(sched, [GenRequest(Prepared.tokens(list(ids), params, MAX_NEW, seed=3), alone)])
     busy = [Collect() for _ in range(4)]
     others = ["The quick brown fox jumps over the lazy dog. The", "| name | value |\n| a |", "The lazy dog"]
-    _serve(sched, [GenRequest(list(ids), params, MAX_NEW, busy[0], seed=3)]
-           + [GenRequest(target.tokenizer.encode(p), params, MAX_NEW, c, seed=i) for i, (p, c) in
+    _serve(sched, [GenRequest(Prepared.tokens(list(ids), params, MAX_NEW, seed=3), busy[0])]
+           + [GenRequest(Prepared.tokens(target.tokenizer.encode(p), params, MAX_NEW, seed=i), c) for i, (p, c) in
               enumerate(zip(others, busy[1:], strict=True))])
     want = Engine(target, drafter="none", k=0).generate(ids, max_new_tokens=MAX_NEW, temperature=TEMPERATURE, seed=3)
     assert alone.result.token_ids == busy[0].result.token_ids == want.token_ids

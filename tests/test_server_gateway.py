@@ -19,6 +19,7 @@ from conftest import tiny_llama
 from served_helpers import PROMPTS, ServerProcess, assert_error_shape, model_dir  # noqa: F401  (fixture)
 from specdec import __version__
 from specdec.config import EngineConfig
+from specdec.request import Prepared
 from specdec.sampling import SamplingParams
 from specdec.serve.metrics import ServerMetrics
 from specdec.serve.scheduler import GenRequest, Scheduler
@@ -236,7 +237,8 @@ def test_spec_counters_move_every_step_not_only_when_a_request_ends():
     sched = Scheduler(target, EngineConfig(drafter="ngram:min=1", k=3), max_batch=2, metrics=metrics)
     events: list[tuple[str, object]] = []
     ids = target.tokenizer.encode(PROMPTS[0])
-    sched.submit(GenRequest(ids, SamplingParams(), 60, lambda kind, payload: events.append((kind, payload))))
+    sched.submit(GenRequest(Prepared.tokens(ids, SamplingParams(), 60),
+                            lambda kind, payload: events.append((kind, payload))))
 
     def value(name: str) -> float:
         return metrics.registry.get_sample_value("specdec:" + name, {"model_name": "tiny"}) or 0.0

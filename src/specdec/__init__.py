@@ -5,6 +5,7 @@ from specdec.drafters import Draft, Drafter, make_drafter, register
 from specdec.engine import Engine, GenerationResult
 from specdec.errors import SpecdecError
 from specdec.models import LoadedModel, load_model
+from specdec.request import Request
 from specdec.sampling import SamplingParams
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "EngineConfig",
     "GenerationResult",
     "LoadedModel",
+    "Request",
     "SamplingParams",
     "SpecdecError",
     "load_model",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -14,7 +16,7 @@ from specdec.config import EngineConfig
 from specdec.engine import Engine
 from specdec.errors import SpecdecError
 from specdec.grammar import request_constraint
-from specdec.sampling import SamplingParams
+from specdec.request import Request
 from specdec.serve import cli as serve_cli
 from specdec.tools import CHOICES, tool_plan
 from specdec.traffic_log import TrafficLog
@@ -68,9 +70,9 @@ def read_json_file(path: str, flag: str):
         raise SpecdecError(f"{flag} {path}: not JSON ({e})", flag.lstrip("-")) from None
 
 
-def generate_request(args: argparse.Namespace) -> tuple[str | list[dict], dict]:
-    """The prompt and the structure arguments (json_schema, tools, tool_choice,
-    parallel_tool_calls) of `generate`, read and checked before any model is loaded."""
+def generate_request(args: argparse.Namespace) -> Request:
+    """`generate`'s flags as one request value, read and checked before any model is loaded;
+    a bad --json-schema or --tools file is named in the error."""
     prompt = args.prompt
     if args.messages:
         if args.raw:
@@ -79,59 +81,56 @@ def generate_request(args: argparse.Namespace) -> tuple[str | list[dict], dict]:
         prompt = prompt.get("messages") if isinstance(prompt, dict) else prompt
         if not isinstance(prompt, list) or not prompt or not all(isinstance(m, dict) for m in prompt):
             raise SpecdecError(f"--messages {args.messages}: expected a non-empty list of chat messages", "messages")
-    extra: dict = {}
-    constraint = None
+    constraint = plan = None
     if args.json_schema:
-        extra["json_schema"] = read_json_file(args.json_schema, "--json-schema")
-        try:
-            constraint = request_constraint(schema=extra["json_schema"])
-        except SpecdecError as e:
-            raise SpecdecError(f"--json-schema {args.json_schema}: {e.message}", e.param) from None
-    if not args.tools:
-        if args.tool_choice is not None or args.no_parallel_tool_calls:
-            raise SpecdecError("--tool-choice and --no-parallel-tool-calls need --tools", "tool_choice")
-        return prompt, extra
-    tools = read_json_file(args.tools, "--tools")
-    choice = args.tool_choice
-    extra.update(
-        tools=tools.get("tools") if isinstance(tools, dict) else tools,
-        tool_choice=choice if choice in (None, *CHOICES) else {"type": "function", "function": {"name": choice}},
-        parallel_tool_calls=False if args.no_parallel_tool_calls else None,
-    )
+        with _blame("--json-schema", args.json_schema):
+            constraint = request_constraint(schema=read_json_file(args.json_schema, "--json-schema"))
+    if not args.tools and (args.tool_choice is not None or args.no_parallel_tool_calls):
+        raise SpecdecError("--tool-choice and --no-parallel-tool-calls need --tools", "tool_choice")
+    if args.tools:
+        tools = read_json_file(args.tools, "--tools")
+        choice = args.tool_choice
+        with _blame("--tools", args.tools):
+            plan = tool_plan(tools.get("tools") if isinstance(tools, dict) else tools,
+                             choice if choice in (None, *CHOICES) else {"type": "function", "function": {"name": choice}},
+                             False if args.no_parallel_tool_calls else None)
+            if plan is not None:
+                plan.constraint(constraint)  # a forced tool choice cannot take a schema too
+    base = Request.build(prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.stop, args.seed,
+                         chat=not args.raw)
+    return dataclasses.replace(base, tools=plan, response_format=constraint)
+
+
+@contextlib.contextmanager
+def _blame(flag: str, path: str):
+    """Prefix a SpecdecError with the flag and file it came from."""
     try:
-        plan = tool_plan(extra["tools"], extra["tool_choice"], extra["parallel_tool_calls"])
-        if plan is not None:
-            plan.constraint(constraint)  # a forced tool choice cannot take a schema too
+        yield
     except SpecdecError as e:
-        raise SpecdecError(f"--tools {args.tools}: {e.message}", e.param) from None
-    return prompt, extra
+        raise SpecdecError(f"{flag} {path}: {e.message}", e.param) from None
 
 
 def run_generate(args: argparse.Namespace) -> None:
-    SamplingParams(args.temperature, args.top_k, args.top_p).validate()  # fail before loading
-    prompt, extra = generate_request(args)
+    request = generate_request(args)  # fail before loading
     config = engine_config(args)
     log = TrafficLog(args.log_dir) if args.log_dir else None
     engine = Engine(config=config)
     if engine.backend.compile_seconds:
         print(f"[native] compiled the decode step in {engine.backend.compile_seconds:.1f}s", file=sys.stderr)
-    kwargs = dict(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, stop=args.stop, seed=args.seed, chat=not args.raw, **extra,
-    )
-    plain = plain_run(engine, config, prompt, kwargs) if args.compare_plain else None
+    plain = plain_run(engine, config, request) if args.compare_plain else None
     streamed = args.stream and not args.json
     if streamed:
-        stream = engine.stream(prompt, **kwargs)
+        stream = engine.stream(request)
         for delta in stream:
             print(delta, end="", flush=True)
         print()
         result = stream.result
     else:
-        result = engine.generate(prompt, **kwargs)
+        result = engine.generate(request)
     if not args.json:
         _print_reply(result, streamed)
     if log is not None:
+        prompt = request.prompt
         logged = [{"role": "user", "content": prompt}] if isinstance(prompt, str) and not args.raw else prompt
         meta = {"target": engine.target.name, "chat": not args.raw, "finish_reason": result.finish_reason,
                 "temperature": args.temperature, "drafter": engine.drafter_name}
@@ -139,15 +138,16 @@ def run_generate(args: argparse.Namespace) -> None:
     _print_result(args, engine, result, plain)
 
 
-def plain_run(engine: Engine, config: EngineConfig, prompt, kwargs: dict):
+def plain_run(engine: Engine, config: EngineConfig, request: Request):
     """The same request decoded plainly: drafter none, k = 0, and a grammar's forced tokens
     scored one per forward too (a plain engine with k = 0 would still score them ahead).
     Both engines first warm up on another prompt, so that neither times one-time costs and
     neither finds the timed prompt in its cache."""
     baseline = Engine(engine.target, "none", config=config, k=0, draft_forced=False)
+    warmup = dataclasses.replace(request, prompt=WARMUP_PROMPT, max_tokens=8)
     for warm in (baseline, engine):
-        warm.generate(WARMUP_PROMPT, **{**kwargs, "max_new_tokens": 8})
-    return baseline.generate(prompt, **kwargs)
+        warm.generate(warmup)
+    return baseline.generate(request)
 
 
 def _print_reply(result, streamed: bool) -> None:

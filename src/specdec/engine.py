@@ -8,6 +8,7 @@ pending token and the accepted drafts, and the recovered or bonus token becomes 
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -20,20 +21,15 @@ from specdec.config import EngineConfig
 from specdec.controller import AdaptiveK, ScoreCosts, make_controller
 from specdec.drafters import Drafter, make_drafter
 from specdec.errors import SpecdecError
-from specdec.grammar import (
-    MAX_FORCED,
-    ConstrainedDraft,
-    Constraint,
-    GrammarMatcher,
-    request_constraint,
-)
-from specdec.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
+from specdec.grammar import MAX_FORCED, ConstrainedDraft, Constraint
+from specdec.logprobs import TokenLogprob, token_logprobs
 from specdec.models import LoadedModel, load_model
 from specdec.prompts import Prompt, encode
-from specdec.sampling import PositionDraws, SamplingParams, logits_to_probs
+from specdec.request import Prepared, Request
+from specdec.sampling import PositionDraws, logits_to_probs
 from specdec.stats import SpecStats
 from specdec.text import TextTracker
-from specdec.tools import DEFAULT_PARSER, ToolPlan, tool_plan
+from specdec.tools import DEFAULT_PARSER, ToolPlan
 from specdec.tree import fit_tree, keep_path, tree_depth, verify_tree
 from specdec.verify import verify_greedy, verify_sampling
 
@@ -129,7 +125,7 @@ class Engine:
 
     def generate(
         self,
-        prompt: str | list[dict] | list[int],
+        prompt: Prompt | Request,
         max_new_tokens: int = 128,
         temperature: float = 0.0,
         top_k: int = 0,
@@ -143,11 +139,14 @@ class Engine:
         logprobs: int | None = None,
         **tool_args,  # tools, tool_choice, parallel_tool_calls, tool_parser: see stream()
     ) -> GenerationResult:
-        """The whole reply. `response_format` (OpenAI's shape, or a grammar.Constraint) or
+        """The whole reply, for a `request.Request` or the arguments that build one
+        (`Request.build`). `response_format` (OpenAI's shape, or a grammar.Constraint) or
         `json_schema` (a schema, enforced strictly) constrain it: see grammar.py. `logprobs=n`
         fills `result.logprobs`: each token's logprob and its n likeliest rivals (logprobs.py)."""
-        stream = self.stream(prompt, max_new_tokens, temperature, top_k, top_p, stop, seed, chat, _text=bool(stop),
-                             response_format=response_format, json_schema=json_schema, logprobs=logprobs, **tool_args)
+        request = _as_request(prompt, dict(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop, seed=seed,
+            chat=chat, response_format=response_format, json_schema=json_schema, logprobs=logprobs, **tool_args))
+        stream = self.stream(request, _text=bool(request.stop))
         for _ in stream:
             pass
         assert stream.result is not None
@@ -155,7 +154,7 @@ class Engine:
 
     def stream(
         self,
-        prompt: str | list[dict] | list[int],
+        prompt: Prompt | Request,
         max_new_tokens: int = 128,
         temperature: float = 0.0,
         top_k: int = 0,
@@ -177,38 +176,22 @@ class Engine:
         `tools` (OpenAI function tools), `tool_choice` and `parallel_tool_calls` as in the
         OpenAI API (see tools.py): the result then has `tool_calls`; the deltas stay raw text
         (`tools.ToolStream` turns them into OpenAI deltas)."""
-        plan = tool_plan(tools, tool_choice, parallel_tool_calls, tool_parser)
-        params = SamplingParams(float(temperature), int(top_k), float(top_p))
-        params.validate()
-        params = self.config.decode_params(params)
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise SpecdecError(f"max_new_tokens must be >= 1, got {max_new_tokens}", "max_new_tokens")
-        if logprobs is not None and not (isinstance(logprobs, int) and 0 <= logprobs <= MAX_TOP_LOGPROBS):
-            raise SpecdecError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {logprobs}", "logprobs")
-        prompt_ids = self.encode_prompt(prompt, chat, plan)
-        constraint = request_constraint(response_format, json_schema)
-        if plan is not None:
-            constraint = plan.constraint(constraint)
-        grammar = GrammarMatcher(constraint, self.tokenizer, self.eos_token_ids) if constraint else None
-        if grammar is not None:  # a structured reply that cannot be complete within its budget is refused
-            room = self.backend.max_length - len(prompt_ids) + 1  # tokens the context leaves for the reply
-            grammar.require_budget(min(max_new_tokens, room), *(("max_new_tokens",) if max_new_tokens <= room
-                                                                 else ("prompt", True)))
+        request = _as_request(prompt, dict(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop, seed=seed,
+            chat=chat, response_format=response_format, json_schema=json_schema, tools=tools,
+            tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls, tool_parser=tool_parser,
+            logprobs=logprobs))
+        job = request.prepare(self.tokenizer, self.eos_token_ids, max_length=self.backend.max_length)
         stream = GenerationStream(iter(()))
-        stream._deltas = self._run(stream, prompt_ids, params, max_new_tokens, stop, seed, _text, grammar, plan,
-                                   logprobs)
+        stream._deltas = self._run(stream, job, _text)
         return stream
 
-    def _run(self, stream, prompt_ids, params, max_new_tokens, stop, seed, track_text, grammar=None,
-             plan: ToolPlan | None = None, logprobs: int | None = None) -> Iterator[str]:
+    def _run(self, stream: GenerationStream, job: Prepared, track_text: bool) -> Iterator[str]:
         if self.k in ("auto", None) and self.drafter_name != "none" and not self.costs.calibrated:
             self.costs.calibrate(self.backend)  # once per engine, before the first prompt fills the cache
-        seq = Sequence(
-            self.backend, self.drafter, prompt_ids, params, max_new_tokens, self.k,
-            self.tokenizer, self.eos_token_ids, stop, seed, track_text,
-            costs=self.costs, prior_alpha=self.alpha_prior, grammar=grammar, logprobs=logprobs,
-            draft_forced=self.config.draft_forced,
-        )
+        runtime = Runtime(self.tokenizer, self.eos_token_ids, self.config, self.costs)
+        seq = Sequence(self.backend, self.drafter, job, self.k, runtime, track_text=track_text,
+                       prior_alpha=self.alpha_prior)
         seq.start()
         while (tokens := seq.plan(tree=True)) is not None:
             t0 = time.perf_counter()
@@ -222,9 +205,34 @@ class Engine:
         final = seq.finish()
         if isinstance(seq.controller, AdaptiveK) and seq.controller.drafted:
             self.alpha_prior = seq.controller.alpha  # the next request starts from it
+        plan = job.request.tools
         stream.result = plan.finish(seq.result) if plan is not None else seq.result
         if final:
             yield final
+
+
+_BUILD_DEFAULTS = {name: p.default for name, p in inspect.signature(Request.build).parameters.items()
+                   if p.default is not inspect.Parameter.empty}
+
+
+def _as_request(prompt: Prompt | Request, arguments: dict) -> Request:
+    """A Request given as such (then no other argument may be set), or built from the arguments."""
+    if not isinstance(prompt, Request):
+        return Request.build(prompt, **arguments)
+    given = sorted(name for name, value in arguments.items() if value != _BUILD_DEFAULTS.get(name))
+    if given:
+        raise SpecdecError(f"a Request carries its own settings; do not pass {', '.join(given)} too", given[0])
+    return prompt
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What a Sequence takes from whoever runs it (Engine, the server's scheduler)."""
+
+    tokenizer: object
+    eos_token_ids: set[int]
+    config: EngineConfig = field(default_factory=EngineConfig)  # decode_params (verify_strategy), draft_forced
+    costs: ScoreCosts | None = None  # the target's scoring costs, shared by the adaptive controllers
 
 
 class Sequence:
@@ -240,31 +248,24 @@ class Sequence:
         self,
         backend: Backend,
         drafter: Drafter,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        max_new_tokens: int,
+        job: Prepared,  # the request, its prompt ids, budget and grammar (request.py)
         k: str | int,
-        tokenizer,
-        eos_token_ids: set[int],
-        stop: list[str] | None = None,
-        seed: int | None = None,
-        track_text: bool = True,
-        costs: ScoreCosts | None = None,
-        prior_alpha: float | None = None,
-        grammar: GrammarMatcher | None = None,  # a structured-output constraint (grammar.py)
-        logprobs: int | None = None,  # None: off; n: each token's logprob and its row's n likeliest
-        draft_forced: bool = True,  # EngineConfig.draft_forced
+        runtime: Runtime,
+        *,
+        track_text: bool = True,  # follow the text as it grows (streaming, stop strings)
+        prior_alpha: float | None = None,  # the adaptive controller's starting acceptance rate
     ):
         self.start_time = time.perf_counter()
-        self.backend, self.drafter = backend, drafter
-        self.prompt_ids, self.params, self.max_new_tokens = prompt_ids, params, max_new_tokens
-        self.eos_token_ids, self.track_text = eos_token_ids, track_text
+        self.backend, self.drafter, self.request = backend, drafter, job.request
+        prompt_ids, self.prompt_ids, self.max_new_tokens = job.prompt_ids, job.prompt_ids, job.max_new_tokens
+        self.params = runtime.config.decode_params(job.request.sampling)
+        self.eos_token_ids, self.track_text = runtime.eos_token_ids, track_text
         self.stats = SpecStats(prompt_tokens=len(prompt_ids))
-        seed = seed if seed is not None else int(torch.seed() % 2**63)
+        seed = job.request.seed if job.request.seed is not None else int(torch.seed() % 2**63)
         self.generator = torch.Generator().manual_seed(seed)  # the drafter's own draws
         self.draws = PositionDraws(seed)  # verification's, keyed to the output position: k cannot change them
-        self.controller = make_controller(k, costs, prior_alpha)
-        self.tracker = TextTracker(tokenizer, stop)
+        self.controller = make_controller(k, runtime.costs, prior_alpha)
+        self.tracker = TextTracker(runtime.tokenizer, list(job.request.stop or []) or None)
         self.context = list(prompt_ids)
         self.generated: list[int] = []
         self.finish_reason = "length"
@@ -272,16 +273,16 @@ class Sequence:
         self.result: GenerationResult | None = None
         self._step: tuple | None = None  # (k, draft_tokens, draft_probs, cache_len, propose_s) between plan and advance
         self.tree_parents: list[int] | None = None  # parents of the planned tokens when they form a tree
-        self.grammar, self.draft_forced = grammar, draft_forced
+        self.grammar, self.draft_forced = job.grammar, runtime.config.draft_forced
         self._constrained: ConstrainedDraft | None = None  # the grammar's view of the planned draft
         self._allowed: torch.Tensor | None = None  # the planned rows' grammar masks [rows, V]
-        self._budget = max_new_tokens  # tokens the reply may still emit, as of the planned step
+        self._budget = job.max_new_tokens  # tokens the reply may still emit, as of the planned step
         self.closed_by_budget = False  # the closing completion ended the reply (grammar.py)
         # Rows of the planned step whose logits nobody reads: the grammar allows one token there,
         # so the masked row is that token whatever the logits say (greedy, sampling, logprobs).
         # The forward may skip their LM head (Backend.forward's `unscored`).
         self.unscored: list[int] = []
-        self.logprobs = logprobs
+        self.logprobs = job.request.logprobs
         self.token_logprobs: list[TokenLogprob] = []  # aligned with `generated`
         self.prefilling = False  # between start(prefill=False) and the prefill_step that ends the prompt
         self._prefilled = 0  # prompt tokens the cache holds so far

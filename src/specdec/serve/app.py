@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP gateway: FastAPI routes over the continuous-batching scheduler.
 
 Routes (one module each in serve/routes/): POST /v1/chat/completions, POST /v1/completions,
+POST /v1/responses (the Responses API, translated to chat: responses.py),
 GET /v1/models, GET /health (503 while the model loads or the server drains), GET /metrics
 (Prometheus), GET /version.
 

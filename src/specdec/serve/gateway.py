@@ -1,5 +1,5 @@
 """The gateway's state: loading the model, admission, and turning a request body into a
-GenRequest (validation that needs the tokenizer, tokenization, the reply's grammar).
+GenRequest (the body's request value, then its tokenization and grammar: request.py).
 
 `build_request` runs in the TokenizerPool's threads (serve/tokenize.py), never on the event
 loop and never under a global lock; admission (`admit`) is checked before it, so a full
@@ -9,6 +9,7 @@ server refuses with 429 without tokenizing anything.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import threading
@@ -19,16 +20,16 @@ from fastapi.responses import JSONResponse
 from specdec.config import split_k
 from specdec.drafters import DrafterSpec, available
 from specdec.errors import SpecdecError
-from specdec.grammar import GrammarMatcher, closing_vocabulary, constraint_from_response_format, ll_tokenizer
+from specdec.grammar import closing_vocabulary, ll_tokenizer
 from specdec.models import load_model
-from specdec.prompts import encode
-from specdec.sampling import SamplingParams
-from specdec.serve.logprobs import LogprobFormatter, requested
+from specdec.request import Request
+from specdec.serve.bodies import chat_request, completion_request
+from specdec.serve.logprobs import LogprobFormatter
 from specdec.serve.metrics import ServerMetrics
-from specdec.serve.protocol import error_body, message_text, stop_list
+from specdec.serve.protocol import error_body
+from specdec.serve.responses import rename
 from specdec.serve.scheduler import GenRequest, LoadPolicy, Scheduler
 from specdec.serve.tokenize import TokenizerPool
-from specdec.tools import ToolPlan, tool_plan
 from specdec.traffic_log import QueuedTrafficLog, TrafficLog
 
 log = logging.getLogger("specdec.server")
@@ -36,24 +37,6 @@ log = logging.getLogger("specdec.server")
 
 def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
-
-
-def chat_message(i: int, m) -> dict:
-    """A request message as prompts.encode takes it: text content, calls and results kept."""
-    try:
-        content = None if m.content is None else message_text(m.content)
-    except ValueError as e:
-        raise SpecdecError(str(e), f"messages[{i}].content") from None
-    msg = {"role": m.role, "content": content}
-    if m.tool_calls is not None:
-        msg["tool_calls"] = m.tool_calls
-    if m.tool_call_id is not None:
-        msg["tool_call_id"] = m.tool_call_id
-    if m.name is not None:
-        if m.role != "tool":  # the chat template has no place for a speaker's name
-            raise SpecdecError(f"messages[{i}].name is supported on tool messages only", f"messages[{i}].name")
-        msg["name"] = m.name
-    return msg
 
 
 class Gateway:
@@ -163,86 +146,34 @@ class Gateway:
             return f"unknown drafter {name!r}; choose one of: {', '.join(available())}"
         return f"drafter {spec_text!r} is not enabled on this server (see specdec serve --allow-drafter)"
 
-    def encode(self, body, chat: bool, tools: ToolPlan | None = None) -> list[int]:
-        """The request's prompt as token ids (`prompts.encode`, with this thread's tokenizer),
-        its tools shown to the model. The context-length check is build_request's."""
-        if chat:
-            prompt = [chat_message(i, m) for i, m in enumerate(body.messages)]
-        else:
-            prompt = body.prompt
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-                prompt = prompt[0]  # a batch of one
-            if isinstance(prompt, list):
-                if not all(isinstance(t, int) for t in prompt):
-                    raise SpecdecError("only one prompt per request is supported", "prompt")
-                if not all(0 <= t < self.vocab_size for t in prompt):  # ids from the client
-                    raise SpecdecError(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
-        return encode(self.tokenizers.local(), prompt, chat=chat, tools=tools)
+    def request(self, body, kind: str) -> Request:
+        """The body's request value (serve/bodies.py). A Responses request comes translated to
+        chat (serve/responses.py); its limit keeps the name the client sent."""
+        if kind == "completion":
+            return completion_request(body, self.vocab_size)
+        request = chat_request(body, self.config.tool_call_parser)
+        if kind == "responses" and request.limit_field is not None:
+            request = dataclasses.replace(request, limit_field=rename(request.limit_field))
+        return request
 
-    def grammar(self, body, tools: ToolPlan | None) -> GrammarMatcher | None:
-        """The reply's constraint: the response_format, or the tool calls (tools.py)."""
-        constraint = constraint_from_response_format(body.response_format)
-        if tools is not None:
-            constraint = tools.constraint(constraint)
-        if constraint is None:
-            return None
+    def warm_vocabulary(self) -> None:
+        """llguidance's view of the vocabulary, built by the first constrained request only."""
         if not self._vocab_ready:
             with self._vocab_lock:  # the first one reads the whole vocabulary; later ones reuse it
                 ll_tokenizer(self.tokenizer, self.eos_token_ids)
                 closing_vocabulary(self.tokenizer, self.eos_token_ids)  # before a step needs it
                 self._vocab_ready = True
-        return GrammarMatcher(constraint, self.tokenizer, self.eos_token_ids)
 
-    def build_request(self, body, chat: bool, emit, tenant: str = "") -> tuple[GenRequest, ToolPlan | None]:
-        """Validate everything that needs the tokenizer; return a GenRequest and the request's
-        tools, or raise SpecdecError."""
-        prompt_param = "messages" if chat else "prompt"
-        tools = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, self.config.tool_call_parser) if chat else None
-        prompt_ids = self.encode(body, chat, tools)
-        max_tokens, max_param = self._max_tokens(body, chat, len(prompt_ids), prompt_param)
-        try:
-            stop = stop_list(body.stop)
-        except ValueError as e:
-            raise SpecdecError(str(e), "stop") from None
-        top_k = body.top_k if body.top_k and body.top_k > 0 else 0
-        params = SamplingParams(
-            1.0 if body.temperature is None else float(body.temperature), top_k,
-            1.0 if body.top_p is None else float(body.top_p),
-        )
-        params.validate()
+    def build_request(self, body, kind: str, emit, tenant: str = "") -> GenRequest:
+        """Validate everything that needs the tokenizer; return the GenRequest, or raise
+        SpecdecError. `kind`: chat, completion or responses."""
+        request = self.request(body, kind)
+        if request.constraint() is not None:
+            self.warm_vocabulary()
+        job = request.prepare(self.tokenizer, self.eos_token_ids, self.max_length, encoder=self.tokenizers.local())
         if body.drafter is not None and (problem := self.check_drafter(body.drafter)):
             raise SpecdecError(problem, "drafter")
-        if (logprobs := requested(body, chat)) is not None:
+        if request.logprobs is not None:
             self.logprob_format.prepare()
-        grammar = self.grammar(body, tools) if chat else None
-        if grammar is not None:  # a structured reply that cannot be complete within its budget: a 400
-            asked = body.max_completion_tokens if max_param == "max_completion_tokens" else body.max_tokens
-            grammar.require_budget(max_tokens, max_param if asked is not None else prompt_param, context=asked is None)
-        req = GenRequest(
-            prompt_ids, params, max_tokens, emit, stop=stop, seed=body.seed, drafter=body.drafter,
-            k=body.k, stream=bool(body.stream), timeout_s=self.config.request_timeout,
-            grammar=grammar, logprobs=logprobs, tenant=tenant,
-        )
-        return req, tools
-
-    def _max_tokens(self, body, chat: bool, n_prompt: int, prompt_param: str) -> tuple[int, str]:
-        """The completion's token budget, checked against the context in OpenAI's words."""
-        context = self.max_length
-        if n_prompt >= context:
-            raise SpecdecError(
-                f"This model's maximum context length is {context} tokens. However, your "
-                f"{prompt_param} resulted in {n_prompt} tokens, leaving no room for a completion.",
-                prompt_param,
-            )
-        max_param = "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
-        max_tokens = body.max_completion_tokens if max_param == "max_completion_tokens" else body.max_tokens
-        if max_tokens is None:
-            max_tokens = context - n_prompt if chat else min(16, context - n_prompt)
-        elif n_prompt + max_tokens > context:
-            raise SpecdecError(
-                f"This model's maximum context length is {context} tokens. However, you requested "
-                f"{n_prompt + max_tokens} tokens ({n_prompt} in the {prompt_param}, {max_tokens} in the "
-                f"completion). Please reduce the length of the {prompt_param} or completion.",
-                max_param,
-            )
-        return max_tokens, max_param
+        return GenRequest(job, emit, drafter=body.drafter, k=body.k, stream=bool(body.stream),
+                          timeout_s=self.config.request_timeout, tenant=tenant)

@@ -18,23 +18,20 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from specdec.errors import SpecdecError
-from specdec.serve.gateway import Gateway, chat_message, error_response
+from specdec.serve.gateway import Gateway, error_response
 from specdec.serve.guards import TENANT
 from specdec.serve.ops import CONTEXT
 from specdec.serve.protocol import (
     CLOSED_BY_BUDGET_HEADER,
-    ResponseBuilder,
-    mark_closed_by_budget,
     not_unicode,
     spec_decode,
-    sse,
     unencodable_field,
     unsupported,
-    usage,
 )
+from specdec.serve.replies import ChatReply, Reply
 from specdec.serve.scheduler import QueueFull, RequestTimeout, ServerShutdown
 from specdec.serve.tenants import request_tenant
-from specdec.tools import ToolPlan, finish_reason
+from specdec.tools import finish_reason
 
 
 class _Events:
@@ -74,9 +71,10 @@ class _Events:
             self._disconnect = None
 
 
-def error_for(exc: Exception) -> JSONResponse:
+def error_for(exc: Exception, rename=None) -> JSONResponse:
+    """The error's response; `rename` (Reply.rename) names a field as the client's dialect does."""
     if isinstance(exc, SpecdecError):
-        return error_response(400, exc.message, exc.param)
+        return error_response(400, exc.message, rename(exc.param) if rename else exc.param)
     if isinstance(exc, QueueFull):
         return error_response(429, str(exc), headers={"Retry-After": str(exc.retry_after)})
     if isinstance(exc, RequestTimeout):
@@ -107,22 +105,29 @@ def refusal(gw: Gateway, body) -> JSONResponse | None:
     return None
 
 
-async def complete(gw: Gateway, body, request: Request, chat: bool) -> Response:
+async def complete(gw: Gateway, body, request: Request, chat: bool, reply: Reply | None = None,
+                   kind: str | None = None) -> Response:
+    """One generation request, from its cheap checks to its reply. `reply` writes the answer
+    (default: chat or legacy completions); `kind` picks the body's request builder
+    (Gateway.request; default: chat or completion)."""
     if (refused := refusal(gw, body)) is not None:
         return refused
+    kind = kind or ("chat" if chat else "completion")
+    if reply is None:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        reply = ChatReply(chat, gw.config.model_name, include_usage)
     ctx = request.scope.setdefault(CONTEXT, {})
     ctx["admitted"] = True  # ops.RequestContext gives the place back when the response ends
     ctx["tenant"] = tenant = request_tenant(request.scope.get(TENANT, ""), body.cache_salt)
     events = _Events(request)
     try:
-        req, tools = await gw.tokenizers.run(gw.build_request, body, chat, events.emit, tenant)
+        req = await gw.tokenizers.run(gw.build_request, body, kind, events.emit, tenant)
         gw.scheduler.submit(req)
     except Exception as e:
         events.stop_watching()
         if not isinstance(e, SpecdecError):
             gw.metrics.rejected(type(e).__name__)
-        return error_for(e)
-    builder = ResponseBuilder(chat, gw.config.model_name)
+        return error_for(e, reply.rename)
     streaming = False
     try:
         first = await events.next()
@@ -134,83 +139,80 @@ async def complete(gw: Gateway, body, request: Request, chat: bool) -> Response:
             return Response(status_code=499)
         if first[0] == "error":
             _count_abort(gw, req, _abort_reason(first[1]))
-            return error_for(first[1])
+            return error_for(first[1], reply.rename)
         if body.stream:
             events.stop_watching()
             streaming = True
             return StreamingResponse(
-                _stream(gw, req, events, builder, body, chat, tools, ctx),
+                _stream(gw, req, events, reply, body, ctx),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        return await _whole(gw, req, events, builder, body, chat, tools, ctx)
+        return await _whole(gw, req, events, reply, body, ctx)
     finally:
         events.stop_watching()
         if not streaming:
             req.cancel()  # the client left or the handler failed; a no-op once finished
 
 
-async def _whole(gw: Gateway, req, events: _Events, builder: ResponseBuilder, body, chat: bool,
-                 tools: ToolPlan | None, ctx: dict) -> Response:
+def _spec(gw: Gateway, req, body, result) -> dict | None:
+    """The spec_decode statistics, when the request asked for them."""
+    return spec_decode(result.stats, req.drafter or gw.scheduler.default_drafter) if body.return_spec_decode else None
+
+
+async def _whole(gw: Gateway, req, events: _Events, reply: Reply, body, ctx: dict) -> Response:
+    request = req.job.request
     while (event := await events.next()) is not None:
         kind, payload = event
         if kind == "error":
             _count_abort(gw, req, _abort_reason(payload))
-            return error_for(payload)
+            return error_for(payload, reply.rename)
         if kind == "done":
-            record(gw, body, chat, payload, ctx)
-            use = usage(len(payload.prompt_ids), len(payload.token_ids), payload.stats.cached_prompt_tokens)
-            spec = spec_decode(payload.stats, req.drafter or gw.scheduler.default_drafter) if body.return_spec_decode else None
-            text = tools.finish(payload).content if tools is not None else payload.text
-            lps = gw.logprob_format.request(chat, req.logprobs or 0).whole(payload.logprobs)
-            reply = builder.full(text, payload.finish_reason, use, spec, payload.tool_calls, lps)
-            closed = mark_closed_by_budget(reply["choices"][0], payload)
-            return JSONResponse(reply, headers={CLOSED_BY_BUDGET_HEADER: "true"} if closed else None)
+            record(gw, req, body, payload, ctx)
+            if request.tools is not None:
+                request.tools.finish(payload)  # content, tool_calls, finish_reason
+            lps = gw.logprob_format.request(request.chat, request.logprobs or 0).whole(payload.logprobs)
+            headers = {CLOSED_BY_BUDGET_HEADER: "true"} if payload.closed_by_budget else None
+            return JSONResponse(reply.whole(payload, _spec(gw, req, body, payload), lps), headers=headers)
     req.cancel()  # the client disconnected: stop generating, free the cache slot
     _count_abort(gw, req, "client_disconnect")
     return Response(status_code=499)
 
 
-async def _stream(gw: Gateway, req, events: _Events, builder: ResponseBuilder, body, chat: bool,
-                  tools: ToolPlan | None, ctx: dict):
-    calls = tools.stream() if tools is not None else None  # text deltas -> content and tool_calls deltas
-    lps = gw.logprob_format.request(chat, req.logprobs or 0)  # chunks carry their tokens' logprobs
+async def _stream(gw: Gateway, req, events: _Events, reply: Reply, body, ctx: dict):
+    request = req.job.request
+    calls = request.tools.stream() if request.tools is not None else None  # text -> content and tool_calls deltas
+    lps = gw.logprob_format.request(request.chat, request.logprobs or 0)  # chunks carry their tokens' logprobs
     ended = False
     try:
-        if chat:  # the first delta carries the role
-            yield sse(builder.chunk("", role=True))
+        for frame in reply.open():
+            yield frame
         while True:
             kind, payload = await events.queue.get()
             if kind == "logprobs":
                 lps.add(payload)
-            elif kind == "delta" and calls is not None:
-                for delta in calls.feed(payload):
-                    yield sse(builder.chunk(delta=delta, logprobs=lps.take()))
             elif kind == "delta":
-                yield sse(builder.chunk(payload, logprobs=lps.take()))
+                for delta in calls.feed(payload) if calls is not None else [{"content": payload}]:
+                    for frame in reply.delta(delta, lps.take()):
+                        yield frame
             elif kind == "done":
                 ended = True
-                record(gw, body, chat, payload, ctx)
+                record(gw, req, body, payload, ctx)
                 reason = payload.finish_reason
                 if calls is not None:
                     for delta in calls.finish():
-                        yield sse(builder.chunk(delta=delta, logprobs=lps.take()))
+                        for frame in reply.delta(delta, lps.take()):
+                            yield frame
                     reason = finish_reason(calls.calls, reason)
-                final = builder.chunk(None, reason, logprobs=lps.take())
-                mark_closed_by_budget(final["choices"][0], payload)
-                if body.return_spec_decode:
-                    final["spec_decode"] = spec_decode(payload.stats, req.drafter or gw.scheduler.default_drafter)
-                yield sse(final)
-                if body.stream_options and body.stream_options.include_usage:
-                    yield sse(builder.usage_chunk(usage(len(payload.prompt_ids), len(payload.token_ids),
-                                                        payload.stats.cached_prompt_tokens)))
+                for frame in reply.close(payload, reason, _spec(gw, req, body, payload), lps.take()):
+                    yield frame
                 break
             elif kind == "error":  # headers are sent: an error event the OpenAI SDKs raise on
                 ended = True
                 _count_abort(gw, req, _abort_reason(payload))
-                yield sse(json.loads(error_for(payload).body))
+                for frame in reply.error(json.loads(error_for(payload, reply.rename).body)):
+                    yield frame
                 break
-        yield sse("[DONE]")
     finally:
         if not ended:
             _count_abort(gw, req, "client_disconnect")
@@ -222,27 +224,25 @@ def _count_abort(gw: Gateway, req, reason: str) -> None:
         gw.metrics.aborted(reason)
 
 
-def record(gw: Gateway, body, chat: bool, result, ctx: dict) -> None:
+def record(gw: Gateway, req, body, result, ctx: dict) -> None:
     """Tokens for the access log, and the traffic log's record, queued for its writer thread
-    (which also renders the prompt)."""
+    (which also renders token ids to text)."""
     ctx["prompt_tokens"], ctx["completion_tokens"] = len(result.prompt_ids), len(result.token_ids)
     if gw.traffic is None:
         return
-    if chat:
-        def prompt():
-            return [chat_message(i, m) for i, m in enumerate(body.messages)]
-    elif isinstance(body.prompt, str):
-        prompt = body.prompt
+    request = req.job.request
+    if isinstance(request.prompt, str | list) and not (request.prompt and isinstance(request.prompt[0], int)):
+        prompt = request.prompt  # text, or the chat messages (a Responses input as chat messages)
     else:
         def prompt():
             return gw.tokenizer.decode(result.prompt_ids)
     drafter = body.drafter or gw.scheduler.default_drafter
     meta = {
-        "target": gw.config.engine.target, "chat": chat, "finish_reason": result.finish_reason,
-        "temperature": 1.0 if body.temperature is None else body.temperature, "drafter": drafter,
+        "target": gw.config.engine.target, "chat": request.chat and not isinstance(request.prompt, str),
+        "finish_reason": result.finish_reason, "temperature": request.sampling.temperature, "drafter": drafter,
         "prompt_tokens": len(result.prompt_ids), "completion_tokens": len(result.token_ids),
         "spec_decode": spec_decode(result.stats, drafter),
     }
-    if chat and body.tools:  # what the prompt showed, for whoever re-renders it
-        meta["tools"] = body.tools
+    if request.tools is not None:  # what the prompt showed, for whoever re-renders it
+        meta["tools"] = request.tools.tools
     gw.traffic.record(prompt, result.text, meta)

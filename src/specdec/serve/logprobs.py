@@ -114,10 +114,3 @@ def _token_text(raw: bytes) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-
-
-def requested(body, chat: bool) -> int | None:
-    """A request's logprobs setting: None (off), or how many likeliest tokens to list with each."""
-    if chat:
-        return (body.top_logprobs or 0) if body.logprobs else None
-    return body.logprobs

@@ -69,7 +69,8 @@ def _printable(text: str) -> str:
 # they get "not supported" rather than "unrecognized" (any other unknown field is refused too).
 NOT_SUPPORTED = frozenset({
     "audio", "modalities", "prediction", "reasoning_effort", "verbosity", "service_tier", "web_search_options",
-    "prompt_cache_retention", "functions", "function_call", "image_url", "input_audio", "file",
+    "prompt_cache_retention", "prompt_cache_options", "moderation", "functions", "function_call", "image_url",
+    "input_audio", "file",
     "continuous_usage_stats", "include_obfuscation", "echo",
     "repetition_penalty", "min_p", "min_tokens", "ignore_eos", "stop_token_ids", "bad_words", "allowed_token_ids",
     "use_beam_search", "length_penalty", "include_stop_str_in_output", "skip_special_tokens",

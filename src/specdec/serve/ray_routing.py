@@ -47,6 +47,10 @@ def conversation_key(body) -> str | None:
         if isinstance(body.get(field), str) and body[field]:
             return f"{field.split('_')[-1]}:{body[field]}"
     messages = body.get("messages")
+    if isinstance(body.get("input"), str | list):  # the Responses API: instructions, then input as messages
+        items = [{"role": "user", "content": body["input"]}] if isinstance(body["input"], str) else body["input"]
+        system = [{"role": "system", "content": body["instructions"]}] if body.get("instructions") else []
+        messages = [*system, *items]
     if isinstance(messages, list):
         messages = [m for m in messages if isinstance(m, dict)]
         system = [_text(m.get("content")) for m in messages if m.get("role") in ("system", "developer")]

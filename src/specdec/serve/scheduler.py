@@ -36,10 +36,9 @@ from specdec.backends import Backend, forward_batch
 from specdec.config import EngineConfig, split_k
 from specdec.controller import ScoreCosts
 from specdec.drafters import Drafter
-from specdec.engine import GenerationResult, Sequence
+from specdec.engine import GenerationResult, Runtime, Sequence
 from specdec.errors import SpecdecError
-from specdec.grammar import GrammarMatcher
-from specdec.sampling import SamplingParams
+from specdec.request import Prepared
 from specdec.serve.slots import BackendSlots, DrafterPool, LoadPolicy
 
 __all__ = ["GenRequest", "LoadPolicy", "QueueFull", "RequestTimeout", "Scheduler", "ServerShutdown"]
@@ -66,18 +65,14 @@ class ServerShutdown(Exception):
 
 @dataclass
 class GenRequest:
-    prompt_ids: list[int]
-    params: SamplingParams
-    max_new_tokens: int
+    """A prepared request (request.Prepared) and how the server runs it."""
+
+    job: Prepared
     emit: Callable[[str, object], None]  # called from the worker thread
-    stop: list[str] | None = None
-    seed: int | None = None
     drafter: str | None = None  # drafter spec text; None means the server's default
     k: str | int | None = None  # None means the drafter spec's or the server's k
     stream: bool = False  # emit text deltas
     timeout_s: float | None = None
-    grammar: GrammarMatcher | None = None  # the reply's constraint (response_format, tool calls); fresh per request
-    logprobs: int | None = None  # None: off; n: each token's logprob and n likeliest (streamed: "logprobs" events)
     tenant: str = ""  # whose prefix caches and suffix trie this request may use and feed (API key + cache_salt)
     id: int = field(default_factory=lambda: next(_ids))
     submitted_at: float = field(default_factory=time.perf_counter)
@@ -138,6 +133,7 @@ class Scheduler:
         # What scoring n tokens costs, timed once now and then learned from steps that scored
         # one sequence alone; shared by every request's adaptive controller, as in Engine.
         self.costs = ScoreCosts()
+        self.runtime = Runtime(self.tokenizer, self.eos_token_ids, engine, self.costs)
         backend_for_timing = self.slots.acquire()
         try:
             self.costs.calibrate(backend_for_timing)
@@ -355,13 +351,10 @@ class Scheduler:
             k = req.k if req.k is not None else spec_k if spec_k is not None else self.default_k
             drafter = self.drafters.acquire(spec)
             drafter.scope(req.tenant)  # what it learns across requests stays the tenant's
-            backend = self.slots.acquire(req.prompt_ids, req.tenant)
+            backend = self.slots.acquire(req.job.prompt_ids, req.tenant)
             drafter.bind_target(backend)  # drafters that read the target's states follow this request's cache
-            seq = Sequence(
-                backend, drafter, req.prompt_ids, self.engine.decode_params(req.params), req.max_new_tokens, k,
-                self.tokenizer, self.eos_token_ids, req.stop, req.seed, track_text=req.stream or bool(req.stop),
-                costs=self.costs, grammar=req.grammar, logprobs=req.logprobs, draft_forced=self.engine.draft_forced,
-            )
+            seq = Sequence(backend, drafter, req.job, k, self.runtime,
+                           track_text=req.stream or bool(req.job.request.stop))
             seq.start(prefill=not chunked)
         except Exception as e:
             if not isinstance(e, SpecdecError):
@@ -423,7 +416,7 @@ def _stream_step(a: _Active, delta: str) -> None:
     """A streamed request's news after a step: its new tokens' logprobs (when asked), then its text."""
     if not a.req.stream:
         return
-    if a.req.logprobs is not None and len(a.seq.token_logprobs) > a.logprobs_sent:
+    if a.req.job.request.logprobs is not None and len(a.seq.token_logprobs) > a.logprobs_sent:
         _emit(a.req, "logprobs", a.seq.token_logprobs[a.logprobs_sent :])
         a.logprobs_sent = len(a.seq.token_logprobs)
     if delta:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 from fastapi import APIRouter, Request
 
-ROUTE_MODULES = ("completions", "models", "health", "metrics", "version")
+ROUTE_MODULES = ("completions", "responses", "models", "health", "metrics", "version")
 
 
 def routers() -> Iterator[APIRouter]:
