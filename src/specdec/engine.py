@@ -383,20 +383,7 @@ class Sequence:
             draft_tokens, draft_probs = constrained.for_verification()
         num_forced = constrained.num_forced if constrained is not None else 0
         t2 = time.perf_counter()
-        params, backend, at = self.params, self.backend, len(self.generated)  # at: the step's first output position
-        num_drafted = len(draft_tokens)
-        if self.tree_parents is not None:
-            parents = [p - 1 for p in self.tree_parents[1:]]
-            result = verify_tree(draft_tokens, parents, draft_probs, logits, params, self.draws, at)
-            keep_path(backend, result.accepted)
-            num_drafted = tree_depth(parents)  # stats and controller count the tree's depth
-        else:
-            drafted = torch.tensor(draft_tokens, dtype=torch.long)
-            if params.greedy:
-                result = verify_greedy(drafted, logits.argmax(-1))
-            else:
-                result = verify_sampling(drafted, draft_probs, logits_to_probs(logits, params), self.draws, at)
-            backend.rollback(cache_len + 1 + result.num_accepted)
+        result, num_drafted = self._verify(logits, draft_tokens, draft_probs, cache_len)
         t3 = time.perf_counter()
 
         remaining = self.max_new_tokens - len(self.generated)
@@ -433,6 +420,23 @@ class Sequence:
             return ""
         self.drafter.on_verified(self.context, kept - forced)
         return self.tracker.delta() if self.track_text else ""
+
+    def _verify(self, logits: torch.Tensor, draft_tokens: list[int], draft_probs, cache_len: int):
+        """Verify the planned chain or tree against logits [k+1, V] and keep the accepted
+        tokens' cache; return the result and the number of drafted positions (a tree's depth)."""
+        params, backend, at = self.params, self.backend, len(self.generated)  # at: the step's first output position
+        if self.tree_parents is not None:
+            parents = [p - 1 for p in self.tree_parents[1:]]
+            result = verify_tree(draft_tokens, parents, draft_probs, logits, params, self.draws, at)
+            keep_path(backend, result.accepted)
+            return result, tree_depth(parents)  # stats and controller count the tree's depth
+        drafted = torch.tensor(draft_tokens, dtype=torch.long)
+        if params.greedy:
+            result = verify_greedy(drafted, logits.argmax(-1))
+        else:
+            result = verify_sampling(drafted, draft_probs, logits_to_probs(logits, params), self.draws, at)
+        backend.rollback(cache_len + 1 + result.num_accepted)
+        return result, len(draft_tokens)
 
     def _fit(self, emitted: list[int], accepted: int, cache_len: int) -> tuple[list[int], int, bool]:
         """A structured reply's step fitted to its budget (GrammarMatcher.fit): (the tokens it

@@ -95,11 +95,17 @@ class Request:
             return self.tools.constraint(self.response_format)
         return self.response_format
 
+    @property
+    def prompt_param(self) -> str:
+        """The field an error about the prompt names: messages for a conversation, else prompt."""
+        conversation = self.chat and isinstance(self.prompt, list) and bool(self.prompt) and isinstance(self.prompt[0], dict)
+        return "messages" if conversation else "prompt"
+
     def budget(self, n_prompt: int, context: int | None) -> int:
         """The reply's token budget for a prompt of n_prompt tokens in `context` tokens (None:
         not checked here; the sequence ends where the cache does). A limit the caller set that
         does not fit is refused in OpenAI's words, naming the caller's field."""
-        prompt_param = "messages" if self.chat and not isinstance(self.prompt, str) else "prompt"
+        prompt_param = self.prompt_param
         if context is None:
             return self.max_tokens if self.max_tokens is not None else 2**62
         if n_prompt >= context:
@@ -137,7 +143,7 @@ class Request:
     def _require_closing(self, grammar: GrammarMatcher, n_prompt: int, budget: int, context: int | None,
                          max_length: int | None) -> None:
         # the binding limit is the caller's field, or the context when no field was sent or it is smaller
-        prompt_param = "messages" if self.chat and not isinstance(self.prompt, str) else "prompt"
+        prompt_param = self.prompt_param
         room = budget if context is not None else (max_length - n_prompt + 1 if max_length else budget)
         if self.limit_field is not None and budget <= room:
             grammar.require_budget(budget, self.limit_field)
