@@ -34,8 +34,9 @@ TOKENS = [int(t) for t in np.random.default_rng(0).integers(3, VOCAB, 40)]
 # native against transformers on the same file: a wrong rope, norm or row layout breaks these
 # (see the mutation tests below); the per-type kernels may round activations (bf16)
 TOP1_MIN, KL_MAX = 0.95, 0.01
-# Q8_0/Q5_K/Q6_K/Q5_0/Q5_1 multiply int8-quantized activations (per block of 32, as llama.cpp does), a
-# larger rounding on these random models' flat logits; a wrong layout still lands above 10x this
+# Q8_0/Q5_K/Q6_K/Q5_0/Q5_1 multiply int8-quantized activations (per block of 32, as llama.cpp
+# does), a larger rounding on these random models' flat logits; a wrong layout still lands above
+# 10x this
 INT8_ACT_TOP1_MIN, INT8_ACT_KL_MAX = 0.85, 0.03
 
 
