@@ -22,7 +22,7 @@ from specdec.gguf_file import gguf_file
 from specdec.models import builtin_gguf_path
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3")  # mistral: a llama file with a window
-QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 
 CHAT_TEMPLATES = {

@@ -1,4 +1,4 @@
-"""The Q8_0 / Q6_K / Q5_K weight kernels (gguf_kernels_8bit.py) on synthetic blocks, each
+"""The Q8_0 / Q6_K / Q5_K / Q5_0 / Q5_1 weight kernels (gguf_kernels_8bit.py) on synthetic blocks, each
 test for every type and both kernels (numba, and the PyTorch replica):
 - the integers and scales the kernels read reproduce the gguf package's reference weights
   bit for bit, and the outputs stay within the int8 activations' error bound of the exact
@@ -20,7 +20,9 @@ from specdec.backends.native import jit_ops
 from specdec.backends.native.gguf_encode import quantize_blocks
 from specdec.backends.native.gguf_tensors import QuantTensor, ReferenceLinear
 
-QTYPES = ["Q8_0", "Q6_K", "Q5_K"]
+QTYPES = ["Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q5_1"]
+# the fp32 scale tables against the file's bytes: 4 (Q8_0, Q5_0) or 8 (Q5_1) bytes per block
+SCALE_SHARE = {"Q8_0": 4 / 34, "Q6_K": 0.13, "Q5_K": 0.13, "Q5_0": 4 / 22, "Q5_1": 8 / 24}
 KERNELS = ["numba", "torch"]
 
 
@@ -88,11 +90,22 @@ def misplaced_q6_k_values(b: np.ndarray) -> np.ndarray:
     return ((low | (high << 4)).astype(np.float32) - 32).reshape(*b.shape[:2], 256)
 
 
-def test_a_misplaced_decoder_breaks_the_bound(monkeypatch):
-    tensor = make_tensor("Q6_K")
+def misplaced_q5_values(b: np.ndarray) -> np.ndarray:
+    """A wrong Q5_0 / Q5_1 decoder: qh read as big-endian bits (bit 31 - j for element j)."""
+    qs, qh = b[..., -16:], b[..., -20:-16]
+    low = np.concatenate([qs & 15, qs >> 4], axis=-1)
+    high = (qh[..., 3 - np.arange(32) // 8] >> (7 - np.arange(32) % 8).astype(np.uint8)) & 1
+    return (low | (high << 4)).astype(np.float32)
+
+
+@pytest.mark.parametrize(("qtype", "decoder", "wrong"), [("Q6_K", "_q6_k_values", misplaced_q6_k_values),
+                                                         ("Q5_0", "_q5_values", misplaced_q5_values),
+                                                         ("Q5_1", "_q5_values", misplaced_q5_values)])  # fmt: skip
+def test_a_misplaced_decoder_breaks_the_bound(monkeypatch, qtype, decoder, wrong):
+    tensor = make_tensor(qtype)
     x = activations(4, tensor.shape[1])
     assert within_bound(k8.BlockLinear8(tensor, kernel="torch"), tensor, x)
-    monkeypatch.setattr(k8, "_q6_k_values", misplaced_q6_k_values)
+    monkeypatch.setattr(k8, decoder, wrong)
     assert not within_bound(k8.BlockLinear8(tensor, kernel="torch"), tensor, x)
 
 
@@ -160,7 +173,7 @@ def test_keeps_the_file_bytes_without_a_dense_copy(qtype):
     tensor = make_tensor(qtype, n=64, k=1024)
     layer = k8.linear_for(tensor)
     assert np.shares_memory(layer.raw, tensor.data)
-    assert layer.nbytes() <= 0.13 * tensor.data.nbytes  # Q8_0's fp32 copy of its fp16 scales is the most
+    assert layer.nbytes() <= SCALE_SHARE[qtype] * tensor.data.nbytes  # fp32 copies of the fp16 scales only
     assert layer.out_features == 64 and layer.act_dtype == torch.float32
 
 
@@ -186,9 +199,10 @@ def test_fallback_is_forced_by_the_environment(monkeypatch):
     assert k8.kernel_name() == ("numba" if jit_ops.importable() else "torch")
 
 
-def test_reference_dequantize_matches_gguf():
+@pytest.mark.parametrize("qtype", ["Q5_K", "Q5_0", "Q5_1"])
+def test_reference_dequantize_matches_gguf(qtype):
     """The fixture's blocks are what the gguf package decodes (a guard on make_tensor itself)."""
-    tensor = make_tensor("Q5_K", n=4)
+    tensor = make_tensor(qtype, n=4)
     np.testing.assert_array_equal(tensor.dequantize(), dequantize(tensor.data, tensor.qtype).reshape(4, 512))
 
 

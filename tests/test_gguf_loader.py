@@ -34,8 +34,9 @@ TOKENS = [int(t) for t in np.random.default_rng(0).integers(3, VOCAB, 40)]
 # native against transformers on the same file: a wrong rope, norm or row layout breaks these
 # (see the mutation tests below); the per-type kernels may round activations (bf16)
 TOP1_MIN, KL_MAX = 0.95, 0.01
-# Q8_0/Q5_K/Q6_K multiply int8-quantized activations (per block of 32, as llama.cpp does), a
-# larger rounding on these random models' flat logits; a wrong layout still lands above 10x this
+# Q8_0/Q5_K/Q6_K/Q5_0/Q5_1 multiply int8-quantized activations (per block of 32, as llama.cpp
+# does), a larger rounding on these random models' flat logits; a wrong layout still lands above
+# 10x this
 INT8_ACT_TOP1_MIN, INT8_ACT_KL_MAX = 0.85, 0.03
 
 
@@ -159,6 +160,12 @@ def test_native_logits_match_transformers_on_the_same_file(tmp_path_factory, arc
     kl, top1 = _kl_top1(_transformers_logits(path, TOKENS), _native_logits(path, TOKENS))
     top1_min, kl_max = _bounds(qtype)
     assert top1 >= top1_min and kl <= kl_max, (top1, kl)
+
+
+@pytest.mark.parametrize(("arch", "qtype"), [("llama", "Q5_1"), ("qwen2", "Q5_0"), ("gemma3", "Q5_0")])
+def test_native_q5_logits_match_transformers(tmp_path_factory, arch, qtype):
+    """Q5_0 / Q5_1 (llama.cpp's fallback where a row is no multiple of 256) on a few archs only."""
+    test_native_logits_match_transformers_on_the_same_file(tmp_path_factory, arch, qtype)
 
 
 def test_a_wrong_row_layout_breaks_the_bound(tmp_path_factory, monkeypatch):

@@ -1,4 +1,4 @@
-"""numba kernels for GGUF's Q8_0, Q6_K and Q5_K matrices on int8 activations (see
+"""numba kernels for GGUF's Q8_0, Q6_K, Q5_K, Q5_0 and Q5_1 matrices on int8 activations (see
 gguf_kernels_8bit.py, which wraps them and states the contract). Imported on first use;
 compiled once, cached on disk.
 
@@ -6,20 +6,22 @@ The arithmetic every kernel shares, for one output y[m, n] (the torch replica in
 gguf_kernels_8bit.py performs the same operations in the same order, bit for bit):
 - activations: each block of 32 of x[m] becomes xs = max|x| / 127 and xq = rint(x * (1 / xs)),
   int8 values (held in int16);
-- weights: the file's integers (Q8_0 q, Q6_K q - 32, Q5_K q) and fp32 scales formed from the
-  file's fields exactly (d, d * sc, dmin * m: an fp16 times a small integer);
+- weights: the file's integers (Q8_0 q, Q6_K q - 32, Q5_K q, Q5_0 q - 16, Q5_1 q) and fp32
+  scales formed from the file's fields exactly (d, d * sc, dmin * m: an fp16 times a small
+  integer; Q5_1's m as the offset -m);
 - 16 fp32 lanes c[l]; for each activation block b in order, lane l adds s * p, where p is the
   exact integer w[2l] xq[2l] + w[2l + 1] xq[2l + 1] of that block and s = w_scale * xs[b]
   (Q6_K: lanes 0-7 take the first sub-block of 16's scale, lanes 8-15 the second's);
 - y = c[0] + c[1] + ... + c[15], left to right; Q5_K then subtracts its min term, summed in
-  block order: sum over b of (dmin * m * xs[b]) * (sum of block b's xq).
+  block order: sum over b of (dmin * m * xs[b]) * (sum of block b's xq); Q5_1 likewise with
+  -m in place of dmin * m.
 Integer sums are exact and no float operation is reordered or fused (numba compiles without
 fastmath), so y[m, n] depends only on x[m] and row n: not on M, nor on the thread count
 (threads share out chunks of rows n; each output's reduction runs whole on one thread).
 
-Layout per call: Q8_0 reads its int8 q straight from the blocks; Q6_K and Q5_K unpack each
-row's integers into an int16 row buffer once (shared by all M activation rows), then run the
-same lanes. The lanes and the unpacking are generated source written out as scalars with
+Layout per call: Q8_0 reads its int8 q straight from the blocks; Q6_K, Q5_K, Q5_0 and Q5_1
+unpack each row's integers into an int16 row buffer once (shared by all M activation rows),
+then run the same lanes. The lanes and the unpacking are generated source written out as scalars with
 constant indices: numba leaves SLP vectorisation off by default, arrays carry no aliasing
 facts, and a variable index costs a negative-index check, any of which keeps LLVM from
 packing them. SLP is switched on while this module compiles; it packs independent lanes
@@ -91,6 +93,19 @@ def _decode_source(kind: str) -> str:
     return "\n".join(lines)
 
 
+def _q5_block_source(kind: str, qh_at: int, qs_at: int, zero: int) -> str:
+    """The source of `unpack_<kind>(block, w)`: one Q5_0 / Q5_1 block's 32 integers q - zero
+    into w[0:32]: element j < 16 is the low nibble of qs[j], element j + 16 its high nibble,
+    and the fifth bit of element j is bit j of the little-endian 32-bit qh."""
+    lines = [f"def unpack_{kind}(block, w):"]
+    lines += [f"    h{i} = np.int16(block[{qh_at + i}])" for i in range(4)]
+    lines += [f"    a{i} = np.int16(block[{qs_at + i}])" for i in range(16)]
+    for j in range(32):
+        nibble = f"(a{j} & 15)" if j < 16 else f"(a{j - 16} >> 4)"
+        lines.append(f"    w[{j}] = ({nibble} | (((h{j // 8} >> {j % 8}) & 1) << 4)) - {zero}")
+    return "\n".join(lines)
+
+
 _slp = numba.config.SLP_VECTORIZE
 numba.config.SLP_VECTORIZE = 1  # for this module's compilations only; restored at the end
 _namespace = {"np": np}
@@ -98,8 +113,11 @@ exec(_lanes_source("lanes_q8_0", 2, 34), _namespace)  # noqa: S102 - generated a
 exec(_lanes_source("lanes_int16", 0, 32), _namespace)  # noqa: S102
 exec(_decode_source("q6_k"), _namespace)  # noqa: S102
 exec(_decode_source("q5_k"), _namespace)  # noqa: S102
+exec(_q5_block_source("q5_0", 2, 6, 16), _namespace)  # noqa: S102
+exec(_q5_block_source("q5_1", 4, 8, 0), _namespace)  # noqa: S102
 _lanes_q8_0, _lanes_int16 = (njit(nogil=True, inline="always")(_namespace[name]) for name in ("lanes_q8_0", "lanes_int16"))
-_unpack_q6_k, _unpack_q5_k = (njit(nogil=True)(_namespace[name]) for name in ("unpack_q6_k", "unpack_q5_k"))
+_unpack_q6_k, _unpack_q5_k, _unpack_q5_0, _unpack_q5_1 = (
+    njit(nogil=True)(_namespace[f"unpack_{kind}"]) for kind in ("q6_k", "q5_k", "q5_0", "q5_1"))
 
 
 @njit("void(float32[:, ::1], int16[:, ::1], float32[:, ::1], int32[:, ::1])", cache=True, nogil=True)
@@ -200,6 +218,33 @@ def q5_k_matmul(raw, d_dmin, xq, xs, xsum, y):  # pragma: no cover - compiled
                     s[b] = scale[b] * xs[m, b]
                     mins += (offset[b] * xs[m, b]) * np.float32(xsum[m, b])
                 y[m, n] = _lanes_int16(w, xq[m], s, s, blocks) - mins
+
+
+@njit(types.void(_raw(types.uint8), types.float32[:, :, ::1], _i16_2d, _f32_2d, types.int32[:, ::1], _f32_2d),
+      cache=True, nogil=True, parallel=True)  # fmt: skip
+def q5_matmul(raw, scales, xq, xs, xsum, y):  # pragma: no cover - compiled
+    """raw [N, K // 32 * width] (Q5_0 blocks of 22 bytes, or Q5_1 of 24), scales [N, K // 32, 1]
+    (Q5_0: d) or [N, K // 32, 2] (Q5_1: d, m) fp32 -> y [M, N]. Q5_1's m enters as the min
+    term with offset -m (exact), as Q5_K's dmin * m."""
+    rows, blocks, with_min = scales.shape[0], scales.shape[1], scales.shape[2] == 2
+    width = 24 if with_min else 22
+    for chunk in prange((rows + CHUNK - 1) // CHUNK):
+        w = np.empty(blocks * 32, np.int16)
+        s = np.empty(blocks, np.float32)
+        for n in range(chunk * CHUNK, min(rows, chunk * CHUNK + CHUNK)):
+            for b in range(blocks):
+                if with_min:
+                    _unpack_q5_1(raw[n, b * width : b * width + width], w[b * 32 : b * 32 + 32])
+                else:
+                    _unpack_q5_0(raw[n, b * width : b * width + width], w[b * 32 : b * 32 + 32])
+            for m in range(xq.shape[0]):
+                mins = np.float32(0)
+                for b in range(blocks):
+                    s[b] = scales[n, b, 0] * xs[m, b]
+                    if with_min:
+                        mins += (-scales[n, b, 1] * xs[m, b]) * np.float32(xsum[m, b])
+                dot = _lanes_int16(w, xq[m], s, s, blocks)
+                y[m, n] = dot - mins if with_min else dot
 
 
 numba.config.SLP_VECTORIZE = _slp

@@ -1,8 +1,8 @@
 """The native backend's layers over GGUF tensors as the file holds them (gguf_tensors.py's seam).
 
 - `build_linear` picks a kernel per type: the 4-bit family in gguf_q4.py; F32, F16 and BF16
-  here, at the file's own precision; Q8_0, Q5_K and Q6_K in gguf_kernels_8bit.py (another
-  module; until it exists they run on the dequantizing ReferenceLinear).
+  here, at the file's own precision; Q8_0, Q5_K, Q6_K, Q5_0 and Q5_1 in gguf_kernels_8bit.py
+  (another module; until it exists they run on the dequantizing ReferenceLinear).
 - A list of tensors of one type and K (q/k/v, gate/up) becomes one kernel over their rows
   concatenated (a `FusedLinear` that splits the output); mixed types keep separate parts.
 - Every layer has `forward` (decode steps, drafts: any M) and `prompt_forward` (prompt chunks:
@@ -34,7 +34,7 @@ from specdec.backends.native.gguf_tensors import QuantTensor, check_type
 from specdec.backends.native.quant import DenseLinear, FP16Linear, FusedLinear
 from specdec.errors import SpecdecError
 
-EIGHT_BIT_TYPES = ("Q8_0", "Q5_K", "Q6_K")  # gguf_kernels_8bit.py's
+EIGHT_BIT_TYPES = ("Q8_0", "Q5_K", "Q6_K", "Q5_0", "Q5_1")  # gguf_kernels_8bit.py's
 FLOAT_TYPES = ("F32", "F16", "BF16")
 ROW_TILE = 512
 
@@ -93,7 +93,7 @@ def _single(tensor: QuantTensor, bias):
 
 
 def _eight_bit(tensor: QuantTensor, bias):
-    # Q8_0 / Q5_K / Q6_K: one kernel over the file's blocks for decode steps and prompts alike
+    # Q8_0 / Q5_K / Q6_K / Q5_0 / Q5_1: one kernel over the file's blocks for decode steps and prompts alike
     return PromptSame(eight_bit_linear(tensor, bias))
 
 

@@ -1,17 +1,18 @@
-"""Linear layers over GGUF Q8_0, Q6_K and Q5_K matrices, read from the file's own blocks.
+"""Linear layers over GGUF Q8_0, Q6_K, Q5_K, Q5_0 and Q5_1 matrices, read from the file's own
+blocks.
 
 `linear_for(tensor, bias)` is the entry point (gguf_kernels.linear_from_quant dispatches these
-three types to it). The layer keeps the file's bytes (memory-mapped, not copied) plus small
+types to it). The layer keeps the file's bytes (memory-mapped, not copied) plus small
 fp32 tables of the blocks' fp16 scales: no dense float copy of the matrix.
 
 Arithmetic (gguf_jit_8bit.py states it exactly): int8 activations, quantized per block of 32
 of each row (scale max|x| / 127, as llama.cpp's Q8_0 activations), times the file's integers,
 with exact integer block sums; the weights' scales are the file's, exact in fp32 (d, d * sc,
-dmin * m), so the weights used equal the gguf package's reference dequantization as real
+dmin * m, Q5_1's m), so the weights used equal the gguf package's reference dequantization as real
 numbers. The only roundings are the activations' quantization and the fp32 accumulation.
 Reduction order, for each output: 16 fp32 lanes over the blocks in order (lane l takes the
-pairs of elements 2l, 2l + 1 of every block), then the lanes summed left to right; Q5_K's min
-term is summed in block order and subtracted last. Nothing depends on M or on the thread
+pairs of elements 2l, 2l + 1 of every block), then the lanes summed left to right; Q5_K's and
+Q5_1's min term is summed in block order and subtracted last. Nothing depends on M or on the thread
 count: rows share no arithmetic, threads split the output rows, never a reduction (no
 split-K). Prompts (any M) run the same kernel, so a row's bits do not depend on the path.
 
@@ -35,10 +36,11 @@ from specdec.backends.native.gguf_tensors import QuantTensor
 from specdec.backends.native.jit_ops import importable as numba_importable
 from specdec.backends.native.jit_ops import numba_threads
 
-QTYPES = ("Q8_0", "Q6_K", "Q5_K")
+QTYPES = ("Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q5_1")
+SMALL_BLOCK_TYPES = ("Q8_0", "Q5_0", "Q5_1")  # blocks of 32; the K-quants' are of 256
 BLOCK = 32  # activation block (and the lanes' span)
 LANES = 16
-BLOCK_BYTES = {"Q8_0": 34, "Q6_K": 210, "Q5_K": 176}  # per 32 elements (Q8_0) or per 256 (K-quants)
+BLOCK_BYTES = {"Q8_0": 34, "Q6_K": 210, "Q5_K": 176, "Q5_0": 22, "Q5_1": 24}  # per block (of 32 or 256)
 TORCH_TILE = 256  # output rows the torch kernel decodes at a time
 
 
@@ -53,7 +55,7 @@ def _fp16_at(blocks: np.ndarray, offset: int) -> np.ndarray:
 
 
 class BlockLinear8(torch.nn.Module):
-    """x [M, K] -> y [M, N] = x @ W.T (+ bias) for a Q8_0 / Q6_K / Q5_K matrix W [N, K];
+    """x [M, K] -> y [M, N] = x @ W.T (+ bias) for a matrix W [N, K] of one of QTYPES;
     fp32 activations in, x's dtype out."""
 
     def __init__(self, tensor: QuantTensor, bias: torch.Tensor | None = None, kernel: str | None = None):
@@ -62,7 +64,7 @@ class BlockLinear8(torch.nn.Module):
         if qtype not in QTYPES:
             raise ValueError(f"BlockLinear8 reads {', '.join(QTYPES)}, not {qtype} (tensor {tensor.name!r})")
         n, k = tensor.shape
-        span = BLOCK if qtype == "Q8_0" else 256
+        span = BLOCK if qtype in SMALL_BLOCK_TYPES else 256
         if k % span:
             raise ValueError(f"tensor {tensor.name!r}: {qtype} rows of {k} are not whole blocks of {span}")
         self.qtype, self.in_features, self.out_features = qtype, k, n
@@ -73,6 +75,10 @@ class BlockLinear8(torch.nn.Module):
             self.scales = _fp16_at(blocks, 0)  # [N, K // 32] d
         elif qtype == "Q6_K":
             self.scales = _fp16_at(blocks, 208)  # [N, K // 256] d
+        elif qtype == "Q5_0":
+            self.scales = np.ascontiguousarray(_fp16_at(blocks, 0)[..., None])  # [N, K // 32, 1] d
+        elif qtype == "Q5_1":
+            self.scales = np.ascontiguousarray(np.stack([_fp16_at(blocks, 0), _fp16_at(blocks, 2)], axis=-1))
         else:
             self.scales = np.ascontiguousarray(np.stack([_fp16_at(blocks, 0), _fp16_at(blocks, 2)], axis=-1))
         self.bias = None if bias is None else bias.detach().float().cpu()  # [N]
@@ -101,6 +107,8 @@ class BlockLinear8(torch.nn.Module):
             jit.q8_0_matmul(self.raw.view(np.int8), self.scales, xq, xs, y)
         elif self.qtype == "Q6_K":
             jit.q6_k_matmul(self.raw, self.scales, xq, xs, y)
+        elif self.qtype in ("Q5_0", "Q5_1"):
+            jit.q5_matmul(self.raw, self.scales, xq, xs, xsum, y)
         else:
             jit.q5_k_matmul(self.raw, self.scales, xq, xs, xsum, y)
         return torch.from_numpy(y)
@@ -133,6 +141,11 @@ def decode_integers(qtype: str, raw: np.ndarray, scales: np.ndarray) -> tuple:
     if qtype == "Q8_0":
         q = raw.reshape(n, -1, 34)[..., 2:].view(np.int8).astype(np.float32)
         return q, scales, scales, None
+    if qtype in ("Q5_0", "Q5_1"):
+        q = _q5_values(raw.reshape(n, -1, BLOCK_BYTES[qtype]))
+        if qtype == "Q5_0":
+            return q - 16, scales[..., 0].copy(), scales[..., 0].copy(), None
+        return q, scales[..., 0].copy(), scales[..., 0].copy(), -scales[..., 1]
     if qtype == "Q6_K":
         b = raw.reshape(n, -1, 210)
         q = _q6_k_values(b)
@@ -154,6 +167,17 @@ def _q6_k_values(b: np.ndarray) -> np.ndarray:
     low = np.concatenate([ql & 15, ql >> 4], axis=-2)  # [n, S, half, t, l], t = 0..3
     high = (qh >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
     return ((low | (high << 4)).astype(np.float32) - 32).reshape(*b.shape[:2], 256)
+
+
+def _q5_values(b: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1 blocks [n, B, 22 or 24] -> q [n, B, 32] fp32 (0..31): element j < 16 is the
+    low nibble of qs[j], element j + 16 its high nibble; its fifth bit is bit j of the
+    little-endian uint32 qh (the 4 bytes before the 16 of qs, which end the block)."""
+    qs = b[..., -16:]
+    qh = b[..., -20:-16]
+    low = np.concatenate([qs & 15, qs >> 4], axis=-1)  # [n, B, 32]
+    high = (qh[..., np.arange(32) // 8] >> (np.arange(32) % 8).astype(np.uint8)) & 1
+    return (low | (high << 4)).astype(np.float32)
 
 
 def _q5_k_values(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -192,7 +216,7 @@ def lanes_matmul(xq: torch.Tensor, xs: torch.Tensor, xsum: torch.Tensor, w: torc
 
 
 def linear_for(tensor: QuantTensor, bias: torch.Tensor | None = None) -> BlockLinear8:
-    """The layer for a Q8_0, Q6_K or Q5_K matrix [N, K], on this process's kernel."""
+    """The layer for a matrix [N, K] of one of QTYPES, on this process's kernel."""
     return BlockLinear8(tensor, bias)
 
 

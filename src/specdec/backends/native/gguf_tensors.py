@@ -19,7 +19,7 @@ from specdec.errors import SpecdecError
 from specdec.gguf_file import QuantTensor
 
 # The types the native backend reads; any other is refused by name (see check_type).
-SUPPORTED_QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
 
 
 def check_type(name: str, qtype: GGMLQuantizationType) -> None:
