@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specdec.backends.native.gguf_kernels import embedding_from_quant, linear_from_quant
+from specdec.backends.native.gguf_kernels import copies_weights, embedding_from_quant, linear_from_quant
 from specdec.backends.native.gguf_tensors import QuantTensor, check_type
 from specdec.errors import SpecdecError
 from specdec.gguf_file import MODEL_TYPES, GGUFFile, gguf_file
@@ -222,6 +222,11 @@ def quant_state(model: GGUFModel) -> dict:
             state[key] = _floats(tensor)  # a norm's multipliers [hidden] (gemma files store 1 + w)
     if "lm_head.weight" not in state:
         state["lm_head.weight"] = linear_from_quant(model.tensors["model.embed_tokens.weight"])
+    # the copied matrices' mapped pages, read once to build them, would stay resident (and
+    # counted as this process's) while the cached GGUFFile maps the file: drop them. A tied
+    # embedding's rows fault back in from the page cache as lookups read them.
+    copied = [t.name for key, t in model.tensors.items() if len(t.shape) == 2 and copies_weights(t)]
+    gguf_file(model.path).release(copied)
     return state
 
 
@@ -230,6 +235,7 @@ def float_state(model: GGUFModel) -> dict:
     file's own, e.g. bf16 on an accelerator): the native model then quantizes or casts them."""
     state = {key: _floats(tensor) for key, tensor in model.tensors.items()}
     state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
+    gguf_file(model.path).release([t.name for t in model.tensors.values()])  # all copied to fp32
     return state
 
 
