@@ -300,9 +300,9 @@ def test_copied_tensors_pages_are_dropped_after_load(tmp_path_factory):
     """A Q4_0 file's matrices are repacked (copies): after quant_state, their mapped pages are
     no longer resident in this process (/proc/self/smaps of the file's mapping)."""
     path, _ = _write(tmp_path_factory, "llama", "Q4_0")
-    if not reader.copies_weights(reader.read_gguf(path).tensors["model.layers.0.self_attn.o_proj.weight"]):
-        pytest.skip("Q4_0 is not copied here")
     model = read_gguf(path)
+    if not reader.copies_weights(model.tensors["model.layers.0.self_attn.o_proj.weight"]):
+        pytest.skip("Q4_0 is not copied here")
     for tensor in model.tensors.values():
         np.asarray(tensor.data).sum()  # every page resident
     before = _mapped_rss(path)
