@@ -88,14 +88,15 @@ class GGUFFile:
         a later read faults them back in from there. Only whole pages inside a tensor's
         bytes are dropped, so a neighbour's pages stay where they were."""
         page, mapping = mmap.PAGESIZE, self.blob._mmap  # numpy's mmap.mmap behind the memmap
-        if mapping is None:
+        advice = getattr(mmap, "MADV_DONTNEED", None)  # POSIX only (not on Windows)
+        if mapping is None or advice is None:
             return
         for name in names:
             data = self.tensors[name].data
             start = data.__array_interface__["data"][0] - self.blob.__array_interface__["data"][0]
             first, last = -(-start // page) * page, (start + data.nbytes) // page * page
             if last > first:
-                mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
+                mapping.madvise(advice, first, last - first)
 
     def meta(self, key: str, default=None):
         """A metadata value: a scalar, a str, a numpy array, or a StringArray."""
