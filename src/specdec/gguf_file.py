@@ -9,6 +9,7 @@ models.py reads a file's facts from it; the native backend's gguf.py reads its t
 from __future__ import annotations
 
 import math
+import mmap
 import struct
 from dataclasses import dataclass, field
 from functools import cache
@@ -79,6 +80,23 @@ class GGUFFile:
             self.metadata, self.tensors = self._parse()
         except (struct.error, ValueError, IndexError, UnicodeDecodeError) as e:
             raise SpecdecError(f"{self.path.name} is not a readable GGUF file ({e})", "target") from None
+
+    def release(self, names) -> None:
+        """Drop the mapped pages of tensors `names` (GGUF names) from this process's resident
+        memory: for tensors the backend copied (repacked or dequantized), whose mapped bytes
+        it no longer reads. Pages stay in the OS page cache (shared, not this process's);
+        a later read faults them back in from there. Only whole pages inside a tensor's
+        bytes are dropped, so a neighbour's pages stay where they were."""
+        page, mapping = mmap.PAGESIZE, self.blob._mmap  # numpy's mmap.mmap behind the memmap
+        advice = getattr(mmap, "MADV_DONTNEED", None)  # POSIX only (not on Windows)
+        if mapping is None or advice is None:
+            return
+        for name in names:
+            data = self.tensors[name].data
+            start = data.__array_interface__["data"][0] - self.blob.__array_interface__["data"][0]
+            first, last = -(-start // page) * page, (start + data.nbytes) // page * page
+            if last > first:
+                mapping.madvise(advice, first, last - first)
 
     def meta(self, key: str, default=None):
         """A metadata value: a scalar, a str, a numpy array, or a StringArray."""

@@ -12,6 +12,9 @@ dict the native model takes: linear layers (`linear_from_quant`), the embedding 
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specdec.backends.native.gguf_kernels import embedding_from_quant, linear_from_quant
+from specdec.backends.native.gguf_kernels import copies_weights, embedding_from_quant, linear_from_quant
 from specdec.backends.native.gguf_tensors import QuantTensor, check_type
 from specdec.errors import SpecdecError
 from specdec.gguf_file import MODEL_TYPES, GGUFFile, gguf_file
@@ -222,6 +225,12 @@ def quant_state(model: GGUFModel) -> dict:
             state[key] = _floats(tensor)  # a norm's multipliers [hidden] (gemma files store 1 + w)
     if "lm_head.weight" not in state:
         state["lm_head.weight"] = linear_from_quant(model.tensors["model.embed_tokens.weight"])
+    # the copied matrices' mapped pages, read once to build them, would stay resident (and
+    # counted as this process's) while the cached GGUFFile maps the file: drop them. A tied
+    # embedding's rows fault back in from the page cache as lookups read them.
+    copied = [t.name for key, t in model.tensors.items() if len(t.shape) == 2 and copies_weights(t)]
+    gguf_file(model.path).release(copied)
+    _trim_heap()
     return state
 
 
@@ -230,7 +239,26 @@ def float_state(model: GGUFModel) -> dict:
     file's own, e.g. bf16 on an accelerator): the native model then quantizes or casts them."""
     state = {key: _floats(tensor) for key, tensor in model.tensors.items()}
     state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
+    gguf_file(model.path).release([t.name for t in model.tensors.values()])  # all copied to fp32
     return state
+
+
+def _trim_heap() -> None:
+    """Hand the heap's free pages back to the OS: the repacking's transients (int32 nibbles,
+    fp32 scales, the per-tile packs) interleave with the kept copies, and glibc keeps the
+    freed space between them resident (~13 MB on SmolLM2) unless asked. No-op elsewhere."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):  # not glibc (musl, macOS)
+        return None
 
 
 def _floats(tensor: QuantTensor) -> torch.Tensor:

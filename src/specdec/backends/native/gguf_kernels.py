@@ -92,6 +92,13 @@ def _single(tensor: QuantTensor, bias):
     return RowwiseLinear(weight, bias)
 
 
+def copies_weights(tensor: QuantTensor) -> bool:
+    """Whether `build_linear` keeps a copy of this tensor (the 4-bit repacking, fbgemm's fp16
+    packing) rather than reading the file's mapped bytes: the loader then drops those pages."""
+    kind = tensor.qtype.name
+    return kind in Q4_TYPES or (kind == "F16" and _fbgemm_usable())
+
+
 def _eight_bit(tensor: QuantTensor, bias):
     # Q8_0 / Q5_K / Q6_K / Q5_0 / Q5_1: one kernel over the file's blocks for decode steps and prompts alike
     return PromptSame(eight_bit_linear(tensor, bias))
