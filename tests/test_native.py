@@ -325,8 +325,11 @@ def test_gguf_matches_the_transformers_gguf_loader(target, tmp_path):
     reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", dtype=torch.float32)
     tokens = random_tokens(16, seed=11)
     expected = HFBackend(reference).prefill(tokens)
-    native = NativeModel.from_gguf(tmp_path / "tiny.gguf").new_pool().new_sequence()
+    native = NativeModel.from_gguf(tmp_path / "tiny.gguf", "fp32").new_pool().new_sequence()
     torch.testing.assert_close(native.prefill(tokens), expected, **TOL)
+    # the default, the file's own types: the blocks as they are, bf16 or int8 activations
+    own = NativeModel.from_gguf(tmp_path / "tiny.gguf").new_pool().new_sequence()
+    assert (own.prefill(tokens) - expected).norm() / expected.norm() < 0.05
     # int4 keeps the Q4_1 blocks as they are: only bf16 rounding separates it from fp32
     int4 = NativeModel.from_gguf(tmp_path / "tiny.gguf", "int4").new_pool().new_sequence()
     assert (int4.prefill(tokens) - expected).norm() / expected.norm() < 0.05
