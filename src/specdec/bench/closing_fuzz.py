@@ -23,6 +23,7 @@ scripts/bench/fuzz_closing.py the full run. Needs the dev and bench extras (hypo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import zlib
 from dataclasses import dataclass, field
@@ -30,10 +31,12 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.backends.prefix_cache import PrefixCache
+from specdec.config import EngineConfig
 from specdec.drafters import Draft, Drafter
-from specdec.engine import Sequence
+from specdec.engine import Runtime, Sequence
 from specdec.errors import SpecdecError
 from specdec.grammar import GrammarMatcher, json_object, json_schema
+from specdec.request import Prepared
 from specdec.sampling import SamplingParams
 from specdec.tools import tool_plan
 
@@ -258,9 +261,10 @@ def _generate(case, constraint, tokenizer, eos_token_ids, prompt_ids, pref, budg
 
     matcher.fit = counting_fit
     drafter = PushyDrafter(backend, matcher if case.drafter == "grammar" else None, silent=not speculative)
-    seq = Sequence(backend, drafter, prompt_ids,
-                   SamplingParams(case.temperature), budget, K if speculative else 0, tokenizer, eos_token_ids,
-                   seed=case.seed, grammar=matcher, draft_forced=speculative)
+    job = dataclasses.replace(Prepared.tokens(prompt_ids, SamplingParams(case.temperature), budget, seed=case.seed),
+                              grammar=matcher)
+    runtime = Runtime(tokenizer, eos_token_ids, EngineConfig(draft_forced=speculative))
+    seq = Sequence(backend, drafter, job, K if speculative else 0, runtime, track_text=True)
     seq.start()
     while (tokens := seq.plan()) is not None:
         seq.advance(backend.forward(tokens))
