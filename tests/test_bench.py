@@ -103,7 +103,8 @@ def test_parse_peers_defaults_and_skips():
 def test_run_matches_baseline_and_writes_every_output(target, draft, tmp_path):
     # model:<target name> drafts with the target itself: every draft must be accepted.
     draft_dir = save_loaded(draft, tmp_path / "draft")
-    methods = ["none", "ngram", f"model:{target.name}:k=3", f"model:{draft_dir}"]
+    # the target drafting for itself, on the target's backend (hf): every draft is accepted
+    methods = ["none", "ngram", f"model:{target.name}:k=3:backend=hf", f"model:{draft_dir}"]
     peer_names, notes = parse_peers(None, methods, target.name)
     assert peer_names[:3] == ["hf", "hf-pld", "hf-assisted"]
     runners = bench.make_engine_runners(target, methods)
@@ -121,7 +122,7 @@ def test_run_matches_baseline_and_writes_every_output(target, draft, tmp_path):
         assert set(entry["per_category"]) == {"code_writing", "agent_sessions"}
         for cat in entry["per_category"].values():
             assert {"speedup", "tokens_per_second", "mean_accepted_length", "exact_match"} <= set(cat)
-    self_draft = results["methods"][f"model:{target.name}:k=3"]
+    self_draft = results["methods"][f"model:{target.name}:k=3:backend=hf"]
     assert self_draft["acceptance_rate"] == 1.0 and self_draft["mean_accepted_length"] > 2.0
     assert self_draft["accepted_per_pos"][0] > 0
     assert results["methods"]["none"]["speedup"] == 1.0 and results["methods"]["none"]["mean_accepted_length"] == 1.0
@@ -324,7 +325,7 @@ def test_tool_sessions_are_exact_under_speculation_with_and_without_grammar(long
         {"user": "Convert it.", "tool_choice": NAMED_UNIT, "result": {"f": 70}},
         {"user": "Again.", "tool_choice": NAMED_UNIT, "result": {"f": 70}},
         {"user": "Search it.", "tool_choice": "required"}]})
-    methods = ["none", "ngram:min=1", f"model:{long_target.name}:k=3"]
+    methods = ["none", "ngram:min=1", f"model:{long_target.name}:k=3:backend=hf"]  # on the target's backend
     for grammar in (True, False):
         runners = bench.make_engine_runners(long_target, methods)
         run = run_benchmark(long_target, questions, runners, max_new_tokens=48, progress=False, log=lambda m: None,

@@ -247,7 +247,7 @@ def run_benchmark(
 
     bar.set_description("warm-up")
     session = next((q.session for q in questions if q.session is not None), None) if grammar else None
-    _warm_up(target, runners, warmup, min(16, max_new_tokens), temperature, seed, session)
+    _warm_up(target, runners, warmup, min(16, max_new_tokens), temperature, seed, session, max_new_tokens)
     bar.set_description("bench")
     for qi, question in enumerate(questions):
         # Rotate the order each question, so no runner always follows the same one (a runner
@@ -268,9 +268,10 @@ def run_benchmark(
 
 
 def _warm_up(target, runners: Sequence[Runner], rounds: int, max_new_tokens: int, temperature: float,
-             seed: int, session: ToolSession | None = None) -> None:
+             seed: int, session: ToolSession | None = None, constrained_tokens: int = 128) -> None:
     """Warm-up prompts outside the set; with tool sessions, also one constrained reply on a
-    session's tools (the grammar's tokenizer tables are built once, not in a timed turn)."""
+    session's tools (the grammar's tokenizer tables are built once, not in a timed turn), with
+    the run's own budget (`constrained_tokens`), which a complete call must fit."""
     tokenizer = target.tokenizer
     warm = [(encode(tokenizer, WARMUP_PROMPTS[0], max_length=target.max_length), None)]
     long_ids = tokenizer.encode(WARMUP_PROMPTS[1], add_special_tokens=False)
@@ -284,7 +285,7 @@ def _warm_up(target, runners: Sequence[Runner], rounds: int, max_new_tokens: int
                 if constraint is None:
                     runner.run(ids, max_new_tokens, temperature, seed)
                 else:
-                    runner.run(ids, max_new_tokens, temperature, seed, constraint=constraint)
+                    runner.run(ids, constrained_tokens, temperature, seed, constraint=constraint)
 
 
 def _run_turns(target, runner: Runner, question: Question, max_new_tokens: int, temperature: float,
