@@ -280,9 +280,9 @@ def test_unsupported_features_are_refused_by_name():
 
 @pytest.mark.slow
 def test_real_gemma3_matches_transformers_and_speculates_exactly():
-    """gemma3-270m (a real Q4_K_M, dequantized by the current loader): native fp32 logits
-    against transformers' on the same weights, then ngram speculation over int4 reproducing
-    plain greedy decoding."""
+    """gemma3-270m (a real Q4_K_M): native fp32 logits against transformers' on the same
+    dequantized weights, then ngram speculation reproducing plain greedy decoding, over int4
+    and over the file's own quant types."""
     from specdec.backends.native.model import HELDOUT_TEXT
     from specdec.models import load_model
 
@@ -292,13 +292,13 @@ def test_real_gemma3_matches_transformers_and_speculates_exactly():
     got = native_logits(NativeModel.from_hf(target.model), ids, prompt=40)
     assert (got - expected).abs().max() < 1e-3
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
-    options = {"precision": "int4"}
-    plain = Engine(target=target, drafter="none", backend="native", backend_options=options)
-    spec = Engine(target=target, drafter="ngram:min=1", k=4, backend="native", backend_options=options)
     prompt = "List the days of the week, one per line: Monday, Tuesday, Wednesday, Thursday,"
-    result = spec.generate(prompt, max_new_tokens=48, chat=False)
-    assert result.token_ids == plain.generate(prompt, max_new_tokens=48, chat=False).token_ids
-    assert result.stats.num_accepted_tokens > 0
+    for options in ({"precision": "int4"}, {}):  # {}: the file's own types (Q5_0, Q4_K, Q6_K, Q8_0)
+        plain = Engine(target=target, drafter="none", backend="native", backend_options=options)
+        spec = Engine(target=target, drafter="ngram:min=1", k=4, backend="native", backend_options=options)
+        result = spec.generate(prompt, max_new_tokens=48, chat=False)
+        assert result.token_ids == plain.generate(prompt, max_new_tokens=48, chat=False).token_ids
+        assert result.stats.num_accepted_tokens > 0
 
 
 class _Lookup:
