@@ -16,12 +16,12 @@ import httpx
 import pytest
 import torch
 
-import specdec.serve.gateway as gateway_mod
+import specdec.request as request_mod
 from conftest import save_loaded, tiny_llama, tiny_tokenizer
 from served_helpers import PROMPTS, ServerProcess, assert_error_shape
-from specdec.serve.app import ServeConfig
 from specdec.serve.gateway import Gateway
 from specdec.serve.protocol import CompletionRequest
+from specdec.serve.settings import ServeConfig
 from specdec.serve.tokenize import TokenizerPool
 from specdec.traffic_log import QueuedTrafficLog, TrafficLog, read_traffic
 
@@ -153,15 +153,18 @@ def test_tokenization_runs_side_by_side_with_its_own_tokenizers():
         both_inside.wait()
         return tokenizer.encode(prompt)
 
+    def prompt_ids(body) -> list[int]:  # what build_request runs on a pool thread
+        return gw.request(body, "completion").prepare(tiny_tokenizer(), set(), encoder=gw.tokenizers.local()).prompt_ids
+
     async def two():
         body = CompletionRequest(prompt="The quick brown fox")
-        return await asyncio.gather(*(gw.tokenizers.run(gw.encode, body, False) for _ in range(2)))
+        return await asyncio.gather(*(gw.tokenizers.run(prompt_ids, body) for _ in range(2)))
 
-    original, gateway_mod.encode = gateway_mod.encode, encode
+    original, request_mod.encode = request_mod.encode, encode
     try:
         first, second = asyncio.run(two())
     finally:
-        gateway_mod.encode = original
+        request_mod.encode = original
         gw.tokenizers.close()
     assert first == second == tiny_tokenizer().encode("The quick brown fox")
     assert len(set(seen)) == 2 and id(tiny_tokenizer()) not in seen
