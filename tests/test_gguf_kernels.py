@@ -13,7 +13,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from specdec.backends.native import gguf_q4
+from specdec.backends.native import gguf_q4, jit_ops
 from specdec.backends.native.gguf_kernels import (
     concat_rows,
     embedding_from_quant,
@@ -114,6 +114,29 @@ def _layers(kind: str):
     if kind == "Q4_0" and ort_available():
         for threads in (1, 2):
             yield f"ort {threads} threads", OrtQ4Linear(tensor.data, threads=threads)
+
+
+@pytest.mark.parametrize("kind", Q4)
+def test_prompt_tiles_decode_the_same_on_numba_and_pytorch(kind):
+    if not jit_ops.importable():
+        pytest.skip("numba is not installed")
+    layer = Int4BlockLinear.from_blocks(kind, random_tensor(kind, 300, 512).data, 512)
+    torch_tile = gguf_q4.unpack_tile_t(layer.packed, layer.scales_and_zeros)  # [K, rows padded]
+    assert torch_tile.shape == (512, 320)
+    assert torch.equal(gguf_q4.unpack_tile_t_jit(layer.packed, layer.scales_and_zeros), torch_tile)
+    assert torch.equal(torch_tile.T, gguf_q4.unpack_tile(layer.packed, layer.scales_and_zeros))
+
+
+def test_prompts_take_the_tiles_only_where_bf16_is_native_and_rows_independent(monkeypatch):
+    layer, x = Int4BlockLinear.from_blocks("Q4_1", random_tensor("Q4_1", 64, 512).data, 512), activations(3, 512)
+    for tiles, expected in ((True, layer.tile_forward(x)), (False, layer.forward(x))):
+        monkeypatch.setattr(gguf_q4, "prompt_tiles", lambda tiles=tiles: tiles)
+        assert torch.equal(layer.prompt_forward(x), expected)
+    monkeypatch.undo()
+    gguf_q4.prompt_tiles.cache_clear()
+    monkeypatch.setattr(gguf_q4, "cpu_features", lambda: frozenset({"avx2"}))
+    assert not gguf_q4.prompt_tiles()
+    gguf_q4.prompt_tiles.cache_clear()
 
 
 @pytest.mark.parametrize("kind", FLOATS + Q4)

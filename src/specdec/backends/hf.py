@@ -73,7 +73,8 @@ class HFBackend:
     def prefill(self, token_ids: list[int], all_logits: bool = True, keep: int = 0) -> torch.Tensor:
         return chunked_prefill(self, self._prefill_chunk, token_ids, all_logits, keep)
 
-    def _prefill_chunk(self, chunk: list[int], last_only: bool) -> torch.Tensor:
+    def _prefill_chunk(self, chunks: list[list[int]], last_only: bool) -> torch.Tensor:
+        (chunk,) = chunks  # chunked_prefill's default groups: one chunk each
         return self.forward(chunk, last_only=last_only)
 
     @torch.inference_mode()

@@ -141,12 +141,28 @@ class PrefixCache:
         self._cold = min(self._cold, length)
 
 
-def chunked_prefill(backend: Backend, feed: Callable[[list[int], bool], torch.Tensor], token_ids: list[int],
-                    all_logits: bool, keep: int) -> torch.Tensor:
+def chunk_groups(chunks: list[list[int]], group_tokens: int) -> list[list[list[int]]]:
+    """Consecutive chunks gathered into groups of at most `group_tokens` tokens (at least one
+    chunk each)."""
+    groups: list[list[list[int]]] = []
+    size = 0
+    for chunk in chunks:
+        if not groups or size + len(chunk) > group_tokens:
+            groups.append([])
+            size = 0
+        groups[-1].append(chunk)
+        size += len(chunk)
+    return groups
+
+
+def chunked_prefill(backend: Backend, feed: Callable[[list[list[int]], bool], torch.Tensor], token_ids: list[int],
+                    all_logits: bool, keep: int, group_tokens: int = PREFILL_CHUNK) -> torch.Tensor:
     """A backend's `prefill`: reset (or roll back to `keep` cached tokens, as its prefix cache
-    allows) and feed the rest of `token_ids` chunk by chunk with feed(chunk, last_only).
-    Returns logits [T - keep, V], or with all_logits=False only [1, V] of the last token,
-    which skips the LM head for the rest of a long prompt."""
+    allows) and feed the rest of `token_ids` with feed(chunks, last_only), consecutive chunks
+    of `prefill_chunks` up to `group_tokens` tokens at a time: a backend that runs a group in
+    one pass must give each chunk the bits it would get alone. Returns logits [T - keep, V],
+    or with all_logits=False only [1, V] of the last token, which skips the LM head for the
+    rest of a long prompt."""
     record = backend.prefix_cache
     if keep:
         try:
@@ -159,7 +175,8 @@ def chunked_prefill(backend: Backend, feed: Callable[[list[int], bool], torch.Te
         backend.reset()
     record.start_prefill(token_ids, keep)
     try:
-        logits = [feed(chunk, not all_logits) for chunk in prefill_chunks(list(token_ids[keep:]), keep)]
+        chunks = prefill_chunks(list(token_ids[keep:]), keep)
+        logits = [feed(group, not all_logits) for group in chunk_groups(chunks, group_tokens)]
     except BaseException:
         backend.reset()  # a half-written prefix must not be reused
         raise

@@ -123,6 +123,25 @@ class CachePool:
             seq._length, offset = seq._length + len(ids), end
         return out
 
+    def forward_prompt(self, seq: NativeSequence, chunks: list[list[int]], last_only: bool = False) -> torch.Tensor:
+        """A prompt's consecutive chunks in one pass: each chunk a causal row of its own, so its
+        attention is that of a pass per chunk, and the layers' kernels over all their tokens at
+        once (a prompt kernel computes each row on its own, so a chunk's bits do not depend on
+        its neighbours; the tests compare the two). A prompt kernel that decodes weight tiles
+        then decodes each tile once per group, not once per chunk. Logits [T, V], or [1, V]."""
+        start = seq._check_append(sum(len(chunk) for chunk in chunks))
+        tokens, positions, rows = [], [], []
+        for chunk in chunks:
+            rows.append(self._row(seq.slot, len(tokens), start + len(tokens), len(chunk), dense=True))
+            tokens.extend(chunk)
+            positions.extend(range(start + len(tokens) - len(chunk), start + len(tokens)))
+        if not tokens:
+            return torch.empty(0, self.model.config.vocab_size)
+        hidden, logits = self._run(tokens, positions, rows, False, [len(tokens) - 1] if last_only else None, dense=True)
+        seq._store_hidden(start, hidden)
+        seq._length = start + len(tokens)
+        return logits
+
     def _pack(self, sequences, token_lists, unscored, compiled: bool, dense: bool) -> tuple:
         """The packed tokens, their positions, each sequence's KVRow, each one's last packed
         row, and the packed rows whose logits are wanted (all but the unscored and the pads)."""
@@ -221,10 +240,10 @@ class NativeSequence:
         self.prefix_cache.truncate(0)
 
     def prefill(self, token_ids: list[int], all_logits: bool = True, keep: int = 0) -> torch.Tensor:
-        return chunked_prefill(self, self._prefill_chunk, token_ids, all_logits, keep)
+        return chunked_prefill(self, self._prefill_chunks, token_ids, all_logits, keep, self.pool.model.prompt_group_tokens)
 
-    def _prefill_chunk(self, chunk: list[int], last_only: bool) -> torch.Tensor:
-        return self.pool.forward_batch([self], [chunk], last_only=last_only, prompt=True)[0]  # the prompt path
+    def _prefill_chunks(self, chunks: list[list[int]], last_only: bool) -> torch.Tensor:
+        return self.pool.forward_prompt(self, chunks, last_only)
 
     def forward(self, token_ids: list[int], unscored: list[int] | tuple = ()) -> torch.Tensor:
         return self.pool.forward_batch([self], [list(token_ids)], [list(unscored)] if unscored else None)[0]

@@ -44,3 +44,15 @@ def has_int4_kernel() -> bool:
         return False
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and platform.machine().lower() in (
         "x86_64", "amd64", "aarch64", "arm64")  # fmt: skip
+
+
+@functools.cache
+def gemm_rows_independent(dtype: torch.dtype) -> bool:
+    """Whether PyTorch's GEMM in `dtype` gives each row of its first operand the same bits
+    however many rows share the call (checked once per process at a few row counts on random
+    values: it depends on the library's kernels for this CPU, e.g. fp32 takes a GEMV path for
+    one row). Where it does, a prefill may run several chunks through one GEMM."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(300, 512, generator=g).to(dtype), torch.randn(512, 320, generator=g).to(dtype)
+    whole = torch.mm(x, w)
+    return all(torch.equal(torch.mm(x[lo:hi], w), whole[lo:hi]) for lo, hi in ((0, 1), (5, 12), (128, 300), (7, 135)))

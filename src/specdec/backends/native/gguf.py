@@ -212,9 +212,9 @@ def quant_state(model: GGUFModel) -> dict:
     """The native model's state from the file's tensors as they are: each matrix a layer from
     `linear_from_quant` (its bias inside), the embedding from `embedding_from_quant`, norms fp32.
     A file without an output matrix ties the head to the embedding's tensor."""
-    state: dict = {}
+    state, fused = _fused_state(model)
     for key, tensor in model.tensors.items():
-        if key.endswith(".bias"):
+        if key.endswith(".bias") or key in fused:
             continue  # inside its layer
         if key == "model.embed_tokens.weight":
             state[key] = embedding_from_quant(tensor)
@@ -228,10 +228,35 @@ def quant_state(model: GGUFModel) -> dict:
     # the copied matrices' mapped pages, read once to build them, would stay resident (and
     # counted as this process's) while the cached GGUFFile maps the file: drop them. A tied
     # embedding's rows fault back in from the page cache as lookups read them.
-    copied = [t.name for key, t in model.tensors.items() if len(t.shape) == 2 and copies_weights(t)]
+    copied = [t.name for key, t in model.tensors.items() if len(t.shape) == 2 and (key in fused or copies_weights(t))]
     gguf_file(model.path).release(copied)
     _trim_heap()
     return state
+
+
+# matrices that read one input, run as one kernel over their rows side by side when they share a type
+_FUSED = (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+          ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")))  # fmt: skip
+
+
+def _fused_state(model: GGUFModel) -> tuple[dict, set[str]]:
+    """Each layer's q/k/v and gate/up of one quant type as one FusedLinear under the fused
+    name (the layer splits its output), so a step makes four kernel calls a layer, not seven.
+    Returns the state so far and the keys of the tensors it consumed (their rows are copied
+    side by side, so the loader drops their mapped pages too). Mixed types stay separate."""
+    state: dict = {}
+    consumed: set[str] = set()
+    for i in range(model.config["num_layers"]):
+        prefix = f"model.layers.{i}."
+        for joined, names in _FUSED:
+            keys = [f"{prefix}{name}.weight" for name in names]
+            tensors = [model.tensors.get(key) for key in keys]
+            if any(t is None for t in tensors) or len({t.qtype for t in tensors}) != 1:
+                continue
+            biases = [model.tensors.get(key[: -len("weight")] + "bias") for key in keys]
+            state[f"{prefix}{joined}.weight"] = linear_from_quant(tensors, [None if b is None else _floats(b) for b in biases])
+            consumed.update(keys)
+    return state, consumed
 
 
 def float_state(model: GGUFModel) -> dict:

@@ -28,6 +28,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 
 from specdec.backends.native.cpu import forced_fallback, has_int4_kernel
+from specdec.backends.native.gguf_kernels_8bit import OrtQ8Linear, ort_q8_usable
 from specdec.backends.native.gguf_kernels_8bit import linear_for as eight_bit_linear
 from specdec.backends.native.gguf_q4 import Q4_TYPES, ExactQ4Linear, Int4BlockLinear
 from specdec.backends.native.gguf_tensors import QuantTensor, check_type
@@ -96,11 +97,13 @@ def copies_weights(tensor: QuantTensor) -> bool:
     """Whether `build_linear` keeps a copy of this tensor (the 4-bit repacking, fbgemm's fp16
     packing) rather than reading the file's mapped bytes: the loader then drops those pages."""
     kind = tensor.qtype.name
-    return kind in Q4_TYPES or (kind == "F16" and _fbgemm_usable())
+    return kind in Q4_TYPES or (kind == "F16" and _fbgemm_usable()) or (kind == "Q8_0" and ort_q8_usable())
 
 
 def _eight_bit(tensor: QuantTensor, bias):
     # Q8_0 / Q5_K / Q6_K / Q5_0 / Q5_1: one kernel over the file's blocks for decode steps and prompts alike
+    if tensor.qtype.name == "Q8_0" and ort_q8_usable():
+        return PromptSame(OrtQ8Linear(tensor, bias))
     return PromptSame(eight_bit_linear(tensor, bias))
 
 

@@ -215,6 +215,50 @@ def lanes_matmul(xq: torch.Tensor, xs: torch.Tensor, xsum: torch.Tensor, w: torc
     return y
 
 
+class OrtQ8Linear(torch.nn.Module):
+    """A Q8_0 matrix on ONNX Runtime's MatMulNBits at 8 bits: u = q + 128 with the default zero
+    point 128 and the blocks' fp16 d as fp32 scales, so the weights are exactly the file's.
+    Activations are quantized to int8 per block of 32 and multiplied with int8 dot products
+    (accuracy_level 4: VNNI or AMX kernels where the CPU has them), as llama.cpp does. Used
+    where `ort_q8_usable` (a row's bits independent of the batch here), because its GEMM keeps
+    several rows near one row's cost, which the numba lanes do not (docs/performance-notes.md).
+    Each output is one reduction over K in block order; MLAS splits over rows and columns."""
+
+    def __init__(self, tensor: QuantTensor, bias: torch.Tensor | None = None, threads: int | None = None):
+        super().__init__()
+        from specdec.backends.native.ort_linear import OrtBlockLinear
+
+        n, k = tensor.shape
+        blocks = np.ascontiguousarray(tensor.data).reshape(n, k // BLOCK, BLOCK_BYTES["Q8_0"])
+        u = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8).reshape(n, k)  # transient
+        self.kernel = OrtBlockLinear(torch.from_numpy(u), torch.from_numpy(_fp16_at(blocks, 0)), bits=8,
+                                     threads=threads)  # fmt: skip
+        self.bias = None if bias is None else bias.detach().float().cpu()  # [N]
+        self.in_features, self.out_features, self.act_dtype = k, n, torch.float32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+        y = self.kernel.forward(x)
+        y = y if self.bias is None else y + self.bias
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+@functools.cache
+def ort_q8_usable() -> bool:
+    """ONNX Runtime is installed, the fallback is not forced, and its 8-bit kernel computes a
+    row the same alone as among 8 (checked once per process on random blocks)."""
+    from specdec.backends.native.ort_linear import ort_available
+
+    if forced_fallback() or not ort_available():
+        return False
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, (64, 8 * BLOCK_BYTES["Q8_0"]), dtype=np.uint8).reshape(64, 8, -1)
+    raw[..., :2] = rng.uniform(1e-3, 1e-2, (64, 8)).astype(np.float16).view(np.uint8).reshape(64, 8, 2)
+    from gguf import GGMLQuantizationType
+
+    layer = OrtQ8Linear(QuantTensor("probe", GGMLQuantizationType.Q8_0, (64, 256), raw.reshape(64, -1)))
+    return layer.kernel.batch_invariant()
+
+
 def linear_for(tensor: QuantTensor, bias: torch.Tensor | None = None) -> BlockLinear8:
     """The layer for a matrix [N, K] of one of QTYPES, on this process's kernel."""
     return BlockLinear8(tensor, bias)

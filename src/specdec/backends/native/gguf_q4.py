@@ -41,6 +41,9 @@ import numpy as np
 import torch
 from gguf.quants import Q4_K
 
+from specdec.backends.native.cpu import cpu_features, forced_fallback, gemm_rows_independent
+from specdec.backends.native.jit_ops import importable as numba_importable
+from specdec.backends.native.jit_ops import numba_threads
 from specdec.backends.native.ort_linear import OrtBlockLinear
 from specdec.backends.native.quant import INT4_GROUP, Int4Linear
 
@@ -103,9 +106,10 @@ class Int4BlockLinear(Int4Linear):
         return cls.from_packed(torch.cat(packs), scales_and_zeros.to(torch.bfloat16).contiguous(), n, bias)
 
     def prompt_forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
-        """A prompt chunk (up to 128 rows): the int4 kernel itself. Decoding bf16 tiles for a
-        GEMM (`tile_forward`) pays only from about 512 rows (docs/performance-notes.md)."""
-        return self.forward(x)
+        """Prompt rows (up to a whole prompt's chunks at once, see CachePool.forward_prompt):
+        bf16 tiles and a GEMM, which keep many rows far cheaper than the int4 kernel does,
+        where `prompt_tiles`; else the int4 kernel itself."""
+        return self.tile_forward(x) if prompt_tiles() else self.forward(x)
 
     def tile_forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         """bf16 tiles decoded from the packed weights, each multiplied by a bf16 GEMM."""
@@ -114,10 +118,11 @@ class Int4BlockLinear(Int4Linear):
         xb = x.to(torch.bfloat16)
         packed, scales_and_zeros = self.packed, self.scales_and_zeros
         out = torch.empty(x.shape[0], packed.shape[0], dtype=torch.bfloat16)  # [M, N padded]
+        unpack = _unpack_kernel()
         for start in range(0, packed.shape[0], PROMPT_TILE):
             stop = min(start + PROMPT_TILE, packed.shape[0])
-            w = unpack_tile(packed[start:stop], scales_and_zeros[:, start:stop])  # [rows, K] bf16
-            torch.mm(xb, w.T, out=out[:, start:stop])
+            w_t = unpack(packed[start:stop], scales_and_zeros[:, start:stop])  # [K, rows] bf16
+            torch.mm(xb, w_t, out=out[:, start:stop])
         y = out[:, : self.out_features].to(x.dtype)
         return y if self.bias is None else y + self.bias
 
@@ -132,6 +137,40 @@ def unpack_tile(packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.T
     zero = scales_and_zeros[..., 1].T.float()[..., None]
     w = q.float().sub_(8).mul_(scale).add_(zero)  # [rows, G, 32] fp32
     return w.to(torch.bfloat16).reshape(rows, k)
+
+
+def unpack_tile_t(packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """`unpack_tile`, transposed: [K, rows] bf16, the GEMM's layout for its second operand."""
+    return unpack_tile(packed, scales_and_zeros).T.contiguous()
+
+
+def unpack_tile_t_jit(packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """`unpack_tile_t` on numba's threads (gguf_jit_tiles.py), bit for bit the same."""
+    from specdec.backends.native.gguf_jit_tiles import int4_tile_bf16_t
+
+    rows, k = packed.shape[0], packed.shape[1] * 2
+    scale = scales_and_zeros[..., 0].float().contiguous()  # [G, rows]
+    zero = scales_and_zeros[..., 1].float().contiguous()
+    out = torch.empty(k, rows, dtype=torch.bfloat16)
+    int4_tile_bf16_t(packed.view(rows // 64, k, 32).numpy(), scale.numpy(), zero.numpy(), out.view(torch.uint16).numpy())
+    return out
+
+
+@functools.cache
+def prompt_tiles() -> bool:
+    """Whether prompts multiply bf16 tiles: where the CPU multiplies bf16 natively (AVX2
+    emulates it, slower than the int4 kernel) and its bf16 GEMM computes a row the same in any
+    row count, so that a row's bits do not depend on its prompt's other rows."""
+    native = {"amx_bf16", "avx512_bf16"} & cpu_features()
+    return bool(native) and not forced_fallback() and gemm_rows_independent(torch.bfloat16)
+
+
+def _unpack_kernel():
+    """numba's unpacking where it runs (the same bits), PyTorch's otherwise."""
+    if forced_fallback() or not numba_importable():
+        return unpack_tile_t
+    numba_threads()  # the threading layer and count, before the first parallel launch
+    return unpack_tile_t_jit
 
 
 @functools.cache

@@ -24,11 +24,13 @@ import torch.nn.functional as F
 
 from specdec.backends.native.attention import windowed
 from specdec.backends.native.cache import COMPILE_BUCKETS, DEFAULT_MAX_LENGTH, CachePool, NativeSequence
-from specdec.backends.native.cpu import cpu_features, forced_fallback
+from specdec.backends.native.cpu import cpu_features, forced_fallback, gemm_rows_independent
 from specdec.backends.native.gguf import float_state, quant_state, read_gguf
+from specdec.backends.native.gguf_kernels import prompt_view
 from specdec.backends.native.hf_config import hf_state
 from specdec.backends.native.layer import SUPPORTED_TYPES, DecoderLayer, KVRow, NativeConfig, rms_norm
 from specdec.backends.native.quant import LM_HEADS, PRECISIONS, FusedLinear, Linear, make_linear, make_lm_head
+from specdec.backends.prefix_cache import PREFILL_CHUNK
 from specdec.errors import SpecdecError
 
 NATIVE_OPTIONS = ("precision", "device", "max_length", "slots", "compile", "lm_head", "kv_dtype")
@@ -75,11 +77,18 @@ class NativeModel:
         # layers (prompt_precision): bf16 copies where the CPU multiplies bf16 natively, else
         # fp32 layers over the same tensors (no copy when the state is a loaded model's
         # own); decode steps and drafts stay in `precision`.
+        # GGUF layers carry their own prompt kernels (bf16 tiles decoded from the blocks, see
+        # gguf_kernels.py): a second stack of layers over the same buffers runs them, no copy.
         self.dense = None
         if dense_prompts and precision != "fp32":
             dense = prompt_precision(self.device, precision)
             self.dense = ([_layer(config, weights, i, dense) for i in range(config.num_layers)],
                           weights.linear("lm_head", "fp32"))  # fmt: skip
+        elif precision == GGUF_PRECISION:
+            views = _StateReader({k: prompt_view(v) if isinstance(v, torch.nn.Module) else v for k, v in state.items()},
+                                 self.device)  # fmt: skip
+            self.dense = ([_layer(config, views, i, precision) for i in range(config.num_layers)], self.lm_head)
+        self.prompt_group_tokens = prompt_group_tokens(self.device, precision, dense_prompts)
         self.sliding = [config.sliding(i) for i in range(config.num_layers)]  # which layers take windowed rows
         self.local_rope = [config.local_rope(i) for i in range(config.num_layers)]
         self.inv_freq = rope_inv_freq(config).to(self.device)  # [head_dim / 2]
@@ -247,6 +256,8 @@ class _StateReader:
     def fused(self, names: list[str], joined: str, precision: str) -> FusedLinear:
         """The linears `names` as one FusedLinear, or the checkpoint's own fused matrix
         `joined` (phi3's qkv_proj, gate_up_proj) as its single part."""
+        if isinstance(self.state.get(joined + ".weight"), FusedLinear):  # the loader fused them already
+            return self.state[joined + ".weight"]
         names = [joined] if joined + ".weight" in self.state else names
         return FusedLinear([self.weight(n) for n in names], [self.bias(n) for n in names], precision)
 
@@ -279,6 +290,24 @@ def rope_inv_freq(config: NativeConfig) -> torch.Tensor:
     if config.rope_inv_freq is not None:
         return torch.tensor(config.rope_inv_freq, dtype=torch.float32)
     return default_inv_freq(config.rope_theta, config.head_dim)
+
+
+# prompt tokens per forward where the prompt layers compute each row on its own: a GGUF layer
+# decodes its weight tiles once per forward, so more chunks share that cost, and a bigger GEMM
+# runs faster; the activations of this many tokens stay small beside the weights
+PROMPT_GROUP_TOKENS = 512
+
+
+def prompt_group_tokens(device: torch.device, precision: str, dense_prompts: bool) -> int:
+    """How many prompt tokens one forward may take (CachePool.forward_prompt): several chunks
+    where the prompt layers multiply bf16 GEMMs (GGUF tiles, dense bf16 copies) whose rows do
+    not depend on the call's row count on this CPU (gemm_rows_independent), so a chunk's bits
+    do not depend on its group; otherwise one chunk, whose shape its positions fix
+    (prefix_cache.prefill_chunks)."""
+    bf16 = precision == GGUF_PRECISION or (dense_prompts and prompt_precision(device, precision) == "bf16")
+    if device.type != "cpu" or not bf16 or not gemm_rows_independent(torch.bfloat16):
+        return PREFILL_CHUNK
+    return PROMPT_GROUP_TOKENS
 
 
 def prompt_precision(device: torch.device, precision: str) -> str:
