@@ -100,7 +100,7 @@ def main() -> None:
     features = sorted(f for f in cpu_features() if f in INT8_FEATURES or f.startswith("torch:"))
     print(json.dumps({
         "file": args.path, "threads": args.threads, "clock": args.clock, "cpu_features": features, "ms": ms,
-        "columns": ["Matrix: kernel", *(f"M={m}" for m in rows)],
+        "columns": ["Kernel (matrices, file MB)" if args.by_kernel else "Matrix: kernel", *(f"M={m}" for m in rows)],
         "rows": [[label, *(f"{t[m]:.3f} ({t[m] / t[rows[0]]:.2f}x)" for m in rows)] for label, t in ms.items()],
     }))  # fmt: skip
 
