@@ -53,7 +53,7 @@ def instrument(model) -> None:
                     setattr(part, method, _labelled("decoder linears", getattr(part, method)))
         # eager layers call their parts through this tuple (layer.py), bound before the wrapping
         layer.eager_parts = (layer.attn_norm, layer.qkv.joined, layer.o.forward, layer.mlp_norm, layer.gate_up.forward,
-                             layer.down.forward, layer.gate_up.joined)  # fmt: skip
+                             layer.down.forward, layer.gate_up.joined, layer.eager_parts[-1])  # fmt: skip
     model.lm_head.forward = _labelled("LM head", model.lm_head.forward)
     if not callable(getattr(layer_mod, "rms_norm", None)):  # layer.py's own wraps F.rms_norm
         F.rms_norm = _labelled("RMSNorm", F.rms_norm)
