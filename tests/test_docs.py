@@ -164,6 +164,9 @@ def test_a_recorded_bench_run_renders_as_a_table(tmp_path, monkeypatch):
     assert columns == ["Method", "math", "Overall", "τ", "tok/s", "Exact match"]
     assert rows == [["`ngram`", "1.50x", "1.50x", "2.00", "30.0", "4/4"],
                     ["`llamacpp` (peer)", "1.50x", "1.50x", None, "30.0", "1/4"]]
+    own = {"columns": ["n", "ms"], "rows": [[1, 9.5]], "threads": 4, "extra": 1}
+    assert record["script_table"](own) == ({"columns": ["n", "ms"], "rows": [[1, 9.5]]}, 4)
+    assert record["script_table"]({"itl": 3}) == ({}, None)
     base = {"title": "T", "command": "specdec bench", "machine": {"cpu": "C", "threads": 2}, "commit": "abc",
             "date": "2026-01-01"}
     (tmp_path / "bench.json").write_text(json.dumps({**base, "columns": columns, "rows": rows}))

@@ -71,6 +71,9 @@ def main() -> None:
         report["ms"][context] = ms
         cells = "  ".join(f"n={n}: {ms[n]:.1f} ms ({ms[n] / ms[sizes[0]]:.2f}x)" for n in sizes)
         print(f"context {context}: {cells}", flush=True)
+    report["columns"] = ["Context", *(f"{n} token{'s' * (n > 1)}" for n in sizes)]
+    report["rows"] = [[context, *(f"{ms[n]:.1f} ({ms[n] / ms[sizes[0]]:.2f}x)" for n in sizes)]
+                      for context, ms in report["ms"].items()]  # fmt: skip
     print(json.dumps(report))
 
 

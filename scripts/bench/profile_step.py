@@ -1,7 +1,9 @@
 """Where a native decode step spends its time (issue 15): a torch.profiler breakdown of one
-forward of 1 token (and of 8 tokens) after a short prompt, on the embedded SmolLM2.
+forward of 1 token (and of 8 tokens) after a short prompt, on the embedded SmolLM2 or `--target`
+(a built-in name or a GGUF file, e.g. the synthetic 1.5B of synthetic_qwen2_gguf.py).
 
     taskset -c 1 python scripts/bench/profile_step.py [--threads 1] [--repeats 20] [--precision int4]
+        [--target smollm2-135m]
 
 Each part is timed inclusively through a `record_function` range wrapped around it (the
 wrappers add a few microseconds each): the decoder linears, the LM head, the RMSNorms, the
@@ -99,10 +101,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--precision", default=None, help="native precision (default: the backend's)")
     p.add_argument("--widths", default="1,8")
+    p.add_argument("--target", default="smollm2-135m", help="a built-in name or a GGUF file")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     options = {"precision": args.precision} if args.precision else {}
-    seq = make_backend("native", load_model("smollm2-135m"), **options)
+    seq = make_backend("native", load_model(args.target), **options)
     seq.prefill(list(range(2000, 2000 + PROMPT_TOKENS)))
     widths = [int(w) for w in args.widths.split(",")]
     for w in widths:  # warm-up
@@ -119,7 +122,7 @@ def main() -> None:
         for part, (ms, calls) in rows.items():
             share = 100 * ms / rows["profiled step"][0]
             print(f"{part:28s} {ms:10.2f} {calls or '':>6} {share:5.0f}%")
-    print(json.dumps({"threads": args.threads, "precision": seq.pool.model.precision, "forwards": report}))
+    print(json.dumps({"target": args.target, "threads": args.threads, "precision": seq.pool.model.precision, "forwards": report}))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@
 A `specdec bench ... --out DIR` command is read from DIR/results.json and becomes one row per
 method and peer (speedup per category, overall, tau, tok/s, exact match, valid calls); any
 other command must end its stdout with one JSON object (every script under scripts/bench does),
-recorded as it came and shown key by key. The record keeps the CPU, torch's thread count, the
+recorded as it came and shown key by key, or as its own table where the object has `columns`
+and `rows` (and with its own thread count where it has `threads`). The record keeps the CPU, torch's thread count, the
 commit (with `+dirty` when the tree has changes), the date and the command.
 """
 
@@ -64,6 +65,16 @@ def bench_rows(results: dict) -> tuple[list[str], list[list]]:
     return columns, rows
 
 
+def script_table(raw) -> tuple[dict, int | None]:
+    """A script's JSON -> its own table ({"columns", "rows"}, or {} to show it key by key) and
+    the thread count it says it ran with (None: not said)."""
+    if not isinstance(raw, dict):
+        return {}, None
+    table = {key: raw[key] for key in ("columns", "rows")} if {"columns", "rows"} <= raw.keys() else {}
+    threads = raw.get("threads")
+    return table, threads if isinstance(threads, int) and not isinstance(threads, bool) else None
+
+
 def _x(speedup) -> str | None:
     return None if speedup is None else f"{speedup:.2f}x"
 
@@ -107,9 +118,13 @@ def main() -> None:
             record["raw"] = json.loads(lines[-1])
         except (IndexError, json.JSONDecodeError):
             raise SystemExit(f"record: the command's last line of stdout is not JSON (exit status {run.returncode})") from None
-        import torch
+        table, threads = script_table(record["raw"])
+        record.update(table)
+        if threads is None:
+            import torch
 
-        record["machine"]["threads"] = torch.get_num_threads()
+            threads = torch.get_num_threads()
+        record["machine"]["threads"] = threads
     if run.returncode != 0:
         record["notes"] = (record["notes"] + f" The command exited with status {run.returncode}.").strip()
     path = ROOT / "docs" / "results" / f"{args.name}.json"
