@@ -18,7 +18,9 @@ from gguf.quants import dequantize
 from specdec.backends.native import gguf_kernels_8bit as k8
 from specdec.backends.native import jit_ops
 from specdec.backends.native.gguf_encode import quantize_blocks
+from specdec.backends.native.gguf_kernels import head_from_quant
 from specdec.backends.native.gguf_tensors import QuantTensor, ReferenceLinear
+from specdec.errors import SpecdecError
 
 QTYPES = ["Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q5_1"]
 # the fp32 scale tables against the file's bytes: 4 (Q8_0, Q5_0) or 8 (Q5_1) bytes per block
@@ -213,3 +215,36 @@ def test_reads_a_read_only_mapping(qtype, kernel):
     writable = k8.BlockLinear8(tensor, kernel=kernel)(activations(2, 512))
     tensor.data.setflags(write=False)
     assert torch.equal(k8.BlockLinear8(tensor, kernel=kernel)(activations(2, 512)), writable)
+
+
+# ---- the LM head on ONNX Runtime (gguf_kernels.head_from_quant, lm_head ort8) ---------------------
+
+
+@pytest.fixture
+def ort8():
+    if not k8.ort_8bit_usable():
+        pytest.skip("onnxruntime is not installed, or its 8-bit kernel is not batch-invariant here")
+
+
+@pytest.mark.parametrize("qtype", k8.ORT_TYPES)
+def test_an_ort8_head_holds_the_files_weights_with_rows_independent(ort8, qtype):
+    tensor = make_tensor(qtype, n=64, k=512)
+    layer = head_from_quant(tensor, "ort8")
+    x = activations(9, 512)
+    assert within_bound(layer, tensor, x)  # int8 activations of exact weights; a wrong scale breaks it
+    batch = layer(x)
+    for i in (0, 4, 8):
+        assert torch.equal(layer(x[i : i + 1])[0], batch[i])
+
+
+@pytest.mark.parametrize(("qtype", "kind", "message"), [
+    ("Q8_0", "int4", "lm_head 'int4' requantizes a float head"),
+    ("Q5_K", "ort8", "Q5_K"),
+])  # fmt: skip
+def test_a_gguf_head_refuses_what_it_cannot_run_by_name(qtype, kind, message):
+    with pytest.raises(SpecdecError, match=message):
+        head_from_quant(make_tensor(qtype, n=8, k=256), kind)
+
+
+def test_the_default_head_is_the_files_own_kernel():
+    assert isinstance(head_from_quant(make_tensor("Q8_0", n=8, k=256)).layer, k8.BlockLinear8)

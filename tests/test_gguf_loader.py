@@ -23,6 +23,7 @@ from specdec.backends.native import gguf as reader
 from specdec.backends.native import model as native_model
 from specdec.backends.native.gguf import read_gguf
 from specdec.backends.native.gguf_kernels import EIGHT_BIT_TYPES
+from specdec.backends.native.gguf_kernels_8bit import OrtBlockLinear8, ort_8bit_usable
 from specdec.backends.native.gguf_tensors import ReferenceLinear
 from specdec.backends.native.layer import SUPPORTED_TYPES
 from specdec.backends.native.model import NativeModel
@@ -259,6 +260,15 @@ def test_speculative_decoding_is_exact_on_each_file(tmp_path_factory, smollm2_to
     # against one-token steps, every draft accepted
     assert _exact(target, f"model:{path.name}") > 0
     assert not target.model_loaded  # the native path never built a transformers model
+
+
+def test_an_ort8_head_speculates_exactly(tmp_path_factory, smollm2_tokenizer):
+    if not ort_8bit_usable():
+        pytest.skip("onnxruntime is not installed, or its 8-bit kernel is not batch-invariant here")
+    path, _ = _write(tmp_path_factory, "llama", "Q8_0")
+    target = LoadedModel(path.name, tokenizer=smollm2_tokenizer, gguf_path=path)
+    assert _exact(target, f"model:{path.name}", {"lm_head": "ort8"}) > 0
+    assert isinstance(make_backend("native", target, lm_head="ort8").pool.model.lm_head.layer, OrtBlockLinear8)
 
 
 def test_a_bf16_kv_cache_is_exact_too(tmp_path_factory, smollm2_tokenizer):

@@ -22,7 +22,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specdec.backends.native.gguf_kernels import copies_weights, embedding_from_quant, linear_from_quant
+from specdec.backends.native.gguf_kernels import (
+    copies_weights,
+    embedding_from_quant,
+    head_copies_weights,
+    head_from_quant,
+    linear_from_quant,
+)
 from specdec.backends.native.gguf_tensors import QuantTensor, check_type
 from specdec.errors import SpecdecError
 from specdec.gguf_file import MODEL_TYPES, GGUFFile, gguf_file
@@ -208,7 +214,7 @@ def unpermute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
 # ---- the native state dict ---------------------------------------------------------------------
 
 
-def quant_state(model: GGUFModel) -> dict:
+def quant_state(model: GGUFModel, lm_head: str = "auto") -> dict:
     """The native model's state from the file's tensors as they are: each matrix a layer from
     `linear_from_quant` (its bias inside), the embedding from `embedding_from_quant`, norms fp32.
     A file without an output matrix ties the head to the embedding's tensor."""
@@ -218,17 +224,22 @@ def quant_state(model: GGUFModel) -> dict:
             continue  # inside its layer
         if key == "model.embed_tokens.weight":
             state[key] = embedding_from_quant(tensor)
+        elif key == "lm_head.weight" and key[: -len("weight")] + "bias" not in model.tensors:
+            state[key] = head_from_quant(tensor, lm_head)
         elif len(tensor.shape) == 2:
             bias = model.tensors.get(key[: -len("weight")] + "bias")
             state[key] = linear_from_quant(tensor, None if bias is None else _floats(bias))
         else:
             state[key] = _floats(tensor)  # a norm's multipliers [hidden] (gemma files store 1 + w)
     if "lm_head.weight" not in state:
-        state["lm_head.weight"] = linear_from_quant(model.tensors["model.embed_tokens.weight"])
+        state["lm_head.weight"] = head_from_quant(model.tensors["model.embed_tokens.weight"], lm_head)
     # the copied matrices' mapped pages, read once to build them, would stay resident (and
     # counted as this process's) while the cached GGUFFile maps the file: drop them. A tied
     # embedding's rows fault back in from the page cache as lookups read them.
     copied = [t.name for key, t in model.tensors.items() if len(t.shape) == 2 and (key in fused or copies_weights(t))]
+    head = model.tensors.get("lm_head.weight", model.tensors["model.embed_tokens.weight"])
+    if head_copies_weights(head, lm_head):  # a tied embedding's rows fault back in as lookups read them
+        copied.append(head.name)
     gguf_file(model.path).release(copied)
     _trim_heap()
     return state

@@ -28,7 +28,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 
 from specdec.backends.native.cpu import forced_fallback, has_int4_kernel
-from specdec.backends.native.gguf_kernels_8bit import OrtQ8Linear, ort_q8_usable
+from specdec.backends.native.gguf_kernels_8bit import ORT_TYPES, OrtBlockLinear8, ort_8bit_usable
 from specdec.backends.native.gguf_kernels_8bit import linear_for as eight_bit_linear
 from specdec.backends.native.gguf_q4 import Q4_TYPES, ExactQ4Linear, Int4BlockLinear
 from specdec.backends.native.gguf_tensors import QuantTensor, check_type
@@ -97,13 +97,11 @@ def copies_weights(tensor: QuantTensor) -> bool:
     """Whether `build_linear` keeps a copy of this tensor (the 4-bit repacking, fbgemm's fp16
     packing) rather than reading the file's mapped bytes: the loader then drops those pages."""
     kind = tensor.qtype.name
-    return kind in Q4_TYPES or (kind == "F16" and _fbgemm_usable()) or (kind == "Q8_0" and ort_q8_usable())
+    return kind in Q4_TYPES or (kind == "F16" and _fbgemm_usable())
 
 
 def _eight_bit(tensor: QuantTensor, bias):
     # Q8_0 / Q5_K / Q6_K / Q5_0 / Q5_1: one kernel over the file's blocks for decode steps and prompts alike
-    if tensor.qtype.name == "Q8_0" and ort_q8_usable():
-        return PromptSame(OrtQ8Linear(tensor, bias))
     return PromptSame(eight_bit_linear(tensor, bias))
 
 
@@ -227,6 +225,32 @@ def linear_from_quant(tensor: QuantTensor | list[QuantTensor], bias=None):
     """A linear layer over `tensor` [N, K] in its own quant type, or over a list of tensors of
     one K side by side (a FusedLinear; `bias` then one per tensor)."""
     return build_linear(tensor, bias)
+
+
+def head_from_quant(tensor: QuantTensor, kind: str = "auto"):
+    """The LM head [V, hidden]. kind "auto": the file's own kernel, as every other matrix;
+    "ort8": a Q8_0, Q6_K or Q5_0 head on ONNX Runtime's 8-bit kernel (exact weights), whose
+    cost several rows share (a speculative step scores 2-9) where numba's grows with each row,
+    at the price of about twice the head's bytes held (ort_linear.py). Float checkpoints'
+    kinds (int8, int4) do not apply to a GGUF head, whose type the file fixes."""
+    if kind == "auto":
+        return linear_from_quant(tensor)
+    if kind != "ort8":
+        raise SpecdecError(f"lm_head {kind!r} requantizes a float head; a GGUF head keeps its file's type "
+                           "(lm_head auto) or runs on ONNX Runtime (lm_head ort8)", "lm_head")  # fmt: skip
+    if tensor.qtype.name not in ORT_TYPES:
+        raise SpecdecError(f"lm_head ort8 takes a {', '.join(ORT_TYPES)} head; {tensor.name!r} is "
+                           f"{tensor.qtype.name}", "lm_head")  # fmt: skip
+    if not ort_8bit_usable():
+        raise SpecdecError("lm_head ort8 needs onnxruntime and onnx (pip install 'specdec[cpu]') and a "
+                           "batch-invariant MatMulNBits on this cpu", "lm_head")  # fmt: skip
+    _matrix_shape(tensor)
+    return PromptSame(OrtBlockLinear8(tensor))
+
+
+def head_copies_weights(tensor: QuantTensor, kind: str = "auto") -> bool:
+    """Whether `head_from_quant` copies this tensor (so the loader may drop its mapped pages)."""
+    return kind == "ort8" or copies_weights(tensor)
 
 
 def embedding_from_quant(tensor: QuantTensor):

@@ -169,7 +169,7 @@ class NativeModel:
         if model.config["model_type"] not in SUPPORTED_TYPES:  # the layers would silently skip its features
             raise SpecdecError(f"the native backend supports {', '.join(SUPPORTED_TYPES)} models, not "
                                f"{model.config['model_type']!r} ({Path(path).name}); use the hf backend", "backend")
-        state = quant_state(model) if precision == GGUF_PRECISION else float_state(model)
+        state = quant_state(model, lm_head) if precision == GGUF_PRECISION else float_state(model)
         inv_freq = None if model.rope_inv_freq is None else tuple(float(f) for f in model.rope_inv_freq)
         config = NativeConfig(**model.config, rope_inv_freq=inv_freq, rope_attention_scaling=model.rope_attention_scaling)
         # another precision keeps the floats, so prompts may run dense over them (as from_hf's)

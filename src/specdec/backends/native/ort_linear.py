@@ -6,8 +6,9 @@ Q8_0, the format of SmolLM2's tied embedding / LM head. At `accuracy_level=4` ON
 quantizes each activation row to int8 per block and runs int8 dot products (AVX2,
 AVX-512-VNNI or AMX kernels, chosen by ONNX Runtime for the CPU), as llama.cpp does.
 
-Each row is computed on its own, so a row's result should not depend on how many rows share
-the call; `batch_invariant` checks that on this machine, and the native backend only uses a
+ONNX Runtime keeps the initializer beside its packed copy (about twice the weights' bytes),
+so the GGUF path uses it for the LM head only. Each row is computed on its own, so a row's
+result should not depend on how many rows share the call; `batch_invariant` checks that on this machine, and the native backend only uses a
 layer that passes it (see quant.make_lm_head). A float zero point would leave MLAS's fast
 kernels (a hundred times slower here), so Q4_1's asymmetric blocks do not map onto it.
 """
@@ -43,18 +44,19 @@ def quantize_symmetric(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, t
     return (q + 2 ** (bits - 1)).to(torch.uint8).reshape(n, k), scale
 
 
-def matmul_nbits_model(u: torch.Tensor, scale: torch.Tensor, bits: int, accuracy_level: int = 4) -> bytes:
-    """A one-node ONNX graph Y[M, N] = A[M, K] @ W.T for u [N, K] and scale [N, K // 32]."""
+def matmul_nbits_model(u: torch.Tensor, scale: torch.Tensor, bits: int, accuracy_level: int = 4,
+                       block: int = BLOCK) -> bytes:
+    """A one-node ONNX graph Y[M, N] = A[M, K] @ W.T for u [N, K] and scale [N, K // block]."""
     from onnx import TensorProto, helper, numpy_helper
 
     n, k = u.shape
-    un = u.numpy().reshape(n, k // BLOCK, BLOCK)
+    un = u.numpy().reshape(n, k // block, block)
     if bits == 4:  # two elements a byte, the first in the low nibble
         un = un[..., 0::2] | (un[..., 1::2] << 4)
     inits = [numpy_helper.from_array(np.ascontiguousarray(un, dtype=np.uint8), "B"),
              numpy_helper.from_array(scale.float().numpy().reshape(-1), "scales")]  # fmt: skip
     node = helper.make_node("MatMulNBits", ["A", "B", "scales"], ["Y"], domain="com.microsoft",
-                            K=k, N=n, bits=bits, block_size=BLOCK, accuracy_level=accuracy_level)  # fmt: skip
+                            K=k, N=n, bits=bits, block_size=block, accuracy_level=accuracy_level)  # fmt: skip
     graph = helper.make_graph(
         [node], "linear", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])],
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])], initializer=inits,
@@ -67,7 +69,7 @@ class OrtBlockLinear(torch.nn.Module):
     """x [M, K] -> y [M, N] fp32 through one ONNX Runtime session (no bias)."""
 
     def __init__(self, u: torch.Tensor, scale: torch.Tensor, bits: int = 8, accuracy_level: int = 4,
-                 threads: int | None = None):
+                 threads: int | None = None, block: int = BLOCK):
         super().__init__()
         import onnxruntime as ort
 
@@ -76,7 +78,7 @@ class OrtBlockLinear(torch.nn.Module):
         options.inter_op_num_threads = 1
         # its pool must not spin between calls: PyTorch's threads need those cores
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.session = ort.InferenceSession(matmul_nbits_model(u, scale, bits, accuracy_level), options,
+        self.session = ort.InferenceSession(matmul_nbits_model(u, scale, bits, accuracy_level, block), options,
                                             providers=["CPUExecutionProvider"])  # fmt: skip
         self.out_features, self.in_features, self.bits = u.shape[0], u.shape[1], bits
 
