@@ -167,6 +167,19 @@ def test_prefill_chunks_are_cut_at_fixed_positions(small_chunks):
     assert backend_mod.prefill_chunks([], 3) == []
 
 
+@pytest.mark.parametrize(("sizes", "group_tokens", "groups"), [
+    ([2, 4, 4, 1], None, [[2], [4], [4], [1]]),  # one chunk a call (hf, and native where GEMM rows depend on M)
+    ([2, 4, 4, 1], 8, [[2, 4], [4, 1]]),
+    ([4, 4, 4], 4, [[4], [4], [4]]),
+    ([4, 4, 4], 100, [[4, 4, 4]]),
+])  # fmt: skip
+def test_chunk_groups_take_consecutive_chunks_up_to_a_token_count(sizes, group_tokens, groups):
+    chunks = [list(range(n)) for n in sizes]
+    got = backend_mod.chunk_groups(chunks, group_tokens)
+    assert [[len(c) for c in group] for group in got] == groups
+    assert [c for group in got for c in group] == chunks
+
+
 @pytest.mark.parametrize(("kind", "options"), PREFIX_BACKENDS[:2], ids=PREFIX_IDS[:2])
 def test_prefix_record_follows_rollback_reset_and_hidden_states(small_chunks, kind, options):
     backend = make_backend(kind, tiny_llama(seed=0), **options)

@@ -27,7 +27,6 @@ from specdec.backends.native.gguf_kernels_8bit import OrtBlockLinear8, ort_8bit_
 from specdec.backends.native.gguf_tensors import ReferenceLinear
 from specdec.backends.native.layer import SUPPORTED_TYPES
 from specdec.backends.native.model import NativeModel
-from specdec.backends.prefix_cache import PREFILL_CHUNK
 from specdec.errors import SpecdecError
 from specdec.gguf_file import MODEL_TYPES
 from specdec.models import LoadedModel, load_model, load_tokenizer
@@ -199,7 +198,7 @@ def test_prompt_groups_give_the_bits_of_one_pass_per_chunk(tmp_path_factory, qty
     earlier prompt (the tiles' GEMM computes each row on its own)."""
     path, _ = _write(tmp_path_factory, "llama", qtype)
     model = NativeModel.from_gguf(path)
-    if model.prompt_group_tokens == PREFILL_CHUNK:
+    if model.prompt_group_tokens is None:
         pytest.skip("this CPU's prompt GEMM gives a row different bits in different row counts: one chunk a forward")
     tokens = [int(t) for t in np.random.default_rng(1).integers(3, VOCAB, 300)]
 
@@ -223,11 +222,11 @@ def test_prompt_groups_give_the_bits_of_one_pass_per_chunk(tmp_path_factory, qty
 
 def test_prompts_take_one_chunk_a_forward_where_the_gemm_rows_are_not_independent(tmp_path_factory, monkeypatch):
     path, _ = _write(tmp_path_factory, "llama", "Q4_0")
-    monkeypatch.setattr(native_model, "gemm_rows_independent", lambda dtype: False)
-    assert NativeModel.from_gguf(path).prompt_group_tokens == PREFILL_CHUNK
-    monkeypatch.setattr(native_model, "gemm_rows_independent", lambda dtype: True)
+    monkeypatch.setattr(native_model, "gemm_rows_independent", lambda dtype, k, n: False)
+    assert NativeModel.from_gguf(path).prompt_group_tokens is None
+    monkeypatch.setattr(native_model, "gemm_rows_independent", lambda dtype, k, n: True)
     assert NativeModel.from_gguf(path).prompt_group_tokens == native_model.PROMPT_GROUP_TOKENS
-    assert NativeModel.from_gguf(path, precision="fp32").prompt_group_tokens == PREFILL_CHUNK
+    assert NativeModel.from_gguf(path, precision="fp32").prompt_group_tokens is None
 
 
 # ---- decoding ------------------------------------------------------------------------------------

@@ -74,7 +74,7 @@ class HFBackend:
         return chunked_prefill(self, self._prefill_chunk, token_ids, all_logits, keep)
 
     def _prefill_chunk(self, chunks: list[list[int]], last_only: bool) -> torch.Tensor:
-        (chunk,) = chunks  # chunked_prefill's default groups: one chunk each
+        (chunk,) = chunks  # chunked_prefill's default: one chunk a call
         return self.forward(chunk, last_only=last_only)
 
     @torch.inference_mode()

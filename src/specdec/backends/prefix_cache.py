@@ -141,9 +141,11 @@ class PrefixCache:
         self._cold = min(self._cold, length)
 
 
-def chunk_groups(chunks: list[list[int]], group_tokens: int) -> list[list[list[int]]]:
+def chunk_groups(chunks: list[list[int]], group_tokens: int | None) -> list[list[list[int]]]:
     """Consecutive chunks gathered into groups of at most `group_tokens` tokens (at least one
-    chunk each)."""
+    chunk each); None: one chunk a group."""
+    if group_tokens is None:
+        return [[chunk] for chunk in chunks]
     groups: list[list[list[int]]] = []
     size = 0
     for chunk in chunks:
@@ -156,11 +158,11 @@ def chunk_groups(chunks: list[list[int]], group_tokens: int) -> list[list[list[i
 
 
 def chunked_prefill(backend: Backend, feed: Callable[[list[list[int]], bool], torch.Tensor], token_ids: list[int],
-                    all_logits: bool, keep: int, group_tokens: int = PREFILL_CHUNK) -> torch.Tensor:
+                    all_logits: bool, keep: int, group_tokens: int | None = None) -> torch.Tensor:
     """A backend's `prefill`: reset (or roll back to `keep` cached tokens, as its prefix cache
-    allows) and feed the rest of `token_ids` with feed(chunks, last_only), consecutive chunks
-    of `prefill_chunks` up to `group_tokens` tokens at a time: a backend that runs a group in
-    one pass must give each chunk the bits it would get alone. Returns logits [T - keep, V],
+    allows) and feed the rest of `token_ids` with feed(chunks, last_only): one chunk of
+    `prefill_chunks` at a time, or with `group_tokens` consecutive chunks of up to that many
+    tokens, for a backend that gives each chunk of a group the bits it would get alone. Returns logits [T - keep, V],
     or with all_logits=False only [1, V] of the last token, which skips the LM head for the
     rest of a long prompt."""
     record = backend.prefix_cache

@@ -47,12 +47,13 @@ def has_int4_kernel() -> bool:
 
 
 @functools.cache
-def gemm_rows_independent(dtype: torch.dtype) -> bool:
-    """Whether PyTorch's GEMM in `dtype` gives each row of its first operand the same bits
-    however many rows share the call (checked once per process at a few row counts on random
-    values: it depends on the library's kernels for this CPU, e.g. fp32 takes a GEMV path for
-    one row). Where it does, a prefill may run several chunks through one GEMM."""
+def gemm_rows_independent(dtype: torch.dtype, k: int = 512, n: int = 320) -> bool:
+    """Whether PyTorch's GEMM in `dtype`, [M, k] @ [k, n], gives each row of its first operand
+    the same bits however many rows share the call (checked once per process and shape at a
+    few row counts on random values: it depends on the library's kernels for this CPU and
+    shape; oneDNN's fp32 takes a GEMV path for one row, for one). Where it does, a prefill may
+    run several chunks through one GEMM."""
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(300, 512, generator=g).to(dtype), torch.randn(512, 320, generator=g).to(dtype)
+    x, w = torch.randn(300, k, generator=g).to(dtype), torch.randn(k, n, generator=g).to(dtype)
     whole = torch.mm(x, w)
     return all(torch.equal(torch.mm(x[lo:hi], w), whole[lo:hi]) for lo, hi in ((0, 1), (5, 12), (128, 300), (7, 135)))

@@ -30,7 +30,6 @@ from specdec.backends.native.gguf_kernels import prompt_view
 from specdec.backends.native.hf_config import hf_state
 from specdec.backends.native.layer import SUPPORTED_TYPES, DecoderLayer, KVRow, NativeConfig, rms_norm
 from specdec.backends.native.quant import LM_HEADS, PRECISIONS, FusedLinear, Linear, make_linear, make_lm_head
-from specdec.backends.prefix_cache import PREFILL_CHUNK
 from specdec.errors import SpecdecError
 
 NATIVE_OPTIONS = ("precision", "device", "max_length", "slots", "compile", "lm_head", "kv_dtype")
@@ -88,7 +87,8 @@ class NativeModel:
             views = _StateReader({k: prompt_view(v) if isinstance(v, torch.nn.Module) else v for k, v in state.items()},
                                  self.device)  # fmt: skip
             self.dense = ([_layer(config, views, i, precision) for i in range(config.num_layers)], self.lm_head)
-        self.prompt_group_tokens = prompt_group_tokens(self.device, precision, dense_prompts)
+        intermediate = sum(self.layers[0].gate_up.sizes) // 2  # [gate, up] or phi3's [gate | up]
+        self.prompt_group_tokens = prompt_group_tokens(config, intermediate, self.device, precision)
         self.sliding = [config.sliding(i) for i in range(config.num_layers)]  # which layers take windowed rows
         self.local_rope = [config.local_rope(i) for i in range(config.num_layers)]
         self.inv_freq = rope_inv_freq(config).to(self.device)  # [head_dim / 2]
@@ -298,15 +298,19 @@ def rope_inv_freq(config: NativeConfig) -> torch.Tensor:
 PROMPT_GROUP_TOKENS = 512
 
 
-def prompt_group_tokens(device: torch.device, precision: str, dense_prompts: bool) -> int:
+def prompt_group_tokens(config: NativeConfig, intermediate: int, device: torch.device, precision: str) -> int | None:
     """How many prompt tokens one forward may take (CachePool.forward_prompt): several chunks
-    where the prompt layers multiply bf16 GEMMs (GGUF tiles, dense bf16 copies) whose rows do
-    not depend on the call's row count on this CPU (gemm_rows_independent), so a chunk's bits
-    do not depend on its group; otherwise one chunk, whose shape its positions fix
-    (prefix_cache.prefill_chunks)."""
-    bf16 = precision == GGUF_PRECISION or (dense_prompts and prompt_precision(device, precision) == "bf16")
-    if device.type != "cpu" or not bf16 or not gemm_rows_independent(torch.bfloat16):
-        return PREFILL_CHUNK
+    for GGUF layers on a CPU whose bf16 GEMM gives a row the same bits in any row count
+    (gemm_rows_independent; their other prompt kernels compute each row on its own), so a
+    chunk's bits do not depend on its group; otherwise None: one chunk a forward, whose shape
+    its positions fix (prefix_cache.prefill_chunks). Float checkpoints' dense prompt layers
+    keep one chunk a forward: their fp32 prompt head is not row-independent."""
+    if device.type != "cpu" or precision != GGUF_PRECISION:
+        return None
+    widths = {config.hidden_size, intermediate, config.num_heads * config.head_dim}
+    # every K a prompt tile multiplies, at a whole tile (512 rows) and at a narrow remainder
+    if not all(gemm_rows_independent(torch.bfloat16, k, n) for k in sorted(widths) for n in (512, 64)):
+        return None
     return PROMPT_GROUP_TOKENS
 
 
