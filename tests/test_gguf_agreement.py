@@ -59,7 +59,7 @@ def test_kl_is_the_reference_weighted_log_ratio():
     tally.add(torch.tensor([1]), reference, candidate, tie_gap=0.5)
     expected = 0.25 * math.log(0.5) + 0.75 * math.log(1.5)
     assert tally.kl_sum == pytest.approx(expected, rel=1e-6)  # fp32 logits
-    assert tally.summary()["near_tie_share"] is None  # no disagreement
+    assert tally.summary()["near_tie_share"] == 0.0  # q ties, argmax 0: a miss where p was not near a tie
 
 
 def test_shared_misses_counts_positions_both_missed():
