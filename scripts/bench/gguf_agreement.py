@@ -2,7 +2,7 @@
 llama.cpp picks on the same file? Teacher-forced top-1 agreement along the decode path.
 
     python scripts/bench/gguf_agreement.py [--files all] [--threads 1] [--min-tokens 2000] \\
-        [--cache-dir ~/.cache/specdec/requant] [--fp32-reference below]
+        [--cache-dir ~/.cache/specdec/requant] [--fp32-reference below|always|never]
 
 Per file: llama.cpp (llama-cpp-python) decodes the prompts below greedily (temperature 0)
 until at least --min-tokens tokens are generated in total. Each prompt and its greedy tokens,
@@ -15,7 +15,7 @@ KL(llama.cpp || specdec), the share of disagreements that were near-ties (llama.
 top-2 logit gap under --tie-gap), and the greedy match length (how far specdec's own greedy
 decoding follows llama.cpp's before the first difference: the first disagreement's index,
 since teacher forcing up to there is free-running greedy decoding), median over prompts.
-With --fp32-reference, the same tokens also go through the file dequantized exactly (the
+For a file below --bar (--fp32-reference), the same tokens also go through the file dequantized exactly (the
 gguf package's decoder) into fp32 layers, to tell a kernel's error from a model's.
 
 The files: the embedded SmolLM2-135M (Q4_1), gemma3-270m (Q4_K_M), and the SmolLM2 file
@@ -210,6 +210,38 @@ def specdec_logits(seq, prompt: list[int], tokens: list[int], chain: int) -> tor
     return torch.cat(rows).float()
 
 
+def score(llm, runs: list, seq, tally: Tally, args, eos: set[int]) -> float:
+    """Score one specdec backend on llama.cpp's greedy runs [(prompt index, prompt ids, tokens)];
+    llama.cpp's logits are recomputed per run (its greedy decoding is deterministic), so no
+    file keeps [G, V] arrays of every prompt. Returns specdec's seconds."""
+    seconds = 0.0
+    for i, prompt, tokens in runs:
+        again, reference = llama_greedy(llm, prompt, len(tokens), eos)
+        if again != tokens:
+            raise SystemExit(f"llama.cpp's greedy tokens changed between passes on prompt {i}")
+        t0 = time.perf_counter()
+        candidate = specdec_logits(seq, prompt, tokens, args.chain)
+        seconds += time.perf_counter() - t0
+        tally.add(torch.tensor(tokens), reference, candidate, args.tie_gap, prompt=i, keep_misses=args.show_misses)
+    return seconds
+
+
+def greedy_runs(llm, tokenizer, args, eos: set[int]) -> tuple[list, int]:
+    """llama.cpp's greedy runs over the prompts until --min-tokens, and how many prompts
+    llama.cpp tokenized as specdec's tokenizer does."""
+    runs, same_ids, generated = [], 0, 0
+    for i, (_, text) in enumerate(PROMPTS):
+        if generated >= args.min_tokens:
+            break
+        rendered = render(tokenizer, text)
+        prompt = llm.tokenize(rendered.encode(), add_bos=False, special=True)
+        same_ids += prompt == tokenizer.encode(rendered, add_special_tokens=False)
+        tokens, _ = llama_greedy(llm, prompt, args.max_new, eos)
+        runs.append((i, prompt, tokens))
+        generated += len(tokens)
+    return runs, same_ids
+
+
 def measure(label: str, args) -> dict:
     from llama_cpp import Llama
 
@@ -220,42 +252,28 @@ def measure(label: str, args) -> dict:
     loaded = load_model("gemma3-270m" if label == "gemma3-270m" else str(path))
     llm = Llama(model_path=str(path), n_ctx=args.n_ctx, n_threads=args.threads, n_threads_batch=args.threads,
                 n_batch=512, logits_all=True, verbose=False)
-    variants = {"gguf": make_backend("native", loaded, prefix_cache="off", max_length=args.n_ctx)}
-    if args.fp32_reference == "always":
-        variants["fp32"] = make_backend("native", loaded, prefix_cache="off", precision="fp32", max_length=args.n_ctx)
-    vocab = {"llama.cpp": llm.n_vocab(), "specdec": variants["gguf"].pool.model.config.vocab_size}
+    seq = make_backend("native", loaded, prefix_cache="off", max_length=args.n_ctx)
+    vocab = {"llama.cpp": llm.n_vocab(), "specdec": seq.pool.model.config.vocab_size}
     if vocab["llama.cpp"] != vocab["specdec"]:
         raise SystemExit(f"{label}: vocab sizes differ: {vocab}")
     eos = {llm.token_eos(), *loaded.eos_token_ids}
-    tallies = {name: Tally() for name in variants}
-    same_ids, generated, started = 0, 0, time.perf_counter()
-    spec_seconds = dict.fromkeys(variants, 0.0)
-    used = 0
-    for i, (_, text) in enumerate(PROMPTS):
-        if generated >= args.min_tokens:
-            break
-        rendered = render(loaded.tokenizer, text)
-        prompt = llm.tokenize(rendered.encode(), add_bos=False, special=True)
-        same_ids += prompt == loaded.tokenizer.encode(rendered, add_special_tokens=False)
-        tokens, reference = llama_greedy(llm, prompt, args.max_new, eos)
-        generated += len(tokens)
-        used += 1
-        greedy = torch.tensor(tokens)
-        for name, seq in variants.items():
-            t0 = time.perf_counter()
-            candidate = specdec_logits(seq, prompt, tokens, args.chain)
-            spec_seconds[name] += time.perf_counter() - t0
-            tallies[name].add(greedy, reference, candidate, args.tie_gap, prompt=i, keep_misses=args.show_misses)
-        print(f"{label} prompt {i}: {len(prompt)} prompt + {len(tokens)} tokens, "
-              + ", ".join(f"{n} {t.agree}/{t.positions}" for n, t in tallies.items()), file=sys.stderr, flush=True)
+    started = time.perf_counter()
+    runs, same_ids = greedy_runs(llm, loaded.tokenizer, args, eos)
+    tallies = {"gguf": Tally()}
+    seconds = {"gguf": score(llm, runs, seq, tallies["gguf"], args, eos)}
     gguf = tallies["gguf"]
+    print(f"{label}: gguf {gguf.agree}/{gguf.positions}", file=sys.stderr, flush=True)
+    if args.fp32_reference == "always" or (args.fp32_reference == "below" and gguf.agree < args.bar * gguf.positions):
+        tallies["fp32"] = Tally()
+        reference = make_backend("native", loaded, prefix_cache="off", precision="fp32", max_length=args.n_ctx)
+        seconds["fp32"] = score(llm, runs, reference, tallies["fp32"], args, eos)
     report = {
-        "file": path.name, "tensor_types": tensor_types(path), "kernels": kernel_classes(variants["gguf"]),
-        "own_types": variants["gguf"].pool.model.precision == "gguf", "vocab": vocab["specdec"],
-        "prompts": used, "prompt_ids_equal_specdec_tokenizer": f"{same_ids}/{used}",
+        "file": path.name, "tensor_types": tensor_types(path), "kernels": kernel_classes(seq),
+        "own_types": seq.pool.model.precision == "gguf", "vocab": vocab["specdec"],
+        "prompts": len(runs), "prompt_ids_equal_specdec_tokenizer": f"{same_ids}/{len(runs)}",
         **gguf.summary(),
         "llamacpp_argmax_is_greedy": round(gguf.reference_self / max(gguf.positions, 1), 4),
-        "seconds": {"total": round(time.perf_counter() - started, 1), **{k: round(v, 1) for k, v in spec_seconds.items()}},
+        "seconds": {"total": round(time.perf_counter() - started, 1), **{k: round(v, 1) for k, v in seconds.items()}},
     }
     if "fp32" in tallies:
         report["fp32_reference"] = {**tallies["fp32"].summary(), "misses_shared_with_gguf": shared_misses(gguf, tallies["fp32"])}
@@ -276,8 +294,9 @@ def main() -> None:
     p.add_argument("--chain", type=int, default=1, choices=range(1, 9), metavar="1..8",
                    help="tokens per specdec decode forward (default 1)")
     p.add_argument("--tie-gap", type=float, default=0.5, help="a near-tie: llama.cpp's top-2 logit gap below this")
-    p.add_argument("--fp32-reference", choices=("never", "always"), default="never",
-                   help="also score the exactly dequantized fp32 model (default never)")
+    p.add_argument("--fp32-reference", choices=("below", "always", "never"), default="below",
+                   help="also score the exactly dequantized fp32 model: on files below --bar (default), always, never")
+    p.add_argument("--bar", type=float, default=0.98, help="the agreement a file should reach (default 0.98)")
     p.add_argument("--cache-dir", type=Path, default=Path("~/.cache/specdec/requant").expanduser(),
                    help="where the re-quantized SmolLM2 files are (made when missing)")
     p.add_argument("--n-ctx", type=int, default=512, help="context of both engines (prompt + max-new must fit)")
