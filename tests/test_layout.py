@@ -31,6 +31,9 @@ ALLOWED_LATE_IMPORTS: dict[tuple[str, str], str] = {
     ("specdec.serve.cli", "specdec.serve.ray_serve"): (
         "ray_serve needs ray (the ray extra), loaded only for --replicas > 1 or --ray-address"
     ),
+    ("specdec.backends.native.gguf_q4", "specdec.backends.native.gguf_jit_tiles"): (
+        "gguf_jit_tiles needs numba (the cpu extra) and compiles its kernel on first use"
+    ),
     ("specdec.backends.native.gguf_kernels_8bit", "specdec.backends.native.gguf_jit_8bit"): (
         "gguf_jit_8bit needs numba (the cpu extra) and compiles its kernels on first use"
     ),

@@ -33,11 +33,13 @@ import functools
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 
 from specdec.backends.native.cpu import forced_fallback
 from specdec.backends.native.gguf_tensors import QuantTensor
 from specdec.backends.native.jit_ops import importable as numba_importable
 from specdec.backends.native.jit_ops import numba_threads
+from specdec.backends.native.ort_linear import OrtBlockLinear, ort_available
 
 QTYPES = ("Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q5_1")
 SMALL_BLOCK_TYPES = ("Q8_0", "Q5_0", "Q5_1")  # blocks of 32; the K-quants' are of 256
@@ -237,8 +239,6 @@ class OrtBlockLinear8(torch.nn.Module):
 
     def __init__(self, tensor: QuantTensor, bias: torch.Tensor | None = None, threads: int | None = None):
         super().__init__()
-        from specdec.backends.native.ort_linear import OrtBlockLinear
-
         qtype, (n, k) = tensor.qtype.name, tensor.shape
         if qtype not in ORT_TYPES:
             raise ValueError(f"OrtBlockLinear8 reads {', '.join(ORT_TYPES)}, not {qtype} (tensor {tensor.name!r})")
@@ -265,10 +265,6 @@ def ort_8bit_usable() -> bool:
     """ONNX Runtime is installed, the fallback is not forced, and its 8-bit kernel computes a
     row the same alone as among 8, at blocks of 32 and of 16 (checked once per process on
     random blocks)."""
-    from gguf import GGMLQuantizationType
-
-    from specdec.backends.native.ort_linear import ort_available
-
     if forced_fallback() or not ort_available():
         return False
     rng = np.random.default_rng(0)
