@@ -34,7 +34,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests
 
 test: lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=25
 
 test-fast: lint
 	$(BIN)/pytest -q -m "not slow"
