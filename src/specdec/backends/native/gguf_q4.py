@@ -23,11 +23,12 @@ Layers (the dispatch is gguf_kernels.build_linear's):
 Reduction order (what makes a row's bits independent of the batch and of the thread count):
 - int4 kernel: each output (m, n) is one dot product over K in K order, per group of 32 in
   fp32; the kernel splits work over N (and M), never over K. The tests check both properties.
-- `tile_forward` of `Int4BlockLinear` (measured for prompts, not used by them yet): a tile
-  of 512 output rows at a time is decoded from the packed weights to bf16 (the int4 kernel's
-  own scale and zero, one more rounding to bf16) and multiplied by oneDNN's bf16 GEMM, which
-  computes each output over K in one order for any M and any thread count on the CPUs tested
-  (checked by the tests, not assumed).
+- `tile_forward` of `Int4BlockLinear` (the prompt kernel where `prompt_tiles`): a tile of
+  512 output rows at a time is decoded from the packed weights to bf16 (the int4 kernel's own
+  scale and zero, one more rounding to bf16; numba's gguf_jit_tiles.py, or its PyTorch
+  replica) and multiplied by oneDNN's bf16 GEMM, which computes each output over K in one
+  order for any M and any thread count on the CPUs tested (checked at start-up and by the
+  tests, not assumed).
 - `ExactQ4Linear`: a matrix-vector product per activation row (one row never shares a call).
 - `OrtQ4Linear`: per output, int8 block dot products summed in block order; MLAS splits over
   rows and columns (the tests compare 1 and 2 threads and M = 1 against M = 40).
