@@ -19,21 +19,26 @@ Integer sums are exact and no float operation is reordered or fused (numba compi
 fastmath), so y[m, n] depends only on x[m] and row n: not on M, nor on the thread count
 (threads share out chunks of rows n; each output's reduction runs whole on one thread).
 
-Layout per call: every type unpacks each row's integers into an int16 row buffer once (shared
-by all M activation rows; Q8_0 just widens its int8 q), then runs the same int16 lanes, which
-LLVM turns into pair multiplies (vpmaddwd); on int8 weights it took 32-bit multiplies. The lanes and the unpacking are generated source written out as scalars with
-constant indices: numba leaves SLP vectorisation off by default, arrays carry no aliasing
-facts, and a variable index costs a negative-index check, any of which keeps LLVM from
-packing them. SLP is switched on while this module compiles; it packs independent lanes
-(vpmaddwd, then fp32 multiply and add per lane) and byte unpacking, which cannot change a
-result. The generated helpers are not cached themselves; the cached kernels contain them.
+Layout: the kernels are LLVM vector IR built here with llvmlite (`_dot`), inlined into numba's
+loops. For one weight row they read each unit of blocks once into registers (`_Unit`: the
+bytes loaded as vectors, widened, masked and shifted into the file's integers as int16) and
+run the lanes for one activation row (decode) or DOT_ROWS of them at a time (verification,
+prompts): pair products that LLVM lowers to vpmaddwd (AVX2, AVX-512; NEON on arm64), then
+per lane one fp32 multiply by the block's scale and one add. Only plain integer and float
+vector operations: no intrinsics, no fusion, so the CPU changes the speed, not the bits.
+Written as numba scalar code (a row buffer of unpacked integers, then generated scalar lanes
+packed by LLVM's SLP vectoriser) the same arithmetic ran 2-7x slower at one row.
+The IR helpers are not cached themselves; the cached kernels contain them, so they live in
+this file: numba re-validates a cached kernel by its own file's time stamp only.
 """
 
 from __future__ import annotations
 
-import numba
 import numpy as np
+from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 _f32_2d, _i16_2d = types.float32[:, ::1], types.int16[:, ::1]
 
@@ -45,89 +50,169 @@ def _raw(dtype):
 
 LANES = 16
 CHUNK = 16  # output rows per parallel work item (scratch buffers are allocated per chunk)
+DOT_ROWS = 4  # activation rows per pass over a weight row (at most; 1 or 2 for the last ones)
 
 
-def _lanes_source(name: str, wbase: int, wstep: int) -> str:
-    """The source of `name(w, a, s_lo, s_hi, blocks) -> float32`: the dot product of w's
-    blocks (block b's 32 values at wbase + b * wstep, constants so that LLVM sees the layout)
-    with a (block b at 32 b) in the shared lane order, lanes 0-7 scaled by s_lo[b] and 8-15
-    by s_hi[b]."""
-    lines = [f"def {name}(w, a, s_lo, s_hi, blocks):"]
-    lines += [f"    c{lane} = np.float32(0)" for lane in range(LANES)]
-    lines += ["    for b in range(blocks):", f"        wb = w[{wbase} + b * {wstep} : {wbase + 32} + b * {wstep}]",
-              "        ab = a[b * 32 : b * 32 + 32]",
-              "        lo = s_lo[b]", "        hi = s_hi[b]"]  # fmt: skip
-    for lane in range(LANES):
-        e = 2 * lane
-        pair = (f"np.int32(np.int32(wb[{e}]) * np.int32(ab[{e}]) + "
-                f"np.int32(wb[{e + 1}]) * np.int32(ab[{e + 1}]))")  # fmt: skip
-        lines.append(f"        c{lane} += {'lo' if lane < 8 else 'hi'} * np.float32({pair})")
-    total = "c0"
-    for lane in range(1, LANES):
-        total = f"({total} + c{lane})"
-    lines.append(f"    return {total}")
-    return "\n".join(lines)
+_i8, _i16, _i32, _i64, _f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 
 
-def _decode_source(kind: str) -> str:
-    """The source of `unpack_<kind>(row, w)`: the integers of the super-block `row` into
-    w[0:256]. Constant indices only (a variable one costs a negative-index check, which keeps
-    SLP from packing the loads), and all of a group's loads before its stores (arrays carry
-    no aliasing facts: interleaved, SLP could not move the loads together)."""
-    lines = [f"def unpack_{kind}(row, w):"]
-    if kind == "q6_k":  # per half h: ql bytes l, l + 32 (two nibbles each), qh byte l (four pairs)
-        for h in range(2):
-            lines += [f"    a{i} = np.int16(row[{h * 64 + i}])" for i in range(64)]
-            lines += [f"    b{i} = np.int16(row[{128 + h * 32 + i}])" for i in range(32)]
-            for t in range(4):
-                lines += [f"    w[{h * 128 + t * 32 + i}] = (((a{(t & 1) * 32 + i} >> {(t >> 1) * 4}) & 15) | "
-                          f"(((b{i} >> {2 * t}) & 3) << 4)) - 32" for i in range(32)]  # fmt: skip
-    else:  # per pair of sub-blocks j: qs bytes (two nibbles), qh byte (bits 2j, 2j + 1)
-        lines += [f"    b{i} = np.int16(row[{16 + i}])" for i in range(32)]
-        for j in range(4):
-            lines += [f"    a{i} = np.int16(row[{48 + j * 32 + i}])" for i in range(32)]
-            for half in range(2):
-                i0 = 2 * j + half
-                lines += [f"    w[{i0 * 32 + i}] = ((a{i} >> {half * 4}) & 15) | (((b{i} >> {i0}) & 1) << 4)"
-                          for i in range(32)]  # fmt: skip
-    return "\n".join(lines)
+def _vector(values, element=_i16):
+    return ir.Constant(ir.VectorType(element, len(values)), [ir.Constant(element, v) for v in values])
 
 
-def _widen_source() -> str:
-    """The source of `widen_q8_0(block, w)`: one Q8_0 block's 32 int8 q into w[0:32] as int16,
-    all loads before the stores (see _decode_source)."""
-    lines = ["def widen_q8_0(block, w):"]
-    lines += [f"    a{i} = np.int16(block[{2 + i}])" for i in range(32)]
-    lines += [f"    w[{i}] = a{i}" for i in range(32)]
-    return "\n".join(lines)
+def _splat(value, count, element=_i16):
+    return _vector([value] * count, element)
 
 
-def _q5_block_source(kind: str, qh_at: int, qs_at: int, zero: int) -> str:
-    """The source of `unpack_<kind>(block, w)`: one Q5_0 / Q5_1 block's 32 integers q - zero
-    into w[0:32]: element j < 16 is the low nibble of qs[j], element j + 16 its high nibble,
-    and the fifth bit of element j is bit j of the little-endian 32-bit qh."""
-    lines = [f"def unpack_{kind}(block, w):"]
-    lines += [f"    h{i} = np.int16(block[{qh_at + i}])" for i in range(4)]
-    lines += [f"    a{i} = np.int16(block[{qs_at + i}])" for i in range(16)]
-    for j in range(32):
-        nibble = f"(a{j} & 15)" if j < 16 else f"(a{j - 16} >> 4)"
-        lines.append(f"    w[{j}] = ({nibble} | (((h{j // 8} >> {j % 8}) & 1) << 4)) - {zero}")
-    return "\n".join(lines)
+def _splat_value(b, x, count: int):  # a run-time scalar in every lane of <count x type>
+    t = ir.VectorType(x.type, count)
+    v = b.insert_element(ir.Constant(t, None), x, ir.Constant(_i32, 0))
+    return b.shuffle_vector(v, ir.Constant(t, None), _vector([0] * count, _i32))
 
 
-_slp = numba.config.SLP_VECTORIZE
-numba.config.SLP_VECTORIZE = 1  # for this module's compilations only; restored at the end
-_namespace = {"np": np}
-exec(_lanes_source("lanes_int16", 0, 32), _namespace)  # noqa: S102 - generated above, no outside input
-exec(_decode_source("q6_k"), _namespace)  # noqa: S102
-exec(_decode_source("q5_k"), _namespace)  # noqa: S102
-exec(_q5_block_source("q5_0", 2, 6, 16), _namespace)  # noqa: S102
-exec(_widen_source(), _namespace)  # noqa: S102
-exec(_q5_block_source("q5_1", 4, 8, 0), _namespace)  # noqa: S102
-_lanes_int16 = njit(nogil=True, inline="always")(_namespace["lanes_int16"])
-_widen_q8_0 = njit(nogil=True)(_namespace["widen_q8_0"])
-_unpack_q6_k, _unpack_q5_k, _unpack_q5_0, _unpack_q5_1 = (
-    njit(nogil=True)(_namespace[f"unpack_{kind}"]) for kind in ("q6_k", "q5_k", "q5_0", "q5_1"))
+class _Unit:
+    """Vector IR over one unit of a row: a block of 32 (Q8_0, Q5_0, Q5_1) or a super-block of
+    256 (Q6_K, Q5_K) at byte `src`. The kinds below read it into, per block of 32, the file's
+    integers as <32 x i16> and (a callable, as unpacking needs none) the weights' fp32 scale per
+    lane as <16 x float> (lanes 0-7 and 8-15: the block's halves, which differ only for Q6_K). Plain integer and float vector
+    operations (no intrinsics, nothing fused or reordered), which LLVM lowers for the CPU at
+    hand (AVX2, AVX-512, NEON)."""
+
+    def __init__(self, builder, src, index, wscale):
+        self.b, self.src, self.index, self.wscale = builder, src, index, wscale
+
+    def load(self, offset: int, count: int, signed: bool = False, element=_i16):  # bytes -> <count x element>
+        b = self.b
+        ptr = b.bitcast(b.gep(self.src, [ir.Constant(_i64, offset)]), ir.VectorType(_i8, count).as_pointer())
+        raw = b.load(ptr, align=1)
+        return raw if element is _i8 else (b.sext if signed else b.zext)(raw, ir.VectorType(element, count))
+
+    def word_bits(self, offset: int):  # the little-endian uint32 at byte offset -> <32 x i16>: 16 where bit j is set
+        b = self.b
+        qh = b.load(b.bitcast(b.gep(self.src, [ir.Constant(_i64, offset)]), _i32.as_pointer()), align=1)
+        return b.select(b.bitcast(qh, ir.VectorType(ir.IntType(1), 32)), _splat(16, 32), _splat(0, 32))
+
+    def nibbles(self, v, high: bool):
+        return self.b.lshr(v, _splat(4, v.type.count)) if high else self.b.and_(v, _splat(15, v.type.count))
+
+    def bits(self, v, shift: int, mask: int):  # ((v >> shift) & mask) << 4: the high bits of a 5- or 6-bit q
+        b, n = self.b, v.type.count
+        return b.shl(b.and_(b.lshr(v, _splat(shift, n)), _splat(mask, n)), _splat(4, n))
+
+    def table_scale(self, position):  # wscale[position], the same in all 16 lanes
+        return _splat_value(self.b, self.b.load(self.b.gep(self.wscale, [position])), 16)
+
+    def block_scales(self, blocks: int, stride: int = 1):  # a table with one scale per block of 32
+        first = self.b.mul(self.index, ir.Constant(_i64, blocks))
+        return [self.table_scale(self.b.mul(self.b.add(first, ir.Constant(_i64, j)), ir.Constant(_i64, stride)))
+                for j in range(blocks)]  # fmt: skip
+
+
+def _q8_0(u):  # 34 bytes: fp16 d, 32 int8 q; wscale: d per block
+    return [u.load(2, 32, signed=True)], lambda: u.block_scales(1)
+
+
+def _q5(qh_at: int, qs_at: int, zero: int, stride: int):  # Q5_0 (22 bytes, zero 16) / Q5_1 (24, zero 0):
+    def kind(u):  # element j < 16 is qs[j]'s low nibble, j + 16 its high one; bit j of qh adds 16
+        qs = u.load(qs_at, 16)
+        w = u.b.or_(u.b.shuffle_vector(u.nibbles(qs, False), u.nibbles(qs, True), _vector(list(range(32)), _i32)),
+                    u.word_bits(qh_at))  # fmt: skip
+        return [u.b.sub(w, _splat(zero, 32)) if zero else w], lambda: u.block_scales(1, stride)  # wscale: d (, m) per block
+
+    return kind
+
+
+def _q6_k(u):  # 210 bytes: ql[128], qh[64], int8 sc[16], fp16 d; wscale: d per super-block
+    b, ws = u.b, []  # element h*128 + t*32 + l: nibble t // 2 of ql[h*64 + (t % 2)*32 + l],
+    for h in range(2):  # bits 2t, 2t+1 of qh[h*32 + l]
+        ql, qh = u.load(h * 64, 64), u.load(128 + h * 32, 32)
+        for t in range(4):
+            part = b.shuffle_vector(u.nibbles(ql, t >= 2), ql, _vector(list(range((t & 1) * 32, (t & 1) * 32 + 32)), _i32))
+            ws.append(b.sub(b.or_(part, u.bits(qh, 2 * t, 3)), _splat(32, 32)))
+
+    def scales():  # block j: sub-blocks 2j (lanes 0-7) and 2j + 1 (lanes 8-15) of d * sc
+        sub = b.fmul(u.table_scale(u.index), b.sitofp(u.load(192, 16, element=_i8), ir.VectorType(_f32, 16)))
+        return [b.shuffle_vector(sub, sub, _vector([2 * j] * 8 + [2 * j + 1] * 8, _i32)) for j in range(8)]
+
+    return ws, scales
+
+
+def _q5_k(u):  # 176 bytes: d, dmin, scales[12], qh[32], qs[128]; sub-block 2j + half is the low (half 0)
+    qh, ws = u.load(16, 32), []  # or high nibbles of qs[j*32 + l], plus bit 2j + half of qh[l]
+    for j in range(4):
+        qs = u.load(48 + j * 32, 32)
+        ws += [u.b.or_(u.nibbles(qs, half == 1), u.bits(qh, 2 * j + half, 1)) for half in range(2)]
+    return ws, lambda: u.block_scales(8)  # wscale: the row's d * sc table, decoded by _q5_k_scales
+
+
+# kind: (unit bytes, blocks of 32 per unit, reader)
+_KINDS = {"q8_0": (34, 1, _q8_0), "q6_k": (210, 8, _q6_k), "q5_k": (176, 8, _q5_k),
+          "q5_0": (22, 1, _q5(2, 6, 16, 1)), "q5_1": (24, 1, _q5(4, 8, 0, 2))}  # fmt: skip
+
+
+def _data(context, builder, signature, args, k: int):
+    return context.make_array(signature.args[k])(context, builder, args[k]).data
+
+
+def _pairs(b, w, a):  # <32 x i16> twice -> <16 x i32>: lane l = w[2l] a[2l] + w[2l + 1] a[2l + 1], exact
+    p = b.mul(b.sext(w, ir.VectorType(_i32, 32)), b.sext(a, ir.VectorType(_i32, 32)))
+    even = b.shuffle_vector(p, p, _vector(list(range(0, 32, 2)), _i32))
+    return b.add(even, b.shuffle_vector(p, p, _vector(list(range(1, 32, 2)), _i32)))
+
+
+def _dot(kind: str, rows: int):
+    """An intrinsic `dot(row, xq, xs, wscale, units, first, out)`: the outputs of activation rows
+    first .. first + rows - 1 (those below M) for one weight row, into out[first:], with the
+    row's integers read in registers once for all of them (no row buffer). Per activation row
+    the lanes of `_lanes_source`, the same operations in the same order (so the same bits), as
+    vectors: c += (wscale * xs[b]) * float(pairs(w, xq block b)) per block, then c[0] + ... +
+    c[15]. xq [M, K] int16, xs [M, K // 32] fp32, out [M] fp32."""
+    width, blocks, reader = _KINDS[kind]
+
+    @intrinsic
+    def dot(typingctx, row, xq, xs, wscale, units, first, out):
+        def codegen(context, builder, signature, args):
+            b = builder
+            rp, qp, sp, wp, op = (_data(context, b, signature, args, k) for k in (0, 1, 2, 3, 6))
+            shape = context.make_array(signature.args[1])(context, b, args[1]).shape
+            m, k = b.extract_value(shape, 0), b.extract_value(shape, 1)
+            last = b.sub(m, ir.Constant(_i64, 1))  # rows past M repeat row M - 1 and are not stored
+            picks = [b.select(b.icmp_signed("<", v, m), v, last) for v in
+                     (b.add(args[5], ir.Constant(_i64, r)) for r in range(rows))]  # fmt: skip
+            zero = ir.Constant(ir.VectorType(_f32, 16), [ir.Constant(_f32, 0.0)] * 16)
+            accs = [cgutils.alloca_once_value(b, zero) for _ in range(rows)]
+            with cgutils.for_range(b, args[4]) as loop:
+                weights, scales = reader(_Unit(b, b.gep(rp, [b.mul(loop.index, ir.Constant(_i64, width))]), loop.index, wp))
+                cs = [b.load(acc) for acc in accs]
+                for j, (w, ws) in enumerate(zip(weights, scales(), strict=True)):
+                    block = b.add(b.mul(loop.index, ir.Constant(_i64, blocks)), ir.Constant(_i64, j))
+                    for r, pick in enumerate(picks):
+                        at = b.add(b.mul(pick, k), b.mul(block, ir.Constant(_i64, 32)))
+                        a = b.load(b.bitcast(b.gep(qp, [at]), ir.VectorType(_i16, 32).as_pointer()), align=2)
+                        x_scale = b.load(b.gep(sp, [b.add(b.mul(pick, b.udiv(k, ir.Constant(_i64, 32))), block)]))
+                        scale = b.fmul(ws, _splat_value(b, x_scale, 16))
+                        cs[r] = b.fadd(cs[r], b.fmul(scale, b.sitofp(_pairs(b, w, a), ir.VectorType(_f32, 16))))
+                for acc, c in zip(accs, cs, strict=True):
+                    b.store(c, acc)
+            for r, pick in enumerate(picks):
+                c = b.load(accs[r])
+                total = b.extract_element(c, ir.Constant(_i32, 0))
+                for lane in range(1, LANES):
+                    total = b.fadd(total, b.extract_element(c, ir.Constant(_i32, lane)))
+                with b.if_then(b.icmp_signed("<", b.add(args[5], ir.Constant(_i64, r)), m)):
+                    b.store(total, b.gep(op, [pick]))
+            return context.get_dummy_value()
+
+        return types.void(row, xq, xs, wscale, units, first, out), codegen
+
+    return dot
+
+
+# one, two or DOT_ROWS activation rows per pass over a weight row (a pass computes all its
+# rows, so the last ones take the narrowest pass that holds them)
+_one_q8_0, _one_q6_k, _one_q5_k, _one_q5_0, _one_q5_1 = (_dot(kind, 1) for kind in _KINDS)
+_two_q8_0, _two_q6_k, _two_q5_k, _two_q5_0, _two_q5_1 = (_dot(kind, 2) for kind in _KINDS)
+_many_q8_0, _many_q6_k, _many_q5_k, _many_q5_0, _many_q5_1 = (_dot(kind, DOT_ROWS) for kind in _KINDS)
 
 
 @njit("void(float32[:, ::1], int16[:, ::1], float32[:, ::1], int32[:, ::1])", cache=True, nogil=True)
@@ -155,84 +240,88 @@ def quantize_rows(x, xq, xs, xsum):  # pragma: no cover - compiled
 def q8_0_matmul(raw, d, xq, xs, y):  # pragma: no cover - compiled
     """raw [N, K // 32 * 34] (Q8_0 blocks as int8: fp16 d, then 32 q), d [N, K // 32] fp32
     -> y [M, N]."""
-    rows, blocks = d.shape
+    rows, blocks, m = d.shape[0], d.shape[1], xq.shape[0]
     for chunk in prange((rows + CHUNK - 1) // CHUNK):
-        s = np.empty(blocks, np.float32)
-        w = np.empty(blocks * 32, np.int16)
+        out = np.empty(m, np.float32)
         for n in range(chunk * CHUNK, min(rows, chunk * CHUNK + CHUNK)):
-            # widened to int16 once per row: the int16 lanes multiply pairs (vpmaddwd), where
-            # int8 weights against int16 activations took 32-bit multiplies, ~3x the time
-            for b in range(blocks):
-                _widen_q8_0(raw[n, b * 34 : b * 34 + 34], w[b * 32 : b * 32 + 32])
-            for m in range(xq.shape[0]):
-                for b in range(blocks):
-                    s[b] = d[n, b] * xs[m, b]
-                y[m, n] = _lanes_int16(w, xq[m], s, s, blocks)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _decode_q6_k(block, d, w, scale, k):  # pragma: no cover - compiled
-    """One 210-byte block -> w[k : k + 256] = q - 32 and scale[k // 16 : k // 16 + 16] = d * sc."""
-    _unpack_q6_k(block, w[k : k + 256])
-    for j in range(16):
-        scale[k // 16 + j] = d * np.float32(np.int8(block[192 + j]))
+            first = 0
+            while first < m:
+                if m - first == 1:
+                    _one_q8_0(raw[n], xq, xs, d[n], blocks, first, out)
+                elif m - first == 2:
+                    _two_q8_0(raw[n], xq, xs, d[n], blocks, first, out)
+                else:
+                    _many_q8_0(raw[n], xq, xs, d[n], blocks, first, out)
+                first += DOT_ROWS
+            y[:, n] = out
 
 
 @njit(types.void(_raw(types.uint8), _f32_2d, _i16_2d, _f32_2d, _f32_2d),
       cache=True, nogil=True, parallel=True)  # fmt: skip
 def q6_k_matmul(raw, d, xq, xs, y):  # pragma: no cover - compiled
     """raw [N, K // 256 * 210] (Q6_K blocks), d [N, K // 256] fp32 (each block's fp16 d) -> y [M, N]."""
-    rows, supers = d.shape
-    blocks = supers * 8
+    rows, supers, m = d.shape[0], d.shape[1], xq.shape[0]
     for chunk in prange((rows + CHUNK - 1) // CHUNK):
-        w = np.empty(blocks * 32, np.int16)
-        scale = np.empty(blocks * 2, np.float32)
-        s_lo, s_hi = np.empty(blocks, np.float32), np.empty(blocks, np.float32)
+        out = np.empty(m, np.float32)
         for n in range(chunk * CHUNK, min(rows, chunk * CHUNK + CHUNK)):
-            for sb in range(supers):
-                _decode_q6_k(raw[n, sb * 210 : sb * 210 + 210], d[n, sb], w, scale, sb * 256)
-            for m in range(xq.shape[0]):
-                for b in range(blocks):
-                    s_lo[b] = scale[2 * b] * xs[m, b]
-                    s_hi[b] = scale[2 * b + 1] * xs[m, b]
-                y[m, n] = _lanes_int16(w, xq[m], s_lo, s_hi, blocks)
+            first = 0
+            while first < m:
+                if m - first == 1:
+                    _one_q6_k(raw[n], xq, xs, d[n], supers, first, out)
+                elif m - first == 2:
+                    _two_q6_k(raw[n], xq, xs, d[n], supers, first, out)
+                else:
+                    _many_q6_k(raw[n], xq, xs, d[n], supers, first, out)
+                first += DOT_ROWS
+            y[:, n] = out
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _decode_q5_k(block, d, dmin, w, scale, offset, k):  # pragma: no cover - compiled
-    """One 176-byte block -> w[k : k + 256] = q, and per sub-block of 32 scale = d * sc and
-    offset = dmin * m (llama.cpp's get_scale_min_k4 unpacking of bytes 4-15)."""
-    _unpack_q5_k(block, w[k : k + 256])
-    for j in range(8):
-        if j < 4:
-            sc, mn = block[4 + j] & 63, block[8 + j] & 63
-        else:
-            sc = (block[8 + j] & 15) | ((block[j] >> 6) << 4)
-            mn = (block[8 + j] >> 4) | ((block[4 + j] >> 6) << 4)
-        scale[k // 32 + j] = d * np.float32(sc)
-        offset[k // 32 + j] = dmin * np.float32(mn)
+def _q5_k_scales(row, d, dmin, scale, offset):  # pragma: no cover - compiled
+    """A Q5_K row's per-sub-block scale = d * sc and offset = dmin * m, for every super-block
+    (llama.cpp's get_scale_min_k4 unpacking of bytes 4-15)."""
+    for sb in range(d.shape[0]):
+        block = row[sb * 176 : sb * 176 + 176]
+        for j in range(8):
+            if j < 4:
+                sc, mn = block[4 + j] & 63, block[8 + j] & 63
+            else:
+                sc = (block[8 + j] & 15) | ((block[j] >> 6) << 4)
+                mn = (block[8 + j] >> 4) | ((block[4 + j] >> 6) << 4)
+            scale[sb * 8 + j] = d[sb] * np.float32(sc)
+            offset[sb * 8 + j] = dmin[sb] * np.float32(mn)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _mins(offset, xs, xsum):  # pragma: no cover - compiled
+    """The min term of one output: sum over blocks b of (offset[b] * xs[b]) * xsum[b], in block order."""
+    mins = np.float32(0)
+    for b in range(offset.shape[0]):
+        mins += (offset[b] * xs[b]) * np.float32(xsum[b])
+    return mins
 
 
 @njit(types.void(_raw(types.uint8), types.float32[:, :, ::1], _i16_2d, _f32_2d, types.int32[:, ::1], _f32_2d),
       cache=True, nogil=True, parallel=True)  # fmt: skip
 def q5_k_matmul(raw, d_dmin, xq, xs, xsum, y):  # pragma: no cover - compiled
     """raw [N, K // 256 * 176] (Q5_K blocks), d_dmin [N, K // 256, 2] fp32 -> y [M, N]."""
-    rows, supers = d_dmin.shape[0], d_dmin.shape[1]
-    blocks = supers * 8
+    rows, supers, m = d_dmin.shape[0], d_dmin.shape[1], xq.shape[0]
     for chunk in prange((rows + CHUNK - 1) // CHUNK):
-        w = np.empty(blocks * 32, np.int16)
-        scale, offset = np.empty(blocks, np.float32), np.empty(blocks, np.float32)
-        s = np.empty(blocks, np.float32)
+        out = np.empty(m, np.float32)
+        scale, offset = np.empty(supers * 8, np.float32), np.empty(supers * 8, np.float32)
         for n in range(chunk * CHUNK, min(rows, chunk * CHUNK + CHUNK)):
-            for sb in range(supers):
-                _decode_q5_k(raw[n, sb * 176 : sb * 176 + 176], d_dmin[n, sb, 0], d_dmin[n, sb, 1], w, scale,
-                             offset, sb * 256)  # fmt: skip
-            for m in range(xq.shape[0]):
-                mins = np.float32(0)
-                for b in range(blocks):
-                    s[b] = scale[b] * xs[m, b]
-                    mins += (offset[b] * xs[m, b]) * np.float32(xsum[m, b])
-                y[m, n] = _lanes_int16(w, xq[m], s, s, blocks) - mins
+            _q5_k_scales(raw[n], d_dmin[n, :, 0], d_dmin[n, :, 1], scale, offset)
+            first = 0
+            while first < m:
+                if m - first == 1:
+                    _one_q5_k(raw[n], xq, xs, scale, supers, first, out)
+                elif m - first == 2:
+                    _two_q5_k(raw[n], xq, xs, scale, supers, first, out)
+                else:
+                    _many_q5_k(raw[n], xq, xs, scale, supers, first, out)
+                first += DOT_ROWS
+            for r in range(m):
+                y[r, n] = out[r] - _mins(offset, xs[r], xsum[r])
 
 
 @njit(types.void(_raw(types.uint8), types.float32[:, :, ::1], _i16_2d, _f32_2d, types.int32[:, ::1], _f32_2d),
@@ -241,25 +330,34 @@ def q5_matmul(raw, scales, xq, xs, xsum, y):  # pragma: no cover - compiled
     """raw [N, K // 32 * width] (Q5_0 blocks of 22 bytes, or Q5_1 of 24), scales [N, K // 32, 1]
     (Q5_0: d) or [N, K // 32, 2] (Q5_1: d, m) fp32 -> y [M, N]. Q5_1's m enters as the min
     term with offset -m (exact), as Q5_K's dmin * m."""
-    rows, blocks, with_min = scales.shape[0], scales.shape[1], scales.shape[2] == 2
-    width = 24 if with_min else 22
+    rows, blocks, m, with_min = scales.shape[0], scales.shape[1], xq.shape[0], scales.shape[2] == 2
     for chunk in prange((rows + CHUNK - 1) // CHUNK):
-        w = np.empty(blocks * 32, np.int16)
-        s = np.empty(blocks, np.float32)
+        out = np.empty(m, np.float32)
+        offset = np.empty(blocks, np.float32)
         for n in range(chunk * CHUNK, min(rows, chunk * CHUNK + CHUNK)):
-            for b in range(blocks):
-                if with_min:
-                    _unpack_q5_1(raw[n, b * width : b * width + width], w[b * 32 : b * 32 + 32])
-                else:
-                    _unpack_q5_0(raw[n, b * width : b * width + width], w[b * 32 : b * 32 + 32])
-            for m in range(xq.shape[0]):
-                mins = np.float32(0)
+            table = scales[n].reshape(-1)
+            if with_min:
                 for b in range(blocks):
-                    s[b] = scales[n, b, 0] * xs[m, b]
-                    if with_min:
-                        mins += (-scales[n, b, 1] * xs[m, b]) * np.float32(xsum[m, b])
-                dot = _lanes_int16(w, xq[m], s, s, blocks)
-                y[m, n] = dot - mins if with_min else dot
-
-
-numba.config.SLP_VECTORIZE = _slp
+                    offset[b] = -scales[n, b, 1]
+                first = 0
+                while first < m:
+                    if m - first == 1:
+                        _one_q5_1(raw[n], xq, xs, table, blocks, first, out)
+                    elif m - first == 2:
+                        _two_q5_1(raw[n], xq, xs, table, blocks, first, out)
+                    else:
+                        _many_q5_1(raw[n], xq, xs, table, blocks, first, out)
+                    first += DOT_ROWS
+                for r in range(m):
+                    y[r, n] = out[r] - _mins(offset, xs[r], xsum[r])
+                continue
+            first = 0
+            while first < m:
+                if m - first == 1:
+                    _one_q5_0(raw[n], xq, xs, table, blocks, first, out)
+                elif m - first == 2:
+                    _two_q5_0(raw[n], xq, xs, table, blocks, first, out)
+                else:
+                    _many_q5_0(raw[n], xq, xs, table, blocks, first, out)
+                first += DOT_ROWS
+            y[:, n] = out

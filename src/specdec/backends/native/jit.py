@@ -274,10 +274,10 @@ def to_bf16_bits(bits, out):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True)
-def norm_row(x, weight, eps, y, partial, out):  # pragma: no cover - compiled
-    """out = bf16 bits of RMSNorm(x) * weight for one row x [hidden]: the sum of squares in 16
-    running partial sums added in a fixed order, so a row's bits do not depend on other rows.
-    y [hidden] float32 and partial [16] are scratch."""
+def inverse_rms(x, eps, partial):  # pragma: no cover - compiled
+    """1 / sqrt(mean(x^2) + eps) for one row x [hidden]: the sum of squares in 16 running
+    partial sums added in a fixed order, so a row's bits do not depend on other rows.
+    partial [16] is scratch."""
     hidden = x.shape[0]
     body = hidden - hidden % 16
     for lane in range(16):
@@ -290,10 +290,48 @@ def norm_row(x, weight, eps, y, partial, out):  # pragma: no cover - compiled
         total += partial[lane]
     for i in range(body, hidden):
         total += x[i] * x[i]
-    inv = np.float32(1) / np.sqrt(total / np.float32(hidden) + eps)
-    for i in range(hidden):
+    return np.float32(1) / np.sqrt(total / np.float32(hidden) + eps)
+
+
+@njit(cache=True, nogil=True)
+def norm_row(x, weight, eps, y, partial, out):  # pragma: no cover - compiled
+    """out = bf16 bits of RMSNorm(x) * weight for one row x [hidden] (inverse_rms). y [hidden]
+    float32 is scratch."""
+    inv = inverse_rms(x, eps, partial)
+    for i in range(x.shape[0]):
         y[i] = (x[i] * inv) * weight[i]
     to_bf16_bits(y.view(np.uint32), out)
+
+
+@njit("float32[:, ::1](float32[:, ::1], float32[::1], float32)", cache=True, nogil=True)
+def rms_norm_f32(x, weight, eps):  # pragma: no cover - compiled
+    """x [N, hidden] fp32 -> RMSNorm(x) * weight [N, hidden] fp32, each row on its own
+    (inverse_rms): one call for F.rms_norm's half-dozen ops, which cost their dispatch at
+    this width."""
+    rows, hidden = x.shape
+    out, partial = np.empty((rows, hidden), np.float32), np.empty(16, np.float32)
+    for r in range(rows):
+        inv = inverse_rms(x[r], eps, partial)
+        for i in range(hidden):
+            out[r, i] = (x[r, i] * inv) * weight[i]
+    return out
+
+
+@njit("float32[:, :, ::1](float32[:, ::1], int64, int64, int64, float32[::1], float32[::1], float32)",
+      cache=True, nogil=True)  # fmt: skip
+def head_norms(qkv, heads, kv_heads, dim, q_weight, k_weight, eps):  # pragma: no cover - compiled
+    """qkv [N, (heads + 2 kv_heads) * dim] fp32 -> [N, heads + kv_heads, dim]: each head of q
+    and of k RMS-normed over dim (inverse_rms) and scaled by q_weight or k_weight [dim]."""
+    rows = qkv.shape[0]
+    out, partial = np.empty((rows, heads + kv_heads, dim), np.float32), np.empty(16, np.float32)
+    for r in range(rows):
+        for h in range(heads + kv_heads):
+            x = qkv[r, h * dim : (h + 1) * dim]
+            weight = q_weight if h < heads else k_weight
+            inv = inverse_rms(x, eps, partial)
+            for i in range(dim):
+                out[r, h, i] = (x[i] * inv) * weight[i]
+    return out
 
 
 @njit("uint16[:, ::1](float32[:, ::1], float32[::1], float32)", cache=True, nogil=True)

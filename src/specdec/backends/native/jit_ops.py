@@ -155,6 +155,23 @@ def add_rms_norm_bf16(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor
     return torch.from_numpy(total), torch.from_numpy(bits).view(torch.bfloat16)
 
 
+def fast_norms_usable(device: torch.device) -> bool:
+    """Whether fp32 norms on `device` run as numba calls (rms_norm_f32, head_norms)."""
+    return device.type == "cpu" and not forced_fallback() and importable()
+
+
+def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [N, hidden] fp32 -> RMSNorm(x) * weight [N, hidden] fp32 (jit.rms_norm_f32)."""
+    return torch.from_numpy(_jit().rms_norm_f32(x.contiguous().numpy(), weight.numpy(), np.float32(eps)))
+
+
+def head_norms(qkv: torch.Tensor, heads: int, kv_heads: int, dim: int, q_weight: torch.Tensor,
+               k_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """qkv [N, (heads + 2 kv_heads) * dim] fp32 -> q and k heads RMS-normed, [N, heads + kv_heads, dim]."""
+    return torch.from_numpy(_jit().head_norms(qkv.contiguous().numpy(), heads, kv_heads, dim, q_weight.numpy(),
+                                              k_weight.numpy(), np.float32(eps)))  # fmt: skip
+
+
 def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [N, hidden] fp32 -> RMSNorm(x) * weight [N, hidden] bf16 (jit.rms_norm_bf16)."""
     return torch.from_numpy(_jit().rms_norm_bf16(x.numpy(), weight.numpy(), np.float32(eps))).view(torch.bfloat16)

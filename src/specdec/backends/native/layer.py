@@ -18,7 +18,10 @@ from specdec.backends.native.hf_config import native_config
 from specdec.backends.native.jit_ops import (
     add_rms_norm_bf16,
     fast_layer_usable,
+    fast_norms_usable,
+    head_norms,
     rms_norm_bf16,
+    rms_norm_f32,
     rotate_attend,
     silu_mul_bf16,
     split_rotate,
@@ -117,6 +120,9 @@ class DecoderLayer(torch.nn.Module):
         # directly, and the kernels' outputs join the fp32 residual stream by type promotion
         self.act_dtype = activation_dtype(qkv)
         self.fast = fast_layer_usable(attn_norm.device, self.act_dtype)  # numba's norms and rotation (jit_ops.py)
+        # fp32 norms as numba calls where the layer's kernels take fp32 (GGUF 8-bit types)
+        norms = (attn_norm, mlp_norm, *(w for w in extra if w is not None))
+        self.fast_norms = fast_norms_usable(attn_norm.device) and all(w.dtype == torch.float32 for w in norms)
         # what eager forwards call, as plain attributes: a module's buffers and submodules are
         # found through nn.Module.__getattr__, which costs a layer about 20 slow lookups a step
         self.eager_parts = (attn_norm, qkv.joined, o.forward, mlp_norm, gate_up.forward, down.forward, gate_up.joined,
@@ -138,7 +144,7 @@ class DecoderLayer(torch.nn.Module):
         the norm after it in one call; `forward` adds up."""
         n, heads, kv_heads, dim, act = x.shape[0], self.heads, self.kv_heads, self.dim, self.act_dtype
         compiling = torch.compiler.is_compiling()
-        fast = self.fast and not compiling
+        fast, fast_norms = self.fast and not compiling, self.fast_norms and not compiling
         if compiling:  # the registered buffers, so that one compiled graph serves every layer
             parts = (self.attn_norm, self.qkv.joined, self.o.forward, self.mlp_norm, self.gate_up.forward,
                      self.down.forward, self.gate_up.joined,
@@ -147,7 +153,7 @@ class DecoderLayer(torch.nn.Module):
             parts = self.eager_parts
         attn_norm, qkv_linear, o_linear, mlp_norm, gate_up_linear, down_linear, gate_up_joined, extra = parts
         q_norm, k_norm, post_attn_norm, post_mlp_norm = extra
-        x, h = self._add_norm(x, pending, attn_norm, fast)
+        x, h = self._add_norm(x, pending, attn_norm, fast, fast_norms)
         qkv = qkv_linear(h)
         fast_qkv = fast and qkv.dtype == torch.bfloat16 and q_norm is None  # numba's rotation has no q/k norm
         row = kernel_chain_row(rows, heads // kv_heads, x.device, k_cache.dtype) if fast_qkv else None
@@ -156,33 +162,34 @@ class DecoderLayer(torch.nn.Module):
                                  *row.plan.arrays, self.scale)  # fmt: skip
         else:
             qk_norms = None if q_norm is None else (q_norm, k_norm)
-            attn = self._attention(qkv, cos, sin, k_cache, v_cache, rows, fast_qkv, qk_norms)
+            attn = self._attention(qkv, cos, sin, k_cache, v_cache, rows, fast_qkv, qk_norms, fast_norms)
             attn = attn.reshape(n, heads * dim).to(act)
         # .forward: the linears are plain modules (no hooks), and __call__ costs each of them
-        x, h = self._add_norm(x, self._post_norm(o_linear(attn), post_attn_norm), mlp_norm, fast)
+        x, h = self._add_norm(x, self._post_norm(o_linear(attn), post_attn_norm, fast_norms), mlp_norm, fast,
+                              fast_norms)  # fmt: skip
         if fast and self.fused_gate_up:  # one numba call from the fused gate|up output
-            return x, self._post_norm(down_linear(silu_mul_bf16(gate_up_joined(h))), post_mlp_norm)
+            return x, self._post_norm(down_linear(silu_mul_bf16(gate_up_joined(h))), post_mlp_norm, fast_norms)
         gate, up = gate_up_joined(h).chunk(2, dim=-1) if self.split_gate_up else gate_up_linear(h)
         mixed = gelu_mul(gate, up, act) if self.gelu else silu_mul(gate, up, act)
-        return x, self._post_norm(down_linear(mixed), post_mlp_norm)
+        return x, self._post_norm(down_linear(mixed), post_mlp_norm, fast_norms)
 
-    def _post_norm(self, delta: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    def _post_norm(self, delta: torch.Tensor, weight: torch.Tensor | None, fast_norms: bool) -> torch.Tensor:
         # gemma3's norm of a sublayer's output before the residual add, in fp32
-        return delta if weight is None else rms_norm(delta.float(), weight, self.eps, torch.float32)
+        return delta if weight is None else rms_norm(delta.float(), weight, self.eps, torch.float32, fast_norms=fast_norms)
 
-    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-                  fast: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, fast: bool,
+                  fast_norms: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         # (x + delta, its norm in the kernels' dtype); the add and the norm in one call on the fast path
         if delta is None:
-            return x, rms_norm(x, weight, self.eps, self.act_dtype, fast)
+            return x, rms_norm(x, weight, self.eps, self.act_dtype, fast, fast_norms)
         if fast and delta.dtype == torch.bfloat16:
             return add_rms_norm_bf16(x, delta, weight, self.eps)
         x = x + delta  # fp32 + act_dtype -> fp32
-        return x, rms_norm(x, weight, self.eps, self.act_dtype, fast)
+        return x, rms_norm(x, weight, self.eps, self.act_dtype, fast, fast_norms)
 
     def _attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, rows: list[KVRow], fast: bool,
-                   qk_norms: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:  # fmt: skip
+                   qk_norms: tuple[torch.Tensor, torch.Tensor] | None, fast_norms: bool) -> torch.Tensor:  # fmt: skip
         # qkv [N, (heads + 2 kv_heads) * dim] -> [N, heads, dim] in q's dtype
         n, heads, kv_heads, dim = qkv.shape[0], self.heads, self.kv_heads, self.dim
         if fast:
@@ -190,7 +197,9 @@ class DecoderLayer(torch.nn.Module):
         else:
             qkv = qkv.float()
             qk = qkv[:, : (heads + kv_heads) * dim].view(n, heads + kv_heads, dim)
-            if qk_norms is not None:  # each head's q and k normed over head_dim, before rope
+            if qk_norms is not None and fast_norms:  # each head's q and k normed over head_dim, before rope
+                qk = head_norms(qkv, heads, kv_heads, dim, *qk_norms, self.eps)
+            elif qk_norms is not None:
                 q_part = F.rms_norm(qk[:, :heads], (dim,), qk_norms[0], self.eps)
                 qk = torch.cat([q_part, F.rms_norm(qk[:, heads:], (dim,), qk_norms[1], self.eps)], dim=1)
             qk = rope(qk, cos, sin)  # q and k at once
@@ -206,12 +215,15 @@ def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype, fast: bool = False) -> torch.Tensor:
-    # x [N, hidden] fp32 -> [N, hidden] in the kernels' dtype; `fast`: one numba call into bf16
-    # (at this width every PyTorch op costs about its dispatch, and F.rms_norm plus a cast is
-    # several). Compiled graphs keep F.rms_norm, which Inductor fuses.
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype, fast: bool = False,
+             fast_norms: bool = False) -> torch.Tensor:  # fmt: skip
+    # x [N, hidden] fp32 -> [N, hidden] in the kernels' dtype; `fast`: one numba call into bf16,
+    # `fast_norms`: one into fp32 (at this width every PyTorch op costs about its dispatch, and
+    # F.rms_norm plus a cast is several). Compiled graphs keep F.rms_norm, which Inductor fuses.
     if fast:
         return rms_norm_bf16(x, weight, eps)
+    if fast_norms and dtype == torch.float32 and x.dtype == torch.float32:
+        return rms_norm_f32(x, weight, eps)
     out = F.rms_norm(x, (x.shape[-1],), weight, eps)
     return out if out.dtype == dtype else out.to(dtype)
 
