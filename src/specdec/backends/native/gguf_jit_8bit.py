@@ -253,7 +253,8 @@ def q8_0_matmul(raw, d, xq, xs, y):  # pragma: no cover - compiled
                 else:
                     _many_q8_0(raw[n], xq, xs, d[n], blocks, first, out)
                 first += DOT_ROWS
-            y[:, n] = out
+            for r in range(m):
+                y[r, n] = out[r]
 
 
 @njit(types.void(_raw(types.uint8), _f32_2d, _i16_2d, _f32_2d, _f32_2d),
@@ -273,7 +274,8 @@ def q6_k_matmul(raw, d, xq, xs, y):  # pragma: no cover - compiled
                 else:
                     _many_q6_k(raw[n], xq, xs, d[n], supers, first, out)
                 first += DOT_ROWS
-            y[:, n] = out
+            for r in range(m):
+                y[r, n] = out[r]
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -360,4 +362,5 @@ def q5_matmul(raw, scales, xq, xs, xsum, y):  # pragma: no cover - compiled
                 else:
                     _many_q5_0(raw[n], xq, xs, table, blocks, first, out)
                 first += DOT_ROWS
-            y[:, n] = out
+            for r in range(m):
+                y[r, n] = out[r]
