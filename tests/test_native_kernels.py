@@ -82,6 +82,50 @@ def test_numba_split_rotate_gives_the_bits_of_the_pytorch_ops():
     assert torch.equal(v, full[:, (heads + kv_heads) * dim :].view(n, kv_heads, dim))
 
 
+@pytest.mark.parametrize("hidden", [640, 37])
+def test_numba_fp32_norm_tracks_torch_and_is_row_invariant(hidden):
+    if not jit_ops.importable():
+        pytest.skip("numba is not installed")
+    gen = torch.Generator().manual_seed(hidden)
+    x, weight = torch.randn(9, hidden, generator=gen) * 3, torch.randn(hidden, generator=gen)
+    got = jit_ops.rms_norm_f32(x, weight, 1e-6)
+    want = F.rms_norm(x, (hidden,), weight, 1e-6)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # the squares summed in another order
+    assert not torch.allclose(got, want * 1.001, rtol=1e-5, atol=1e-6)  # a wrong scale fails
+    assert all(torch.equal(jit_ops.rms_norm_f32(x[i : i + 1].clone(), weight, 1e-6)[0], got[i]) for i in range(9))
+
+
+@pytest.mark.parametrize("normed", [True, False])
+def test_numba_split_norm_rotate_tracks_the_pytorch_ops(normed):
+    """fp32 q|k|v: q and k heads RMS-normed (qwen3, gemma3) then rotated as layer.rope rounds
+    it, v split; rows independent."""
+    if not jit_ops.importable():
+        pytest.skip("numba is not installed")
+    from specdec.backends.native.layer import rope
+
+    heads, kv_heads, dim, n = 4, 2, 64, 5
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=gen) * 2
+    cos, sin = torch.randn(n, 1, dim, generator=gen), torch.randn(n, 1, dim, generator=gen)
+    norms = (torch.randn(dim, generator=gen), torch.randn(dim, generator=gen)) if normed else None
+    q, k, v = jit_ops.split_norm_rotate(qkv, cos, sin, heads, kv_heads, norms, 1e-6)
+    qk = qkv[:, : (heads + kv_heads) * dim].view(n, heads + kv_heads, dim)
+    if normed:
+        qk = torch.cat([F.rms_norm(qk[:, :heads], (dim,), norms[0], 1e-6),
+                        F.rms_norm(qk[:, heads:], (dim,), norms[1], 1e-6)], dim=1)  # fmt: skip
+    want = rope(qk, cos, sin)
+    check = torch.testing.assert_close if normed else lambda a, b: torch.equal(a, b) or pytest.fail("bits differ")
+    check(q, want[:, :heads])
+    check(k, want[:, heads:])
+    assert torch.equal(v, qkv[:, (heads + kv_heads) * dim :].view(n, kv_heads, dim))
+    if normed:  # the k weights, not the q weights, scale the k heads
+        swapped = jit_ops.split_norm_rotate(qkv, cos, sin, heads, kv_heads, norms[::-1], 1e-6)[1]
+        assert not torch.allclose(swapped, want[:, heads:])
+    one = jit_ops.split_norm_rotate(qkv[2:3].clone(), cos[2:3].clone(), sin[2:3].clone(), heads, kv_heads, norms, 1e-6)
+    assert torch.equal(one[0][0], q[2]) and torch.equal(one[1][0], k[2])
+
+
 def test_numba_add_rms_norm_gives_the_bits_of_the_add_then_the_norm():
     if not jit_ops.importable():
         pytest.skip("numba is not installed")

@@ -317,23 +317,6 @@ def rms_norm_f32(x, weight, eps):  # pragma: no cover - compiled
     return out
 
 
-@njit("float32[:, :, ::1](float32[:, ::1], int64, int64, int64, float32[::1], float32[::1], float32)",
-      cache=True, nogil=True)  # fmt: skip
-def head_norms(qkv, heads, kv_heads, dim, q_weight, k_weight, eps):  # pragma: no cover - compiled
-    """qkv [N, (heads + 2 kv_heads) * dim] fp32 -> [N, heads + kv_heads, dim]: each head of q
-    and of k RMS-normed over dim (inverse_rms) and scaled by q_weight or k_weight [dim]."""
-    rows = qkv.shape[0]
-    out, partial = np.empty((rows, heads + kv_heads, dim), np.float32), np.empty(16, np.float32)
-    for r in range(rows):
-        for h in range(heads + kv_heads):
-            x = qkv[r, h * dim : (h + 1) * dim]
-            weight = q_weight if h < heads else k_weight
-            inv = inverse_rms(x, eps, partial)
-            for i in range(dim):
-                out[r, h, i] = (x[i] * inv) * weight[i]
-    return out
-
-
 @njit("uint16[:, ::1](float32[:, ::1], float32[::1], float32)", cache=True, nogil=True)
 def rms_norm_bf16(x, weight, eps):  # pragma: no cover - compiled
     """x [N, hidden] fp32 -> RMSNorm(x) * weight as bf16 bits [N, hidden] (rounded to nearest
@@ -389,6 +372,39 @@ def split_rotate(qkv, cos, signed_sin, heads, kv_heads):  # pragma: no cover - c
                 for d in range(dim):
                     v[r, h - heads - kv_heads, d] = x[d]
                 continue
+            out = q[r, h] if h < heads else k[r, h - heads]
+            for d in range(half):
+                out[d] = x[d] * cos[r, 0, d] + x[d + half] * signed_sin[r, 0, d]
+            for d in range(half, dim):
+                out[d] = x[d] * cos[r, 0, d] + x[d - half] * signed_sin[r, 0, d]
+    return q, k, v
+
+
+@njit("UniTuple(float32[:, :, ::1], 3)(float32[:, ::1], float32[:, :, ::1], float32[:, :, ::1], int64, int64, "
+      "float32[::1], float32[::1], float32)", cache=True, nogil=True)  # fmt: skip
+def split_norm_rotate(qkv, cos, signed_sin, heads, kv_heads, q_weight, k_weight, eps):  # pragma: no cover - compiled
+    """split_rotate for an fp32 q|k|v projection [N, (heads + 2 kv_heads) * dim], with each head
+    of q and k first RMS-normed over dim (inverse_rms) and scaled by q_weight or k_weight [dim]
+    where those are not empty (qwen3, gemma3)."""
+    rows, dim = qkv.shape[0], cos.shape[2]
+    half, normed = dim // 2, q_weight.shape[0] > 0
+    q = np.empty((rows, heads, dim), np.float32)
+    k = np.empty((rows, kv_heads, dim), np.float32)
+    v = np.empty((rows, kv_heads, dim), np.float32)
+    x, partial = np.empty(dim, np.float32), np.empty(16, np.float32)
+    for r in range(rows):
+        for h in range(heads + 2 * kv_heads):
+            src = qkv[r, h * dim : (h + 1) * dim]
+            if h >= heads + kv_heads:
+                v[r, h - heads - kv_heads] = src
+                continue
+            if normed:
+                weight = q_weight if h < heads else k_weight
+                inv = inverse_rms(src, eps, partial)
+                for d in range(dim):
+                    x[d] = (src[d] * inv) * weight[d]
+            else:
+                x[:] = src
             out = q[r, h] if h < heads else k[r, h - heads]
             for d in range(half):
                 out[d] = x[d] * cos[r, 0, d] + x[d + half] * signed_sin[r, 0, d]

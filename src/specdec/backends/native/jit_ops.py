@@ -156,7 +156,7 @@ def add_rms_norm_bf16(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor
 
 
 def fast_norms_usable(device: torch.device) -> bool:
-    """Whether fp32 norms on `device` run as numba calls (rms_norm_f32, head_norms)."""
+    """Whether fp32 norms on `device` run as numba calls (rms_norm_f32, split_norm_rotate)."""
     return device.type == "cpu" and not forced_fallback() and importable()
 
 
@@ -165,11 +165,18 @@ def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return torch.from_numpy(_jit().rms_norm_f32(x.contiguous().numpy(), weight.numpy(), np.float32(eps)))
 
 
-def head_norms(qkv: torch.Tensor, heads: int, kv_heads: int, dim: int, q_weight: torch.Tensor,
-               k_weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """qkv [N, (heads + 2 kv_heads) * dim] fp32 -> q and k heads RMS-normed, [N, heads + kv_heads, dim]."""
-    return torch.from_numpy(_jit().head_norms(qkv.contiguous().numpy(), heads, kv_heads, dim, q_weight.numpy(),
-                                              k_weight.numpy(), np.float32(eps)))  # fmt: skip
+_NO_NORM = torch.empty(0)
+
+
+def split_norm_rotate(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+                      norms: tuple[torch.Tensor, torch.Tensor] | None,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """qkv [N, (heads + 2 kv_heads) * dim] fp32 -> rotated q, k (each head RMS-normed first when
+    `norms` gives the q and k weights) and v, fp32 (jit.split_norm_rotate)."""
+    q_weight, k_weight = norms if norms is not None else (_NO_NORM, _NO_NORM)
+    q, k, v = _jit().split_norm_rotate(qkv.contiguous().numpy(), cos.numpy(), sin.numpy(), heads, kv_heads,
+                                       q_weight.numpy(), k_weight.numpy(), np.float32(eps))  # fmt: skip
+    return torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v)
 
 
 def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -19,11 +19,11 @@ from specdec.backends.native.jit_ops import (
     add_rms_norm_bf16,
     fast_layer_usable,
     fast_norms_usable,
-    head_norms,
     rms_norm_bf16,
     rms_norm_f32,
     rotate_attend,
     silu_mul_bf16,
+    split_norm_rotate,
     split_rotate,
 )
 from specdec.backends.native.quant import FusedLinear, Linear
@@ -194,12 +194,12 @@ class DecoderLayer(torch.nn.Module):
         n, heads, kv_heads, dim = qkv.shape[0], self.heads, self.kv_heads, self.dim
         if fast:
             q, k, v = split_rotate(qkv, cos, sin, heads, kv_heads)
+        elif fast_norms:  # the same operations as below in one numba call
+            q, k, v = split_norm_rotate(qkv.float(), cos, sin, heads, kv_heads, qk_norms, self.eps)
         else:
             qkv = qkv.float()
             qk = qkv[:, : (heads + kv_heads) * dim].view(n, heads + kv_heads, dim)
-            if qk_norms is not None and fast_norms:  # each head's q and k normed over head_dim, before rope
-                qk = head_norms(qkv, heads, kv_heads, dim, *qk_norms, self.eps)
-            elif qk_norms is not None:
+            if qk_norms is not None:  # each head's q and k normed over head_dim, before rope
                 q_part = F.rms_norm(qk[:, :heads], (dim,), qk_norms[0], self.eps)
                 qk = torch.cat([q_part, F.rms_norm(qk[:, heads:], (dim,), qk_norms[1], self.eps)], dim=1)
             qk = rope(qk, cos, sin)  # q and k at once
