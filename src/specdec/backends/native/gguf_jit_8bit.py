@@ -24,7 +24,9 @@ loops. For one weight row they read each unit of blocks once into registers (`_U
 bytes loaded as vectors, widened, masked and shifted into the file's integers as int16) and
 run the lanes for one activation row (decode) or DOT_ROWS of them at a time (verification,
 prompts): pair products that LLVM lowers to vpmaddwd (AVX2, AVX-512; NEON on arm64), then
-per lane one fp32 multiply by the block's scale and one add. Only plain integer and float
+per lane one fp32 multiply by the block's scale and one add. Q5_K's six-bit scales and the
+min terms (Q5_K, Q5_1) are decoded and summed in the same loop: as a separate scalar pass
+they cost Q5_K 2-3x Q6_K's time per row. Only plain integer and float
 vector operations: no intrinsics, no fusion, so the CPU changes the speed, not the bits.
 Written as numba scalar code (a row buffer of unpacked integers, then generated scalar lanes
 packed by LLVM's SLP vectoriser) the same arithmetic ran 2-7x slower at one row.
@@ -99,8 +101,11 @@ class _Unit:
         b, n = self.b, v.type.count
         return b.shl(b.and_(b.lshr(v, _splat(shift, n)), _splat(mask, n)), _splat(4, n))
 
+    def table_value(self, position):  # wscale[position]
+        return self.b.load(self.b.gep(self.wscale, [position]))
+
     def table_scale(self, position):  # wscale[position], the same in all 16 lanes
-        return _splat_value(self.b, self.b.load(self.b.gep(self.wscale, [position])), 16)
+        return _splat_value(self.b, self.table_value(position), 16)
 
     def block_scales(self, blocks: int, stride: int = 1):  # a table with one scale per block of 32
         first = self.b.mul(self.index, ir.Constant(_i64, blocks))
@@ -109,7 +114,7 @@ class _Unit:
 
 
 def _q8_0(u):  # 34 bytes: fp16 d, 32 int8 q; wscale: d per block
-    return [u.load(2, 32, signed=True)], lambda: u.block_scales(1)
+    return [u.load(2, 32, signed=True)], lambda: u.block_scales(1), None
 
 
 def _q5(qh_at: int, qs_at: int, zero: int, stride: int):  # Q5_0 (22 bytes, zero 16) / Q5_1 (24, zero 0):
@@ -117,7 +122,12 @@ def _q5(qh_at: int, qs_at: int, zero: int, stride: int):  # Q5_0 (22 bytes, zero
         qs = u.load(qs_at, 16)
         w = u.b.or_(u.b.shuffle_vector(u.nibbles(qs, False), u.nibbles(qs, True), _vector(list(range(32)), _i32)),
                     u.word_bits(qh_at))  # fmt: skip
-        return [u.b.sub(w, _splat(zero, 32)) if zero else w], lambda: u.block_scales(1, stride)  # wscale: d (, m) per block
+        weights = [u.b.sub(w, _splat(zero, 32)) if zero else w]
+        if stride == 1:  # Q5_0, wscale: d per block
+            return weights, lambda: u.block_scales(1), None
+        # Q5_1, wscale: d, m per block; m enters as the min term with offset -m
+        return weights, lambda: u.block_scales(1, 2), lambda: [u.b.fneg(u.table_value(u.b.add(u.b.mul(
+            u.index, ir.Constant(_i64, 2)), ir.Constant(_i64, 1))))]  # fmt: skip
 
     return kind
 
@@ -134,7 +144,7 @@ def _q6_k(u):  # 210 bytes: ql[128], qh[64], int8 sc[16], fp16 d; wscale: d per 
         sub = b.fmul(u.table_scale(u.index), b.sitofp(u.load(192, 16, element=_i8), ir.VectorType(_f32, 16)))
         return [b.shuffle_vector(sub, sub, _vector([2 * j] * 8 + [2 * j + 1] * 8, _i32)) for j in range(8)]
 
-    return ws, scales
+    return ws, scales, None
 
 
 def _q5_k(u):  # 176 bytes: d, dmin, scales[12], qh[32], qs[128]; sub-block 2j + half is the low (half 0)
@@ -142,9 +152,35 @@ def _q5_k(u):  # 176 bytes: d, dmin, scales[12], qh[32], qs[128]; sub-block 2j +
     for j in range(4):
         qs = u.load(48 + j * 32, 32)
         ws += [u.b.or_(u.nibbles(qs, half == 1), u.bits(qh, 2 * j + half, 1)) for half in range(2)]
-    return ws, lambda: u.block_scales(8)  # wscale: the row's d * sc table, decoded by _q5_k_scales
+    sc, mn = _q5_k_scale_bytes(u)
+    b, two = u.b, ir.Constant(_i64, 2)
+    d, dmin = u.table_value(b.mul(u.index, two)), u.table_value(b.add(b.mul(u.index, two), ir.Constant(_i64, 1)))
+
+    def scales():  # d * sc per sub-block of 32 (wscale: d, dmin per super-block)
+        return [_splat_value(b, b.fmul(d, b.extract_element(sc, ir.Constant(_i32, j))), 16) for j in range(8)]
+
+    def offsets():  # dmin * m per sub-block: the min term
+        return [b.fmul(dmin, b.extract_element(mn, ir.Constant(_i32, j))) for j in range(8)]
+
+    return ws, scales, offsets
 
 
+def _q5_k_scale_bytes(u):
+    """Bytes 4-15 of a K-quant super-block -> its 8 six-bit sc and m as <8 x float>
+    (llama.cpp's get_scale_min_k4): sub-block j < 4 takes the low 6 bits of bytes 4 + j and
+    8 + j; j >= 4 the nibbles of byte 8 + j and the top 2 bits of bytes j and 4 + j."""
+    b, raw = u.b, u.load(4, 12)  # raw[i] is byte 4 + i
+    pick = lambda idx: b.shuffle_vector(raw, raw, _vector(idx, _i32))  # noqa: E731
+    low_sc, low_m = pick([0, 1, 2, 3, 8, 9, 10, 11]), pick([4, 5, 6, 7, 8, 9, 10, 11])  # bytes 4+j / 8+j; 12+(j-4)
+    top_sc, top_m = pick([0, 0, 0, 0, 0, 1, 2, 3]), pick([0, 0, 0, 0, 4, 5, 6, 7])  # bytes j, 4 + j for j >= 4
+    upper = _vector([0] * 4 + [1] * 4, _i16)
+    tops = lambda v: b.mul(b.shl(b.lshr(v, _splat(6, 8)), _splat(4, 8)), upper)  # noqa: E731
+    sc = b.or_(b.and_(low_sc, _vector([63] * 4 + [15] * 4, _i16)), tops(top_sc))
+    mn = b.or_(b.lshr(b.and_(low_m, _vector([63] * 4 + [255] * 4, _i16)), _vector([0] * 4 + [4] * 4, _i16)), tops(top_m))
+    return b.uitofp(sc, ir.VectorType(_f32, 8)), b.uitofp(mn, ir.VectorType(_f32, 8))
+
+
+MIN_KINDS = ("q5_k", "q5_1")  # the readers that give offsets: a min term
 # kind: (unit bytes, blocks of 32 per unit, reader)
 _KINDS = {"q8_0": (34, 1, _q8_0), "q6_k": (210, 8, _q6_k), "q5_k": (176, 8, _q5_k),
           "q5_0": (22, 1, _q5(2, 6, 16, 1)), "q5_1": (24, 1, _q5(4, 8, 0, 2))}  # fmt: skip
@@ -161,49 +197,60 @@ def _pairs(b, w, a):  # <32 x i16> twice -> <16 x i32>: lane l = w[2l] a[2l] + w
 
 
 def _dot(kind: str, rows: int):
-    """An intrinsic `dot(row, xq, xs, wscale, units, first, out)`: the outputs of activation rows
-    first .. first + rows - 1 (those below M) for one weight row, into out[first:], with the
-    row's integers read in registers once for all of them (no row buffer). Per activation row
-    the lanes of `_lanes_source`, the same operations in the same order (so the same bits), as
-    vectors: c += (wscale * xs[b]) * float(pairs(w, xq block b)) per block, then c[0] + ... +
-    c[15]. xq [M, K] int16, xs [M, K // 32] fp32, out [M] fp32."""
+    """An intrinsic `dot(row, xq, xs, xsum, wscale, units, first, out)`: the outputs of
+    activation rows first .. first + rows - 1 (those below M) for one weight row, into
+    out[first:], with the row's integers read in registers once for all of them. Per
+    activation row the arithmetic of the module docstring, as vectors: c += (wscale * xs[b]) *
+    float(pairs(w, xq block b)) per block, then c[0] + ... + c[15], minus the min term (Q5_K,
+    Q5_1) summed in block order alongside. xq [M, K] int16, xs [M, K // 32] fp32, xsum
+    [M, K // 32] int32, out [M] fp32."""
     width, blocks, reader = _KINDS[kind]
+    with_min = kind in MIN_KINDS
 
     @intrinsic
-    def dot(typingctx, row, xq, xs, wscale, units, first, out):
+    def dot(typingctx, row, xq, xs, xsum, wscale, units, first, out):
         def codegen(context, builder, signature, args):
             b = builder
-            rp, qp, sp, wp, op = (_data(context, b, signature, args, k) for k in (0, 1, 2, 3, 6))
+            rp, qp, sp, np_, wp, op = (_data(context, b, signature, args, k) for k in (0, 1, 2, 3, 4, 7))
             shape = context.make_array(signature.args[1])(context, b, args[1]).shape
             m, k = b.extract_value(shape, 0), b.extract_value(shape, 1)
             last = b.sub(m, ir.Constant(_i64, 1))  # rows past M repeat row M - 1 and are not stored
             picks = [b.select(b.icmp_signed("<", v, m), v, last) for v in
-                     (b.add(args[5], ir.Constant(_i64, r)) for r in range(rows))]  # fmt: skip
+                     (b.add(args[6], ir.Constant(_i64, r)) for r in range(rows))]  # fmt: skip
             zero = ir.Constant(ir.VectorType(_f32, 16), [ir.Constant(_f32, 0.0)] * 16)
             accs = [cgutils.alloca_once_value(b, zero) for _ in range(rows)]
-            with cgutils.for_range(b, args[4]) as loop:
-                weights, scales = reader(_Unit(b, b.gep(rp, [b.mul(loop.index, ir.Constant(_i64, width))]), loop.index, wp))
-                cs = [b.load(acc) for acc in accs]
-                for j, (w, ws) in enumerate(zip(weights, scales(), strict=True)):
+            mins = [cgutils.alloca_once_value(b, ir.Constant(_f32, 0.0)) for _ in range(rows)]
+            with cgutils.for_range(b, args[5]) as loop:
+                weights, scales, offsets = reader(_Unit(b, b.gep(rp, [b.mul(loop.index, ir.Constant(_i64, width))]),
+                                                        loop.index, wp))  # fmt: skip
+                cs, ms = [b.load(acc) for acc in accs], [b.load(v) for v in mins]
+                offs = offsets() if offsets else [None] * len(weights)
+                for j, (w, ws, off) in enumerate(zip(weights, scales(), offs, strict=True)):
                     block = b.add(b.mul(loop.index, ir.Constant(_i64, blocks)), ir.Constant(_i64, j))
                     for r, pick in enumerate(picks):
                         at = b.add(b.mul(pick, k), b.mul(block, ir.Constant(_i64, 32)))
                         a = b.load(b.bitcast(b.gep(qp, [at]), ir.VectorType(_i16, 32).as_pointer()), align=2)
-                        x_scale = b.load(b.gep(sp, [b.add(b.mul(pick, b.udiv(k, ir.Constant(_i64, 32))), block)]))
+                        slot = b.add(b.mul(pick, b.udiv(k, ir.Constant(_i64, 32))), block)
+                        x_scale = b.load(b.gep(sp, [slot]))
                         scale = b.fmul(ws, _splat_value(b, x_scale, 16))
                         cs[r] = b.fadd(cs[r], b.fmul(scale, b.sitofp(_pairs(b, w, a), ir.VectorType(_f32, 16))))
-                for acc, c in zip(accs, cs, strict=True):
+                        if off is not None:  # (offset * xs[b]) * sum of block b's xq
+                            ms[r] = b.fadd(ms[r], b.fmul(b.fmul(off, x_scale), b.sitofp(b.load(b.gep(np_, [slot])), _f32)))
+                for acc, c, v, mn in zip(accs, cs, mins, ms, strict=True):
                     b.store(c, acc)
+                    b.store(mn, v)
             for r, pick in enumerate(picks):
                 c = b.load(accs[r])
                 total = b.extract_element(c, ir.Constant(_i32, 0))
                 for lane in range(1, LANES):
                     total = b.fadd(total, b.extract_element(c, ir.Constant(_i32, lane)))
-                with b.if_then(b.icmp_signed("<", b.add(args[5], ir.Constant(_i64, r)), m)):
+                if with_min:
+                    total = b.fsub(total, b.load(mins[r]))
+                with b.if_then(b.icmp_signed("<", b.add(args[6], ir.Constant(_i64, r)), m)):
                     b.store(total, b.gep(op, [pick]))
             return context.get_dummy_value()
 
-        return types.void(row, xq, xs, wscale, units, first, out), codegen
+        return types.void(row, xq, xs, xsum, wscale, units, first, out), codegen
 
     return dot
 
@@ -235,132 +282,63 @@ def quantize_rows(x, xq, xs, xsum):  # pragma: no cover - compiled
             xsum[m, b] = total
 
 
-@njit(types.void(_raw(types.int8), _f32_2d, _i16_2d, _f32_2d, _f32_2d),
-      cache=True, nogil=True, parallel=True)  # fmt: skip
-def q8_0_matmul(raw, d, xq, xs, y):  # pragma: no cover - compiled
-    """raw [N, K // 32 * 34] (Q8_0 blocks as int8: fp16 d, then 32 q), d [N, K // 32] fp32
-    -> y [M, N]."""
-    rows, blocks, m = d.shape[0], d.shape[1], xq.shape[0]
-    for chunk in prange((rows + CHUNK - 1) // CHUNK):
-        out = np.empty(m, np.float32)
-        for n in range(chunk * CHUNK, min(rows, chunk * CHUNK + CHUNK)):
-            first = 0
-            while first < m:
-                if m - first == 1:
-                    _one_q8_0(raw[n], xq, xs, d[n], blocks, first, out)
-                elif m - first == 2:
-                    _two_q8_0(raw[n], xq, xs, d[n], blocks, first, out)
-                else:
-                    _many_q8_0(raw[n], xq, xs, d[n], blocks, first, out)
-                first += DOT_ROWS
-            for r in range(m):
-                y[r, n] = out[r]
-
-
-@njit(types.void(_raw(types.uint8), _f32_2d, _i16_2d, _f32_2d, _f32_2d),
-      cache=True, nogil=True, parallel=True)  # fmt: skip
-def q6_k_matmul(raw, d, xq, xs, y):  # pragma: no cover - compiled
-    """raw [N, K // 256 * 210] (Q6_K blocks), d [N, K // 256] fp32 (each block's fp16 d) -> y [M, N]."""
-    rows, supers, m = d.shape[0], d.shape[1], xq.shape[0]
-    for chunk in prange((rows + CHUNK - 1) // CHUNK):
-        out = np.empty(m, np.float32)
-        for n in range(chunk * CHUNK, min(rows, chunk * CHUNK + CHUNK)):
-            first = 0
-            while first < m:
-                if m - first == 1:
-                    _one_q6_k(raw[n], xq, xs, d[n], supers, first, out)
-                elif m - first == 2:
-                    _two_q6_k(raw[n], xq, xs, d[n], supers, first, out)
-                else:
-                    _many_q6_k(raw[n], xq, xs, d[n], supers, first, out)
-                first += DOT_ROWS
-            for r in range(m):
-                y[r, n] = out[r]
+KIND_CODES = {name: code for code, name in enumerate(_KINDS)}  # matmul's `kind`
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _q5_k_scales(row, d, dmin, scale, offset):  # pragma: no cover - compiled
-    """A Q5_K row's per-sub-block scale = d * sc and offset = dmin * m, for every super-block
-    (llama.cpp's get_scale_min_k4 unpacking of bytes 4-15)."""
-    for sb in range(d.shape[0]):
-        block = row[sb * 176 : sb * 176 + 176]
-        for j in range(8):
-            if j < 4:
-                sc, mn = block[4 + j] & 63, block[8 + j] & 63
-            else:
-                sc = (block[8 + j] & 15) | ((block[j] >> 6) << 4)
-                mn = (block[8 + j] >> 4) | ((block[4 + j] >> 6) << 4)
-            scale[sb * 8 + j] = d[sb] * np.float32(sc)
-            offset[sb * 8 + j] = dmin[sb] * np.float32(mn)
+def _pass(kind, row, xq, xs, xsum, table, units, first, width, out):  # pragma: no cover - compiled
+    """One pass of `width` (1, 2 or DOT_ROWS) activation rows from `first` over one weight row."""
+    if kind == 0:
+        if width == 1:
+            _one_q8_0(row, xq, xs, xsum, table, units, first, out)
+        elif width == 2:
+            _two_q8_0(row, xq, xs, xsum, table, units, first, out)
+        else:
+            _many_q8_0(row, xq, xs, xsum, table, units, first, out)
+    elif kind == 1:
+        if width == 1:
+            _one_q6_k(row, xq, xs, xsum, table, units, first, out)
+        elif width == 2:
+            _two_q6_k(row, xq, xs, xsum, table, units, first, out)
+        else:
+            _many_q6_k(row, xq, xs, xsum, table, units, first, out)
+    elif kind == 2:
+        if width == 1:
+            _one_q5_k(row, xq, xs, xsum, table, units, first, out)
+        elif width == 2:
+            _two_q5_k(row, xq, xs, xsum, table, units, first, out)
+        else:
+            _many_q5_k(row, xq, xs, xsum, table, units, first, out)
+    elif kind == 3:
+        if width == 1:
+            _one_q5_0(row, xq, xs, xsum, table, units, first, out)
+        elif width == 2:
+            _two_q5_0(row, xq, xs, xsum, table, units, first, out)
+        else:
+            _many_q5_0(row, xq, xs, xsum, table, units, first, out)
+    elif width == 1:
+        _one_q5_1(row, xq, xs, xsum, table, units, first, out)
+    elif width == 2:
+        _two_q5_1(row, xq, xs, xsum, table, units, first, out)
+    else:
+        _many_q5_1(row, xq, xs, xsum, table, units, first, out)
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _mins(offset, xs, xsum):  # pragma: no cover - compiled
-    """The min term of one output: sum over blocks b of (offset[b] * xs[b]) * xsum[b], in block order."""
-    mins = np.float32(0)
-    for b in range(offset.shape[0]):
-        mins += (offset[b] * xs[b]) * np.float32(xsum[b])
-    return mins
-
-
-@njit(types.void(_raw(types.uint8), types.float32[:, :, ::1], _i16_2d, _f32_2d, types.int32[:, ::1], _f32_2d),
+@njit(types.void(types.int64, _raw(types.uint8), _f32_2d, types.int64, _i16_2d, _f32_2d, types.int32[:, ::1], _f32_2d),
       cache=True, nogil=True, parallel=True)  # fmt: skip
-def q5_k_matmul(raw, d_dmin, xq, xs, xsum, y):  # pragma: no cover - compiled
-    """raw [N, K // 256 * 176] (Q5_K blocks), d_dmin [N, K // 256, 2] fp32 -> y [M, N]."""
-    rows, supers, m = d_dmin.shape[0], d_dmin.shape[1], xq.shape[0]
+def matmul(kind, raw, table, units, xq, xs, xsum, y):  # pragma: no cover - compiled
+    """raw [N, bytes per row] (the file's blocks of KIND_CODES' type `kind`), table [N, T] fp32:
+    per row the fp16 fields as fp32 (Q8_0, Q5_0: d per block; Q5_1: d, m per block; Q6_K: d
+    per super-block; Q5_K: d, dmin per super-block), units: blocks (or super-blocks) per row
+    -> y [M, N]. Rows of activations in passes of DOT_ROWS, the last ones narrower."""
+    rows, m = raw.shape[0], xq.shape[0]
     for chunk in prange((rows + CHUNK - 1) // CHUNK):
         out = np.empty(m, np.float32)
-        scale, offset = np.empty(supers * 8, np.float32), np.empty(supers * 8, np.float32)
         for n in range(chunk * CHUNK, min(rows, chunk * CHUNK + CHUNK)):
-            _q5_k_scales(raw[n], d_dmin[n, :, 0], d_dmin[n, :, 1], scale, offset)
             first = 0
             while first < m:
-                if m - first == 1:
-                    _one_q5_k(raw[n], xq, xs, scale, supers, first, out)
-                elif m - first == 2:
-                    _two_q5_k(raw[n], xq, xs, scale, supers, first, out)
-                else:
-                    _many_q5_k(raw[n], xq, xs, scale, supers, first, out)
-                first += DOT_ROWS
-            for r in range(m):
-                y[r, n] = out[r] - _mins(offset, xs[r], xsum[r])
-
-
-@njit(types.void(_raw(types.uint8), types.float32[:, :, ::1], _i16_2d, _f32_2d, types.int32[:, ::1], _f32_2d),
-      cache=True, nogil=True, parallel=True)  # fmt: skip
-def q5_matmul(raw, scales, xq, xs, xsum, y):  # pragma: no cover - compiled
-    """raw [N, K // 32 * width] (Q5_0 blocks of 22 bytes, or Q5_1 of 24), scales [N, K // 32, 1]
-    (Q5_0: d) or [N, K // 32, 2] (Q5_1: d, m) fp32 -> y [M, N]. Q5_1's m enters as the min
-    term with offset -m (exact), as Q5_K's dmin * m."""
-    rows, blocks, m, with_min = scales.shape[0], scales.shape[1], xq.shape[0], scales.shape[2] == 2
-    for chunk in prange((rows + CHUNK - 1) // CHUNK):
-        out = np.empty(m, np.float32)
-        offset = np.empty(blocks, np.float32)
-        for n in range(chunk * CHUNK, min(rows, chunk * CHUNK + CHUNK)):
-            table = scales[n].reshape(-1)
-            if with_min:
-                for b in range(blocks):
-                    offset[b] = -scales[n, b, 1]
-                first = 0
-                while first < m:
-                    if m - first == 1:
-                        _one_q5_1(raw[n], xq, xs, table, blocks, first, out)
-                    elif m - first == 2:
-                        _two_q5_1(raw[n], xq, xs, table, blocks, first, out)
-                    else:
-                        _many_q5_1(raw[n], xq, xs, table, blocks, first, out)
-                    first += DOT_ROWS
-                for r in range(m):
-                    y[r, n] = out[r] - _mins(offset, xs[r], xsum[r])
-                continue
-            first = 0
-            while first < m:
-                if m - first == 1:
-                    _one_q5_0(raw[n], xq, xs, table, blocks, first, out)
-                elif m - first == 2:
-                    _two_q5_0(raw[n], xq, xs, table, blocks, first, out)
-                else:
-                    _many_q5_0(raw[n], xq, xs, table, blocks, first, out)
-                first += DOT_ROWS
+                width = DOT_ROWS if m - first > 2 else m - first
+                _pass(kind, raw[n], xq, xs, xsum, table[n], units, first, width, out)
+                first += width
             for r in range(m):
                 y[r, n] = out[r]

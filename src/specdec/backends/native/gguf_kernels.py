@@ -211,7 +211,14 @@ class QuantEmbedding:
     def __call__(self, token_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden] fp32
         if self._float is not None:
             return self._float[token_ids.cpu()].float().to(token_ids.device)
-        rows = self.tensor.rows(token_ids.cpu().numpy())
+        index = token_ids.cpu().numpy()
+        if self.tensor.qtype.name == "Q8_0":  # d * q, exact in fp32 (an fp16 times an int8): the
+            # reference's bits without its per-call cost (~0.25 ms a decode step)
+            blocks = np.asarray(self.tensor.data[index]).reshape(len(index), -1, 34)
+            d = np.ascontiguousarray(blocks[..., :2]).view(np.float16).astype(np.float32)  # [T, K // 32, 1]
+            rows = (blocks[..., 2:].view(np.int8).astype(np.float32) * d).reshape(len(index), self.embedding_dim)
+        else:
+            rows = self.tensor.rows(index)
         return torch.from_numpy(rows).to(token_ids.device)
 
 

@@ -108,14 +108,9 @@ class BlockLinear8(torch.nn.Module):
         xsum = np.empty((m, blocks), np.int32)
         jit.quantize_rows(x, xq, xs, xsum)
         y = np.empty((m, self.out_features), np.float32)
-        if self.qtype == "Q8_0":
-            jit.q8_0_matmul(self.raw.view(np.int8), self.scales, xq, xs, y)
-        elif self.qtype == "Q6_K":
-            jit.q6_k_matmul(self.raw, self.scales, xq, xs, y)
-        elif self.qtype in ("Q5_0", "Q5_1"):
-            jit.q5_matmul(self.raw, self.scales, xq, xs, xsum, y)
-        else:
-            jit.q5_k_matmul(self.raw, self.scales, xq, xs, xsum, y)
+        span = BLOCK if self.qtype in SMALL_BLOCK_TYPES else 256
+        table = self.scales.reshape(self.out_features, -1)  # [N, T]: a view
+        jit.matmul(jit.KIND_CODES[self.qtype.lower()], self.raw, table, self.in_features // span, xq, xs, xsum, y)
         return torch.from_numpy(y)
 
     def _torch(self, x: torch.Tensor) -> torch.Tensor:
