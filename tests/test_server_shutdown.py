@@ -192,7 +192,9 @@ def test_sigterm_drains_running_requests_then_exits_0(endless_model_dir):
 
 
 def test_sigterm_ends_what_still_runs_at_the_deadline(endless_model_dir):
-    srv = ServerProcess(endless_model_dir, "--drafter", "none", "--shutdown-timeout", "1")
+    # a deadline of 0.1 s against 1000 tokens: this tiny model decodes ~1000 tok/s on a fast
+    # CPU, where 1000 tokens against a 1 s deadline finished before it
+    srv = ServerProcess(endless_model_dir, "--drafter", "none", "--shutdown-timeout", "0.1")
     try:
         running = Stream(srv.url, 1000)
         srv.proc.send_signal(signal.SIGTERM)
