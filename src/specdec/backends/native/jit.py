@@ -350,6 +350,17 @@ def add_rms_norm_bf16(x, delta, weight, eps):  # pragma: no cover - compiled
     return total, out
 
 
+@njit(cache=True, nogil=True, inline="always")
+def rotate(x, cos, signed_sin, out):  # pragma: no cover - compiled
+    """out = x * cos + roll(x, dim / 2) * signed_sin for one head [dim], each product and the
+    sum rounded as layer.rope's three PyTorch ops round them."""
+    half = x.shape[0] // 2
+    for d in range(half):
+        out[d] = x[d] * cos[d] + x[d + half] * signed_sin[d]
+    for d in range(half, x.shape[0]):
+        out[d] = x[d] * cos[d] + x[d - half] * signed_sin[d]
+
+
 @njit("UniTuple(float32[:, :, ::1], 3)(uint16[:, :], float32[:, :, ::1], float32[:, :, ::1], int64, int64)",
       cache=True, nogil=True)  # fmt: skip
 def split_rotate(qkv, cos, signed_sin, heads, kv_heads):  # pragma: no cover - compiled
@@ -358,7 +369,6 @@ def split_rotate(qkv, cos, signed_sin, heads, kv_heads):  # pragma: no cover - c
     signed_sin, each product and the sum rounded as PyTorch's three ops round them (the same
     bits as layer.rope). cos, signed_sin: [N, 1, dim]."""
     rows, dim = qkv.shape[0], cos.shape[2]
-    half = dim // 2
     q = np.empty((rows, heads, dim), np.float32)
     k = np.empty((rows, kv_heads, dim), np.float32)
     v = np.empty((rows, kv_heads, dim), np.float32)
@@ -372,11 +382,7 @@ def split_rotate(qkv, cos, signed_sin, heads, kv_heads):  # pragma: no cover - c
                 for d in range(dim):
                     v[r, h - heads - kv_heads, d] = x[d]
                 continue
-            out = q[r, h] if h < heads else k[r, h - heads]
-            for d in range(half):
-                out[d] = x[d] * cos[r, 0, d] + x[d + half] * signed_sin[r, 0, d]
-            for d in range(half, dim):
-                out[d] = x[d] * cos[r, 0, d] + x[d - half] * signed_sin[r, 0, d]
+            rotate(x, cos[r, 0], signed_sin[r, 0], q[r, h] if h < heads else k[r, h - heads])
     return q, k, v
 
 
@@ -387,7 +393,7 @@ def split_norm_rotate(qkv, cos, signed_sin, heads, kv_heads, q_weight, k_weight,
     of q and k first RMS-normed over dim (inverse_rms) and scaled by q_weight or k_weight [dim]
     where those are not empty (qwen3, gemma3)."""
     rows, dim = qkv.shape[0], cos.shape[2]
-    half, normed = dim // 2, q_weight.shape[0] > 0
+    normed = q_weight.shape[0] > 0
     q = np.empty((rows, heads, dim), np.float32)
     k = np.empty((rows, kv_heads, dim), np.float32)
     v = np.empty((rows, kv_heads, dim), np.float32)
@@ -405,11 +411,7 @@ def split_norm_rotate(qkv, cos, signed_sin, heads, kv_heads, q_weight, k_weight,
                     x[d] = (src[d] * inv) * weight[d]
             else:
                 x[:] = src
-            out = q[r, h] if h < heads else k[r, h - heads]
-            for d in range(half):
-                out[d] = x[d] * cos[r, 0, d] + x[d + half] * signed_sin[r, 0, d]
-            for d in range(half, dim):
-                out[d] = x[d] * cos[r, 0, d] + x[d - half] * signed_sin[r, 0, d]
+            rotate(x, cos[r, 0], signed_sin[r, 0], q[r, h] if h < heads else k[r, h - heads])
     return q, k, v
 
 
