@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from specdec.backends import Backend, RollbackLM, available, make_backend
+from specdec.backends import Backend, FeatureModel, RollbackLM, available, make_backend
 from specdec.backends import prefix_cache as backend_mod
 from specdec.backends.hf import HFBackend
 from specdec.backends.prefix_cache import PrefixCache
@@ -102,6 +102,12 @@ def test_every_backend_implements_the_whole_protocol(kind):
         assert backend.forward_tree([8, 9, 10], [-1, 0, -1]).shape[0] == 3  # [T, V]
         backend.keep([0, 1])
         assert backend.length == 5 and backend.hidden.shape[0] == 5
+    features = backend.feature_model()
+    missing = sorted(m for m in protocol_members(FeatureModel) if not hasattr(features, m))
+    assert not missing, f"{kind}'s feature model lacks {missing}"
+    assert features == backend.feature_model()  # a drafter builds its head once per model
+    assert features.embed(torch.tensor([5, 6])).shape == (2, features.hidden_size)
+    assert features.logits(backend.hidden[:2]).shape == (2, features.vocab_size)
     backend.reset()
     assert backend.length == 0
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from conftest import spy_trees, tiny_llama
+from specdec.backends import make_backend
 from specdec.drafters import make_drafter
-from specdec.drafters.eagle import EagleDrafter, EagleHead, LeanHead, head_config_from_target
+from specdec.drafters.eagle import EagleDrafter, EagleHead, head_config_from_target
 from specdec.engine import Engine
 from specdec.tree import check_tree, first_path, tree_depths
 
@@ -17,6 +18,11 @@ PROMPT = "def add(a, b):"
 @pytest.fixture(scope="module")
 def target():
     return tiny_llama(seed=3, layers=4, hidden=64)
+
+
+def _lean(target, head: EagleHead, precision: str, backend: str = "native"):
+    """The head on a backend's kernels, built through its FeatureModel as the drafter builds it."""
+    return make_backend(backend, target).feature_model().draft_head(head.state_dict(), head.dims, None, precision)
 
 
 def _head(target, std: float = 0.05) -> EagleHead:
@@ -34,7 +40,7 @@ def test_tree_nodes_see_what_their_chains_see(target):
     feats, embeds = torch.randn(10, 64), torch.randn(10, 64)
     node_feats, node_embeds = torch.randn(4, 64), torch.randn(4, 64)
     # roots a (0), b (1) at position 10, slots 10, 11; then c (2) under a, d (3) under b at position 11
-    tree = LeanHead(head, "fp32", torch.device("cpu"))
+    tree = _lean(target, head, "fp32")
     tree.forward(feats, embeds, 0)
     visible = torch.zeros(2, 12, dtype=torch.bool)
     visible[:, :10] = True
@@ -46,7 +52,7 @@ def test_tree_nodes_see_what_their_chains_see(target):
     visible[1, [11, 13]] = True
     leaves = tree.forward_nodes(node_feats[2:], node_embeds[2:], [11, 11], 12, visible)
 
-    chain = LeanHead(head, "fp32", torch.device("cpu"))
+    chain = _lean(target, head, "fp32")
     chain.forward(feats, embeds, 0)
     for root, leaf in ((0, 2), (1, 3)):  # each path from position 10, over the other's guesses
         got_root = chain.forward(node_feats[root : root + 1], node_embeds[root : root + 1], 10)
@@ -57,7 +63,7 @@ def test_tree_nodes_see_what_their_chains_see(target):
 
 @pytest.mark.parametrize("vocab_ids", [None, torch.arange(60)], ids=["full-vocab", "fr-spec"])
 def test_proposed_tree_is_ranked_best_first(target, vocab_ids):
-    drafter = EagleDrafter(target.model, _head(target), vocab_ids, target.eos_token_ids, tree=True, width=3,
+    drafter = EagleDrafter(_head(target), vocab_ids, target.eos_token_ids, tree=True, width=3,
                            max_nodes=10)
     engine = Engine(target, drafter, k=4)
     engine.backend.prefill([5, 17, 33, 2, 90, 41])  # the cache holds all but the pending token
@@ -71,7 +77,7 @@ def test_proposed_tree_is_ranked_best_first(target, vocab_ids):
         if vocab_ids is not None:
             assert all(t < 60 for t in kids)
     # The best chain is the head's own greedy chain, as far as the tree follows it.
-    chain = EagleDrafter(target.model, _head(target), vocab_ids, target.eos_token_ids)
+    chain = EagleDrafter(_head(target), vocab_ids, target.eos_token_ids)
     chain.bind_target(engine.backend)
     greedy = chain.propose([5, 17, 33, 2, 90, 41, 7], 4).tokens
     best = [draft.tokens[i] for i in first_path(draft.parents)]
@@ -79,7 +85,7 @@ def test_proposed_tree_is_ranked_best_first(target, vocab_ids):
 
 
 def _engine(target, tree: bool, backend: str, vocab_ids=None, **options):
-    drafter = EagleDrafter(target.model, _head(target, std=0.02), vocab_ids, target.eos_token_ids, tree=tree,
+    drafter = EagleDrafter(_head(target, std=0.02), vocab_ids, target.eos_token_ids, tree=tree,
                            **options)
     return Engine(target, drafter, k=4, backend=backend)
 

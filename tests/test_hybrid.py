@@ -80,7 +80,7 @@ def test_suffix_then_eagle_is_lossless_and_uses_both(target):
     plain = Engine(target, "none", k=0).generate(PROMPT, max_new_tokens=32, chat=False)
     torch.manual_seed(0)
     head = EagleHead(head_config_from_target(target.model)).eval()
-    eagle = EagleDrafter(target.model, head, None, target.eos_token_ids)
+    eagle = EagleDrafter(head, None, target.eos_token_ids)
     hybrid = HybridDrafter([SuffixDrafter(None, depth=16, eos_token_ids=target.eos_token_ids), eagle])
     engine = Engine(target, hybrid, k=3)
     out = engine.generate(PROMPT, max_new_tokens=32, chat=False)

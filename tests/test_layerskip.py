@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from conftest import save_loaded, tiny_llama
+from specdec.backends import make_backend
 from specdec.backends.hf import HFBackend
 from specdec.drafters import make_drafter
-from specdec.drafters.eagle import EagleDrafter, EagleHead, LeanHead, head_config_from_target
+from specdec.drafters.eagle import EagleDrafter, EagleHead, head_config_from_target
 from specdec.drafters.layerskip import LayerSkipDrafter, LayerStack, load_choice, parse_layers, save_choice
 from specdec.engine import Engine
 from specdec.errors import SpecdecError
@@ -22,6 +23,11 @@ PROMPT = "def add(a, b):"
 @pytest.fixture(scope="module")
 def target():
     return tiny_llama(seed=3, layers=4, hidden=64)
+
+
+def _lean(target, head: EagleHead, precision: str, backend: str = "native"):
+    """The head on a backend's kernels, built through its FeatureModel as the drafter builds it."""
+    return make_backend(backend, target).feature_model().draft_head(head.state_dict(), head.dims, None, precision)
 
 
 def _plain(target, n=40):
@@ -119,7 +125,7 @@ def test_untrained_eagle_head_is_lossless(target):
     head = EagleHead(head_config_from_target(target.model)).eval()
     plain = _plain(target, 24)
     for vocab_ids in (None, torch.arange(50)):
-        drafter = EagleDrafter(target.model, head, vocab_ids, target.eos_token_ids)
+        drafter = EagleDrafter(head, vocab_ids, target.eos_token_ids)
         engine = Engine(target, drafter, k=4)
         out = engine.generate(PROMPT, max_new_tokens=24, chat=False)
         assert engine.backend.hidden is not None  # the engine handed its backend to the drafter
@@ -129,8 +135,9 @@ def test_untrained_eagle_head_is_lossless(target):
         assert len(sampled.token_ids) == 12
 
 
+@pytest.mark.parametrize("backend", ["native", "hf"])
 @pytest.mark.parametrize("precision, atol", [("fp32", 1e-5), ("int8", 0.1)])
-def test_lean_head_follows_the_trained_module(target, precision, atol):
+def test_lean_head_follows_the_trained_module(target, precision, atol, backend):
     """The drafting runtime (native layer, static cache) predicts what the transformers head
     does: a 40-token first call (one causal pass), steps of 1 and 3 tokens, and an overwrite
     after a rollback."""
@@ -138,7 +145,7 @@ def test_lean_head_follows_the_trained_module(target, precision, atol):
     head = EagleHead(head_config_from_target(target.model)).eval()
     for p in head.parameters():  # a trained head: no zeroed projections
         torch.nn.init.normal_(p, std=0.05)
-    lean = LeanHead(head, precision, torch.device("cpu"))
+    lean = _lean(target, head, precision, backend)
     lean._alloc(32)  # a small cache, so that the calls below grow it
     feats, embeds = torch.randn(50, 64), torch.randn(50, 64)
     with torch.no_grad():

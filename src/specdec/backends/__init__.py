@@ -5,7 +5,7 @@ next-token logit row per input token; `rollback` truncates the cache to an earli
 Speculative decoding relies on rollback, so every backend must implement and test it.
 
 `Backend` is the whole contract the engine, the server's scheduler, the drafters and the
-benchmarks use; both built-in backends (hf.py, native/) implement every member. Adding a
+benchmarks use (with `FeatureModel` and `DraftHead` for drafters that read the target's features); both built-in backends (hf.py, native/) implement every member. Adding a
 backend is one module with a class that satisfies `Backend` and a factory registered with
 `@register("name")` that validates the backend's own options.
 """
@@ -43,6 +43,55 @@ class RollbackLM(Protocol):
 
     def rollback(self, length: int) -> None:
         """Truncate the cache to its first `length` tokens."""
+        ...
+
+
+class DraftHead(Protocol):
+    """A draft head's decoder layer (EAGLE's) on a backend's kernels, over a KV cache of its
+    own that a position rolls back, with the target's LM head for logits; `FeatureModel.draft_head`
+    builds it."""
+
+    def forward(self, features: torch.Tensor, embeds: torch.Tensor, past: int) -> torch.Tensor:
+        """features, embeds [T, H] -> predicted next features [T, H]. Keys and values go to
+        positions past..past+T-1; the queries see positions < past + T."""
+        ...
+
+    def forward_nodes(self, features: torch.Tensor, embeds: torch.Tensor, positions: list[int], store: int,
+                      visible: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """Draft-tree nodes [T, H] -> their predicted next features [T, H]. Node j is rotated
+        for positions[j], its keys and values go to slot store + j, and it attends to the slots
+        that visible [T, store + T] marks (the context, its ancestors' slots and its own)."""
+        ...
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """features [T, H] -> logits [T, V] fp32, or [T, len(vocab_ids)] over the subset it was built with."""
+        ...
+
+
+class FeatureModel(Protocol):
+    """What a drafter that works on the target's features reads of the target: its input
+    embeddings and LM head as the backend holds them, and a head layer on its kernels. Two
+    sequences of one model give equal FeatureModels, so a drafter builds its head once."""
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids [T] -> [T, H] fp32, the inputs the target's first layer reads."""
+        ...
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """Post-norm features [T, H] -> logits [T, V] fp32, soft-capped as the target's are."""
+        ...
+
+    def draft_head(self, state: dict[str, torch.Tensor], dims: dict, vocab_ids: torch.Tensor | None,
+                   precision: str | None = None) -> DraftHead:  # fmt: skip
+        """A head from its trained weights (`drafters.eagle.EagleHead`'s state_dict names) and
+        dimensions (its config); with `vocab_ids` its logits cover only those LM-head rows
+        (FR-Spec). precision fp32 | bf16 | int8, or None for the backend's choice."""
         ...
 
 
@@ -96,6 +145,10 @@ class Backend(RollbackLM, Protocol):
     @property
     def hidden(self) -> torch.Tensor | None:
         """[length, H] hidden states of the cached tokens; None until enable_hidden_states()."""
+        ...
+
+    def feature_model(self) -> FeatureModel:
+        """The target's embedding, LM head and kernels for a drafter that reads `hidden`."""
         ...
 
     @property

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from specdec.backends import SlotPool, register
+from specdec.backends.native.draft_head import NativeDraftHead
 from specdec.backends.prefix_cache import PrefixCache, chunked_prefill
 from specdec.errors import SpecdecError
 from specdec.tree import ancestor_mask, check_tree, tree_depths
@@ -42,6 +45,9 @@ class HFBackend:
     def enable_hidden_states(self) -> None:
         self._keep_hidden = True
         self.prefix_cache.require_hidden()
+
+    def feature_model(self) -> HFFeatures:
+        return HFFeatures(self.model)
 
     @property
     def hidden(self) -> torch.Tensor | None:
@@ -169,6 +175,43 @@ class HFBackend:
         if self._keep_hidden and self._hidden is not None:
             self._hidden[base:end] = self._hidden[rows]  # [len(indices), H]
         self._length, self._tree_base = end, None
+
+
+@dataclass(frozen=True)
+class HFFeatures:
+    """The transformers backend's `FeatureModel`: its model's own modules; the draft head runs
+    on the native layer kernels (native/draft_head.py), which need nothing but torch."""
+
+    model: torch.nn.Module
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[1])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def softcap(self) -> float | None:
+        config = self.model.config
+        return getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
+                       "final_logit_softcapping", None)  # fmt: skip
+
+    @torch.inference_mode()
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.get_input_embeddings()(token_ids).float()  # Gemma's module scales its rows
+
+    @torch.inference_mode()
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        logits = self.model.get_output_embeddings()(features).float()
+        return torch.tanh(logits / self.softcap) * self.softcap if self.softcap else logits
+
+    def draft_head(self, state: dict[str, torch.Tensor], dims: dict, vocab_ids: torch.Tensor | None,
+                   precision: str | None = None) -> NativeDraftHead:  # fmt: skip
+        weight = self.model.get_output_embeddings().weight
+        rows = None if vocab_ids is None else weight[vocab_ids.to(weight.device)].detach()
+        return NativeDraftHead(state, dims, precision, weight.device, self.logits, rows, self.softcap)
 
 
 @register("hf")

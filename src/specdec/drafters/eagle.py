@@ -14,8 +14,11 @@ The head can score only a frequency-ranked subset of the vocabulary (FR-Spec, Zh
 2025), which keeps drafting cheap for large vocabularies; verification stays exact because
 drafted tokens are checked by the target as usual.
 
-The head reads the target's features from the engine's backend, which the engine hands over
-through `Drafter.bind_target`, which turns on the backend's `enable_hidden_states`.
+The engine hands its backend over through `Drafter.bind_target`. The drafter reads the
+target's features (`Backend.hidden`) and, through `Backend.feature_model()`, its embedding and
+LM head as the backend holds them (a GGUF target's own blocks, no float model). The trained
+head runs as the backend's `DraftHead`: a decoder layer on its kernels over a KV cache of its
+own, rolled back by position.
 """
 
 from __future__ import annotations
@@ -26,12 +29,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specdec.backends import Backend
-from specdec.backends.native.attention import new_cache
-from specdec.backends.native.layer import DECODE_ATTENTION_MAX, DecoderLayer, KVRow, NativeConfig
-from specdec.backends.native.quant import FusedLinear, make_linear
+from specdec.backends import Backend, DraftHead, FeatureModel
 from specdec.drafters import Draft, Drafter, DrafterSpec, register
-from specdec.drafters.common import DecoderParts, common_prefix
+from specdec.drafters.common import common_prefix
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams, logits_to_probs, sample
 
@@ -148,124 +148,37 @@ def load_head(directory: str | Path) -> tuple[EagleHead, torch.Tensor | None, di
     return head.eval(), vocab_ids, config
 
 
-class LeanHead:
-    """The trained head for drafting: its decoder layer as the native backend's `DecoderLayer`
-    (weight-only int8 on a cpu) over a static KV cache, so rollback is a position and a
-    drafted token costs a few small GEMMs instead of a transformers layer call. Its
-    predictions only need to be close to the trained module's: verification is exact anyway.
-
-    forward(features [T, H], embeds [T, H], past) -> predicted next features [T, H]; keys and
-    values go to positions past..past+T-1, and the queries see positions < past + T.
-    """
-
-    def __init__(self, head: EagleHead, precision: str, device: torch.device):
-        d = head.dims
-        self.config = NativeConfig(
-            model_type="llama", vocab_size=1, hidden_size=d["hidden_size"], num_layers=1,
-            num_heads=d["num_attention_heads"], num_kv_heads=d["num_key_value_heads"], head_dim=d["head_dim"],
-            rms_eps=d["rms_norm_eps"], max_positions=d["max_position_embeddings"], rope_theta=d["rope_theta"],
-        )  # fmt: skip
-        layer, attn, mlp = head.layer, head.layer.self_attn, head.layer.mlp
-
-        def w(module):
-            return module.weight.detach().to(device, torch.float32)
-
-        def b(module):
-            return None if module.bias is None else module.bias.detach().to(device, torch.float32)
-
-        qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
-        self.layer = DecoderLayer(
-            self.config, w(layer.input_layernorm),
-            FusedLinear([w(m) for m in qkv], [b(m) for m in qkv], precision), make_linear(w(attn.o_proj), b(attn.o_proj), precision),
-            w(layer.post_attention_layernorm),
-            FusedLinear([w(mlp.gate_proj), w(mlp.up_proj)], [b(mlp.gate_proj), b(mlp.up_proj)], precision),
-            make_linear(w(mlp.down_proj), b(mlp.down_proj), precision),
-        )  # fmt: skip
-        self.fc = make_linear(w(head.fc), b(head.fc), precision)
-        self.device = device
-        self.inv_freq = head.rotary.inv_freq.detach().float().to(device)  # [head_dim / 2]
-        self.scaling = float(getattr(head.rotary, "attention_scaling", 1.0))
-        self._alloc(256)
-
-    def _alloc(self, length: int) -> None:
-        c = self.config
-        self.k, self.v = new_cache((1,), c.num_kv_heads, length, c.head_dim, device=self.device)  # see attention.py
-        positions = torch.arange(length, device=self.device).float()
-        freqs = positions[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # the rotation transformers applies (see rope_tables)
-        half = emb.shape[-1] // 2
-        sin = emb.sin() * self.scaling
-        self.cos, self.sin = emb.cos() * self.scaling, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
-
-    def _fit(self, length: int) -> None:
-        if length > self.cos.shape[0]:  # grow the cache (doubling), keeping what it holds
-            old_k, old_v = self.k, self.v
-            self._alloc(max(2 * self.cos.shape[0], length))
-            self.k[..., : old_k.shape[-1]], self.v[:, :, : old_v.shape[2]] = old_k, old_v
-
-    @torch.no_grad()
-    def forward(self, features: torch.Tensor, embeds: torch.Tensor, past: int) -> torch.Tensor:
-        t = features.shape[0]
-        self._fit(past + t)
-        x = self.fc(torch.cat([embeds, features], dim=-1))  # [T, H]
-        mask = None  # a few tokens attend query by query; a long first call takes one causal pass
-        if t > DECODE_ATTENTION_MAX:
-            mask = torch.ones(t, past + t, dtype=torch.bool, device=self.device).tril(past)
-        rows = [KVRow(0, 0, t, past, past + t, mask)]
-        cos, sin = self.cos[past : past + t].unsqueeze(1), self.sin[past : past + t].unsqueeze(1)  # [T, 1, dim]
-        return self.layer.forward(x, cos, sin, self.k, self.v, rows)
-
-    @torch.no_grad()
-    def forward_nodes(self, features: torch.Tensor, embeds: torch.Tensor, positions: list[int], store: int,
-                      visible: torch.Tensor) -> torch.Tensor:
-        """Draft-tree nodes [T, H] -> their predicted next features [T, H]. Node j is rotated
-        for positions[j], its keys and values go to slot store + j, and it attends to the slots
-        that visible [T, store + T] marks (the context, its ancestors' slots and its own)."""
-        t = features.shape[0]
-        self._fit(store + t)
-        x = self.fc(torch.cat([embeds, features], dim=-1))  # [T, H]
-        at = torch.tensor(positions, device=self.device)
-        cos, sin = self.cos[at].unsqueeze(1), self.sin[at].unsqueeze(1)  # [T, 1, dim]
-        return self.layer.forward(x, cos, sin, self.k, self.v, [KVRow(0, 0, t, store, store + t, visible)])
-
-
 class EagleDrafter(Drafter):
     name = "eagle"
 
-    def __init__(self, target_model: nn.Module, head: EagleHead, vocab_ids: torch.Tensor | None, eos_token_ids,
-                 precision: str | None = None, tree: bool = False, width: int = 4, max_nodes: int = 24):
-        self.parts = DecoderParts.of(target_model)
-        hidden = self.parts.lm_head.weight.shape[1]
-        if head.dims["hidden_size"] != hidden:
-            raise SpecdecError(
-                f"the EAGLE head was trained for hidden size {head.dims['hidden_size']}, the target has {hidden}",
-                "drafter",
-            )
-        device = self.parts.lm_head.weight.device
-        if precision is None:  # int8 GEMMs on a cpu (bf16 activations); fp32 elsewhere
-            precision = "int8" if device.type == "cpu" else "fp32"
-        self.head = LeanHead(head, precision, device)
-        self.vocab_size = int(self.parts.lm_head.weight.shape[0])
-        self.vocab_ids = None if vocab_ids is None else vocab_ids.to(device)
-        # FR-Spec: only the frequent rows of the LM head (a copy, small by design). On a cpu
-        # they are int8 (bf16 activations): an fp32 GEMV over them is most of a drafted token's
-        # cost, and int8 cuts it (docs/performance-notes.md). Draft logits need not match the target's:
-        # verification compares against the target, and sampling uses these very probabilities.
-        self._head_rows = None
-        if vocab_ids is not None:
-            rows = self.parts.lm_head.weight[self.vocab_ids].detach()
-            self._head_rows = make_linear(rows, None, "int8" if rows.device.type == "cpu" else "fp32")
+    def __init__(self, head: EagleHead, vocab_ids: torch.Tensor | None, eos_token_ids, precision: str | None = None,
+                 tree: bool = False, width: int = 4, max_nodes: int = 24):  # fmt: skip
+        self.trained, self.vocab_ids, self.precision = head, vocab_ids, precision
         self.eos_token_ids = set(eos_token_ids)
         # EAGLE-2 trees: each level expands the `width` likeliest open nodes by their `width`
         # likeliest children; the `max_nodes` likeliest nodes of all levels are proposed.
         self.tree, self.width, self.max_nodes = tree, width, max_nodes
         self.backend: Backend | None = None  # the target backend, from bind_target
+        self.features: FeatureModel | None = None  # its embedding and LM head, and the head's kernels
+        self.head: DraftHead | None = None  # the trained head on those kernels, built on first bind
         self._params, self._generator = SamplingParams(), None
         self._reset()
 
     def bind_target(self, backend: Backend) -> None:
+        """Read features from `backend`; the head is built on the first binding to its model
+        (a pooled drafter is bound to each request's sequence of the same model)."""
         backend.enable_hidden_states()
         self.backend = backend
+        features = backend.feature_model()
+        if features == self.features:
+            return
+        if self.trained.dims["hidden_size"] != features.hidden_size:
+            raise SpecdecError(f"the EAGLE head was trained for hidden size {self.trained.dims['hidden_size']}, "
+                               f"the target has {features.hidden_size}", "drafter")  # fmt: skip
+        # FR-Spec: only the frequent rows of the LM head, which keeps drafting cheap for large vocabularies
+        self.head = features.draft_head(self.trained.state_dict(), self.trained.dims, self.vocab_ids, self.precision)
+        self.features = features
+        self._reset()
 
     def _reset(self) -> None:
         self._exact = 0  # head positions computed from real target features
@@ -284,7 +197,7 @@ class EagleDrafter(Drafter):
             index = int(logits.argmax())
             return self._token(index), None
         if self.vocab_ids is not None:  # back to the full vocabulary, zero outside the subset
-            full = torch.full((self.vocab_size,), float("-inf"), device=logits.device)
+            full = torch.full((self.features.vocab_size,), float("-inf"), device=logits.device)
             full[self.vocab_ids] = logits
             logits = full
         probs = logits_to_probs(logits.cpu(), self._params)  # [V]
@@ -292,7 +205,7 @@ class EagleDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, context_ids: list[int], k: int) -> Draft:
-        if self.backend is None:
+        if self.backend is None or self.head is None:
             raise SpecdecError("the eagle drafter was not bound to a target backend", "drafter")
         n = len(context_ids)
         features = self.backend.hidden  # [n-1, H]: every cached token, all but the pending one
@@ -357,7 +270,7 @@ class EagleDrafter(Drafter):
                     node = nodes[node][3]
             ids = torch.tensor([nodes[i][2] for i in level], device=dev)
             out = self.head.forward_nodes(torch.stack([feeds[i] for i in level]).float(),
-                                          self.parts.embed(ids).float(), [n - 1 + d] * t, store, visible)
+                                          self.features.embed(ids), [n - 1 + d] * t, store, visible)
             logp = torch.log_softmax(self._logits_rows(out), -1)  # [T, V']
             best = logp.topk(min(self.width, logp.shape[-1]), dim=-1)
             level_next = []
@@ -384,15 +297,10 @@ class EagleDrafter(Drafter):
 
     def _logits_rows(self, features: torch.Tensor) -> torch.Tensor:
         """features [T, H] -> logits [T, V] (or [T, len(vocab_ids)] on the FR-Spec subset)."""
-        if self._head_rows is None:
-            return self.parts.logits(features).float()
-        logits = self._head_rows(features)
-        if self.parts.softcap:
-            logits = torch.tanh(logits / self.parts.softcap) * self.parts.softcap
-        return logits.float()
+        return self.head.logits(features).float()
 
     def _step(self, features: torch.Tensor, token_ids: torch.Tensor, past: int) -> torch.Tensor:
-        embeds = self.parts.embed(token_ids).float()  # [T, H]
+        embeds = self.features.embed(token_ids).float()  # [T, H]
         return self.head.forward(features.float(), embeds, past)
 
 
@@ -402,7 +310,7 @@ def _make(spec: DrafterSpec, target) -> Drafter:
         raise SpecdecError("the eagle drafter needs a directory: eagle:DIR (made by `specdec distill --kind eagle`)",
                            "drafter")
     head, vocab_ids, config = load_head(spec.arg)
-    if config.get("vocab_size") not in (None, target.model.get_output_embeddings().weight.shape[0]):
+    if config.get("vocab_size") not in (None, target.vocab_size):
         raise SpecdecError(f"the EAGLE head in {spec.arg} was trained for another vocabulary", "drafter")
     if "vocab" in spec.options:  # eagle:DIR:vocab=N keeps only the N most frequent of the saved ranking
         try:
@@ -423,4 +331,4 @@ def _make(spec: DrafterSpec, target) -> Drafter:
         raise SpecdecError(f"width and nodes must be integers in {spec.text!r}", "drafter") from None
     if width < 1 or max_nodes < 1:
         raise SpecdecError(f"width and nodes must be at least 1 in {spec.text!r}", "drafter")
-    return EagleDrafter(target.model, head, vocab_ids, target.eos_token_ids, precision, tree, width, max_nodes)
+    return EagleDrafter(head, vocab_ids, target.eos_token_ids, precision, tree, width, max_nodes)

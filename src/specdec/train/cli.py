@@ -240,7 +240,7 @@ def _trainee(args, target, settings, meta, examples):
     vocab_ids = token_ranking(examples, vocab_size)[: settings.vocab] if 0 < settings.vocab < vocab_size else None
     model = D.new_eagle_head(target.model)
     trainer = D.EagleTrainer(target.model, model, vocab_ids, settings)
-    make_drafter = lambda: EagleDrafter(target.model, model.eval(), vocab_ids, eos)  # noqa: E731
+    make_drafter = lambda: EagleDrafter(model.eval(), vocab_ids, eos)  # noqa: E731
     return model, dict(model.named_parameters()), trainer.loss, make_drafter, vocab_ids
 
 

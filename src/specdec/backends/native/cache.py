@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdec.backends.native.attention import new_cache, plan_chain, plan_tree, uses_kernel
+from specdec.backends.native.draft_head import NativeFeatures
 from specdec.backends.native.layer import DECODE_ATTENTION_MAX, KVRow
 from specdec.backends.prefix_cache import PrefixCache, chunked_prefill, prefix_cache_mode
 from specdec.errors import SpecdecError
@@ -224,6 +225,9 @@ class NativeSequence:
     def enable_hidden_states(self) -> None:
         self._keep_hidden = True
         self.prefix_cache.require_hidden()
+
+    def feature_model(self) -> NativeFeatures:
+        return NativeFeatures(self.pool.model)
 
     @property
     def hidden(self) -> torch.Tensor | None:

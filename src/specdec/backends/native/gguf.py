@@ -233,6 +233,8 @@ def quant_state(model: GGUFModel, lm_head: str = "auto") -> dict:
             state[key] = _floats(tensor)  # a norm's multipliers [hidden] (gemma files store 1 + w)
     if "lm_head.weight" not in state:
         state["lm_head.weight"] = head_from_quant(model.tensors["model.embed_tokens.weight"], lm_head)
+    # the head's rows decoded from its blocks (NativeModel.head_rows), a lookup like the embedding's
+    state["lm_head.rows"] = embedding_from_quant(model.tensors.get("lm_head.weight", model.tensors["model.embed_tokens.weight"]))
     # the copied matrices' mapped pages, read once to build them, would stay resident (and
     # counted as this process's) while the cached GGUFFile maps the file: drop them. A tied
     # embedding's rows fault back in from the page cache as lookups read them.

@@ -33,6 +33,11 @@ DECODE_ATTENTION_MAX = 32  # chains up to this long attend query by query (see a
 SLIDING = "sliding_attention"
 
 
+def default_inv_freq(theta: float, head_dim: int) -> torch.Tensor:
+    """transformers' default rope frequencies [head_dim / 2] (its compute_default_rope_parameters)."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+
+
 @dataclass(frozen=True)
 class NativeConfig:
     model_type: str

@@ -28,7 +28,14 @@ from specdec.backends.native.cpu import cpu_features, forced_fallback, gemm_rows
 from specdec.backends.native.gguf import float_state, quant_state, read_gguf
 from specdec.backends.native.gguf_kernels import prompt_view
 from specdec.backends.native.hf_config import hf_state
-from specdec.backends.native.layer import SUPPORTED_TYPES, DecoderLayer, KVRow, NativeConfig, rms_norm
+from specdec.backends.native.layer import (
+    SUPPORTED_TYPES,
+    DecoderLayer,
+    KVRow,
+    NativeConfig,
+    default_inv_freq,
+    rms_norm,
+)
 from specdec.backends.native.quant import LM_HEADS, PRECISIONS, FusedLinear, Linear, make_linear, make_lm_head
 from specdec.errors import SpecdecError
 
@@ -71,6 +78,10 @@ class NativeModel:
         # int4 keeps the LM head at 8 bits, as 4-bit GGUFs keep their output matrix at 6-8 bits
         head = weights.weight("lm_head")
         self.lm_head = make_lm_head(head, weights.bias("lm_head"), precision, lm_head) if isinstance(head, torch.Tensor) else head
+        # The head's rows as floats for a draft head's vocabulary subset (head_rows): the
+        # loader's row lookup, or a tied embedding's; None reads them back through the head.
+        self._head_lookup = state.get("lm_head.rows", self.embed if "lm_head.weight" not in state else None)
+        self._head_bias = weights.bias("lm_head")
         # Prompts (forwards of more than DECODE_ATTENTION_MAX tokens) are compute-bound, and a
         # dense GEMM runs them faster than the int kernels: with `dense_prompts` they use dense
         # layers (prompt_precision): bf16 copies where the CPU multiplies bf16 natively, else
@@ -141,6 +152,7 @@ class NativeModel:
         embed = model.get_input_embeddings().weight
         config = NativeConfig.from_hf(model.config, embed.dtype)
         state = hf_state(config.model_type, model.state_dict())
+        state["lm_head.rows"] = model.get_output_embeddings().weight  # shared, for head_rows
         shared = device is None or torch.device(device) == embed.device
         return cls(config, state, precision, device, dense_prompts=shared,
                    lm_head=lm_head)  # fp32 prompt layers cost nothing when they share its tensors
@@ -206,9 +218,7 @@ class NativeModel:
         [N, V], or only those of the rows `logits_at` (a long prompt needs just its last)."""
         cfg = self.config
         layers, lm_head = self.dense if dense and self.dense else (self.layers, self.lm_head)
-        x = F.embedding(token_ids, self.embed) if isinstance(self.embed, torch.Tensor) else self.embed(token_ids)
-        if cfg.embedding_scale != 1.0:
-            x = x * cfg.embedding_scale  # [N, hidden]
+        x = self.embed_tokens(token_ids)  # [N, hidden]
         tables = [(pool.cos[positions].unsqueeze(1), pool.sin[positions].unsqueeze(1))]  # [N, 1, dim] each
         if self.local_inv_freq is not None:
             tables.append((pool.local_cos[positions].unsqueeze(1), pool.local_sin[positions].unsqueeze(1)))
@@ -225,10 +235,33 @@ class NativeModel:
         x = rms_norm(x, self.norm, cfg.rms_eps, torch.float32)
         if logits_at is not None and logits_at.numel() == 0:  # every row unscored: no LM head at all
             return x, x.new_zeros(0, cfg.vocab_size)
-        logits = lm_head(x if logits_at is None else x[logits_at]).float()
-        if cfg.final_logit_softcap is not None:
-            logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
-        return x, logits
+        return x, self.head_logits(x if logits_at is None else x[logits_at], lm_head)
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids [N] -> the first layer's inputs [N, hidden] fp32 (scaled where the architecture scales them)."""
+        x = F.embedding(token_ids, self.embed) if isinstance(self.embed, torch.Tensor) else self.embed(token_ids)
+        return x * self.config.embedding_scale if self.config.embedding_scale != 1.0 else x
+
+    def head_logits(self, hidden: torch.Tensor, lm_head: Linear | None = None) -> torch.Tensor:
+        """Post-norm hidden states [N, hidden] -> logits [N, V] fp32, soft-capped where the model caps them."""
+        logits = (self.lm_head if lm_head is None else lm_head)(hidden).float()
+        cap = self.config.final_logit_softcap
+        return torch.tanh(logits / cap) * cap if cap is not None else logits
+
+    @torch.no_grad()
+    def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [n] of the LM head's weights -> [n, hidden] fp32. Without a row lookup they
+        are read back through the head, one basis vector per hidden unit (its bias taken off):
+        the kernel's own weights, for a draft head's logits, which need only be close."""
+        rows = self._head_lookup
+        if isinstance(rows, torch.Tensor):
+            return F.embedding(ids, rows).float()
+        if rows is not None:
+            return rows(ids).float()
+        out = self.lm_head(torch.eye(self.config.hidden_size, device=self.device)).float()  # [hidden, V]
+        if self._head_bias is not None:
+            out = out - self._head_bias.float()
+        return out[:, ids].T.contiguous()
 
 
 class _StateReader:
@@ -278,11 +311,6 @@ def _layer(config: NativeConfig, weights: _StateReader, i: int, precision: str) 
     return DecoderLayer(config, weights.tensor(p + "input_layernorm.weight"), qkv, weights.linear(attn + "o_proj", precision),
                         weights.tensor(mlp_norm), gate_up, weights.linear(mlp + "down_proj", precision), *qk_norms,
                         *post_norms)  # fmt: skip
-
-
-def default_inv_freq(theta: float, head_dim: int) -> torch.Tensor:
-    """transformers' default rope frequencies [head_dim / 2] (its compute_default_rope_parameters)."""
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
 
 
 def rope_inv_freq(config: NativeConfig) -> torch.Tensor:
