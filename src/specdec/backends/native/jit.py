@@ -45,19 +45,20 @@ def scores(keys_t, qs, s, lo, count):  # pragma: no cover - compiled
     roundings, a fraction of the loads and stores. lanes is a multiple of four (head pads
     with zero rows)."""
     lanes, dim = qs.shape
+    n = count - lo  # the loops below run from 0 over rows sliced at lo, which LLVM vectorises best
     for r in range(lanes):
         for i in range(lo, count):
             s[r, i] = 0
     for r in range(0, lanes, 4):
-        s0, s1, s2, s3 = s[r], s[r + 1], s[r + 2], s[r + 3]
+        s0, s1, s2, s3 = s[r, lo:count], s[r + 1, lo:count], s[r + 2, lo:count], s[r + 3, lo:count]
         d = 0
         while d + 4 <= dim:
-            k0, k1, k2, k3 = keys_t[d], keys_t[d + 1], keys_t[d + 2], keys_t[d + 3]
+            k0, k1, k2, k3 = keys_t[d, lo:count], keys_t[d + 1, lo:count], keys_t[d + 2, lo:count], keys_t[d + 3, lo:count]
             a0, a1, a2, a3 = qs[r, d], qs[r, d + 1], qs[r, d + 2], qs[r, d + 3]
             b0, b1, b2, b3 = qs[r + 1, d], qs[r + 1, d + 1], qs[r + 1, d + 2], qs[r + 1, d + 3]
             c0, c1, c2, c3 = qs[r + 2, d], qs[r + 2, d + 1], qs[r + 2, d + 2], qs[r + 2, d + 3]
             e0, e1, e2, e3 = qs[r + 3, d], qs[r + 3, d + 1], qs[r + 3, d + 2], qs[r + 3, d + 3]
-            for i in range(lo, count):
+            for i in range(n):
                 x0, x1, x2, x3 = k0[i], k1[i], k2[i], k3[i]
                 s0[i] = (((s0[i] + a0 * x0) + a1 * x1) + a2 * x2) + a3 * x3
                 s1[i] = (((s1[i] + b0 * x0) + b1 * x1) + b2 * x2) + b3 * x3
