@@ -68,7 +68,7 @@ def serve_and_run(config: Path, sessions, max_tokens: int, repeat: int) -> list[
     proc, url = spawn(config)
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=600)
-        run_session(client, sessions[0], 16)  # warm-up: first-request costs stay out of the timing
+        run_session(client, sessions[0], max_tokens)  # warm-up (the run's budget: a tool call needs room to close)
         runs = [[run_session(client, s, max_tokens) for s in sessions] for _ in range(repeat)]
         return runs[-1] if repeat == 1 else [sum((r[i] for r in runs), []) for i in range(len(sessions))]
     finally:
