@@ -100,8 +100,12 @@ def test_replicas_without_ray_is_a_one_line_error(monkeypatch, tmp_path):
 
 # ---- two replicas on a local Ray cluster --------------------------------------------------------
 
+# Ray Serve gives its HTTP proxy 5 s to answer the first ready check (and 10 s for a health
+# check) before it kills the actor, and `serve.start` then fails. With both cores busy, the
+# proxy can take longer to start, so the tests give it two minutes. These are hang guards only.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-       "RAY_USAGE_STATS_ENABLED": "0"}
+       "RAY_USAGE_STATS_ENABLED": "0", "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "120",
+       "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "120"}  # fmt: skip
 SERVE_ARGS = ("--drafter", "ngram:min=1", "--max-batch", "4", "--served-model-name", "tiny")
 
 
