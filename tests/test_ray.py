@@ -13,9 +13,11 @@ command skips them, `make test` runs them) start one real `specdec serve --repli
 
 from __future__ import annotations
 
+import http.server
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +29,7 @@ import openai
 import pytest
 
 from conftest import save_loaded, tiny_llama
+from specdec.errors import SpecdecError
 from specdec.serve.ray_routing import ReplicaRouter, conversation_key, jump_hash
 
 # ---- routing, no Ray ----------------------------------------------------------------------------
@@ -87,7 +90,6 @@ def test_router_prefers_the_owner_until_it_is_saturated_or_down():
 
 def test_replicas_without_ray_is_a_one_line_error(monkeypatch, tmp_path):
     from specdec.cli import build_parser
-    from specdec.errors import SpecdecError
     from specdec.serve.cli import run_serve
 
     model_dir = save_loaded(tiny_llama(0), tmp_path / "m")
@@ -96,6 +98,44 @@ def test_replicas_without_ray_is_a_one_line_error(monkeypatch, tmp_path):
     args = build_parser().parse_args(["serve", "--target", model_dir, "--replicas", "2"])
     with pytest.raises(SpecdecError, match=r"pip install 'specdec\[ray\]'"):
         run_serve(args)
+
+
+class _Healthy(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 - http.server's name
+        self.send_response(200 if self.path == "/-/healthz" else 404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_serve_start_waits_past_rays_own_proxy_timeout(monkeypatch):
+    """Ray raises TimeoutError when its HTTP proxy takes over 60 s to start (a busy machine),
+    while the proxy keeps starting: specdec connects again and waits for /-/healthz; with no
+    proxy at all it ends in a one-line error."""
+    pytest.importorskip("ray.serve")
+    from specdec.serve import ray_serve
+
+    calls = []
+
+    def start(http_options):
+        calls.append(http_options)
+        if len(calls) % 2 == 1:
+            raise TimeoutError("HTTP proxies not available after 60s.")
+
+    monkeypatch.setattr(ray_serve.serve, "start", start)
+    proxy = http.server.HTTPServer(("127.0.0.1", 0), _Healthy)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        ray_serve._start_serve("127.0.0.1", proxy.server_address[1], wait_s=60)
+    finally:
+        proxy.shutdown()
+    assert len(calls) == 2  # the second call joins the controller the first one started
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nothing listens there
+    with pytest.raises(SpecdecError, match="did not start within"):
+        ray_serve._start_serve("127.0.0.1", port, wait_s=1)
 
 
 # ---- two replicas on a local Ray cluster --------------------------------------------------------

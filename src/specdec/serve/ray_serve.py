@@ -17,6 +17,7 @@ import signal
 import socket
 import sys
 import time
+import urllib.request
 
 import ray
 from ray import serve
@@ -27,6 +28,9 @@ from specdec.serve.ray_ingress import Ingress
 from specdec.serve.ray_replica import replica_deployment
 
 APP_NAME = "specdec"
+# Ray gives its HTTP proxy 60 s to start, then serve.start raises while the proxy keeps
+# starting; with the cores busy it can need longer, so specdec waits this long for it.
+PROXY_START_S = 600
 
 
 def build_application(config: ServeConfig, replicas: int, routing: str = "affinity", cpus: float = 1.0,
@@ -62,6 +66,24 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def _start_serve(host: str, port: int, wait_s: float = PROXY_START_S) -> None:
+    """serve.start, waiting past Ray's own 60 s for the HTTP proxy until it answers /-/healthz."""
+    options = {"host": host, "port": port}
+    try:
+        serve.start(http_options=options)
+        return
+    except TimeoutError:
+        serve.start(http_options=options)  # connects to the controller the first call started
+    local = "127.0.0.1" if host in ("", "0.0.0.0", "::") else f"[{host}]" if ":" in host else host
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), urllib.request.urlopen(f"http://{local}:{port}/-/healthz", timeout=5) as r:
+            if r.status == 200:
+                return
+        time.sleep(1)
+    raise SpecdecError(f"Ray Serve's HTTP proxy did not start within {wait_s:.0f} s", "replicas")
+
+
 def run_replicas(config: ServeConfig) -> None:
     """Serve until SIGINT or SIGTERM, then take the app (and a local Ray) down."""
     host, port = config.host, config.port or _free_port(config.host)
@@ -71,7 +93,7 @@ def run_replicas(config: ServeConfig) -> None:
     start_ray(address, replicas, config.replica_cpus)
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM, like Ctrl-C, ends serve.run's wait too
     try:
-        serve.start(http_options={"host": host, "port": port})
+        _start_serve(host, port)
         shown = f"[{host}]" if ":" in host else host
         print(f"specdec serve: listening on http://{shown}:{port} ({replicas} replica(s) on Ray, "
               f"loading {config.engine.target})", file=sys.stderr, flush=True)
