@@ -321,7 +321,7 @@ def test_a_conversation_stays_on_its_replica(ray_server):
 @pytest.mark.ray
 @pytest.mark.slow
 def test_a_killed_replica_fails_its_requests_cleanly_and_comes_back(ray_server):
-    health = ray_server.wait_healthy(60)
+    health = ray_server.wait_healthy(300)
     assert [r["replica"] for r in health["replicas"]] == [0, 1]
     victim = 1
     pid = next(r["pid"] for r in health["replicas"] if r["replica"] == victim)
@@ -348,9 +348,10 @@ def test_a_killed_replica_fails_its_requests_cleanly_and_comes_back(ray_server):
     survivor = ray_server.client.chat.completions.create(model="tiny", messages=long["messages"], max_tokens=4,
                                                          user=_user_for(0))
     assert survivor.choices[0].message.content
-    body = ray_server.wait_healthy(180, changed_pid=(victim, pid))  # restarted by Ray: a new process
+    # hang guards: Ray restarts the replica, which loads the model again (minutes with the cores busy)
+    body = ray_server.wait_healthy(600, changed_pid=(victim, pid))  # restarted by Ray: a new process
     assert all(r["status"] == "ok" for r in body["replicas"])
-    deadline = time.time() + 30
+    deadline = time.time() + 120
     while True:  # the ingress probes the restarted replica back into rotation
         raw = ray_server.client.chat.completions.with_raw_response.create(
             model="tiny", messages=long["messages"], max_tokens=4, user=user)
