@@ -8,7 +8,9 @@ method, their ratio to the first tree, and the exact-match counts; ends with one
     python scripts/bench/tree_ab.py /tmp/before /tmp/after --rounds 3 --out /tmp/ab
     python scripts/bench/tree_ab.py /tmp/before /tmp/after --summarize --out /tmp/ab  # runs already made
 
-Each run: `specdec bench --limit 2 --methods none,ngram,suffix --peers none --max-new-tokens 128`.
+Each run: `specdec bench --limit 2 --methods none,ngram,suffix --peers none --max-new-tokens 128`;
+--methods replaces the drafters, e.g. `none,ngram:k=4,suffix:k=4`: a fixed k takes the
+adaptive k's reading of measured costs out of an A/B.
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCH = ["bench", "--limit", "2", "--methods", "none,ngram,suffix", "--peers", "none", "--max-new-tokens", "128",
-         "--no-plots"]  # fmt: skip
+METHODS = "none,ngram,suffix"
+BENCH = ["bench", "--limit", "2", "--peers", "none", "--max-new-tokens", "128", "--no-plots"]
 
 
-def run(tree: Path, out: Path) -> None:
+def run(tree: Path, out: Path, methods: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(tree / "src")}
-    subprocess.run([sys.executable, "-m", "specdec.cli", *BENCH, "--out", str(out)], cwd=tree, env=env, check=True,
+    command = [sys.executable, "-m", "specdec.cli", *BENCH, "--methods", methods, "--out", str(out)]
+    subprocess.run(command, cwd=tree, env=env, check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
 
 
@@ -39,7 +42,7 @@ def table(trees: list[Path], out: Path) -> dict:
             for method, entry in json.loads(results.read_text())["methods"].items():
                 rates.setdefault((tree.name, method), []).append(entry["tokens_per_second"])
                 exact.setdefault((tree.name, method), set()).add(entry["exact_match"])
-    methods = sorted({m for _, m in rates}, key=["none", "ngram", "suffix"].index)
+    methods = sorted({m for _, m in rates}, key=lambda m: (m.split(":")[0] != "none", m))
     columns = ["Tree", "Runs", *[f"`{m}` tok/s (median)" for m in methods], *[f"`{m}` vs first" for m in methods],
                "Exact match"]  # fmt: skip
     rows = []
@@ -62,11 +65,12 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", type=Path, default=Path("out/tree-ab"), help="one bench output folder per run: TREE_ROUND")
     p.add_argument("--summarize", action="store_true", help="only read the runs already under --out")
+    p.add_argument("--methods", default=METHODS, help=f"the bench's drafters (default {METHODS})")
     args = p.parse_args()
     if not args.summarize:
         for r in range(1, args.rounds + 1):
             for tree in args.trees:
-                run(tree.resolve(), args.out / f"{tree.name}_{r}")
+                run(tree.resolve(), args.out / f"{tree.name}_{r}", args.methods)
                 print(f"round {r}: {tree.name} done", file=sys.stderr)
     print(json.dumps(table(args.trees, args.out)))
 
