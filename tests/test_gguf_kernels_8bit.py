@@ -26,6 +26,9 @@ QTYPES = ["Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q5_1"]
 # the fp32 scale tables against the file's bytes: 4 (Q8_0, Q5_0) or 8 (Q5_1) bytes per block
 SCALE_SHARE = {"Q8_0": 4 / 34, "Q6_K": 0.13, "Q5_K": 0.13, "Q5_0": 4 / 22, "Q5_1": 8 / 24}
 KERNELS = ["numba", "torch"]
+ACT_BLOCK = {"Q8_0": 32, "Q5_0": 32, "Q5_1": 32, "Q6_K": 256, "Q5_K": 256}  # llama.cpp's Q8_0 / Q8_K
+# the relative error of int8 activations with an outlier channel: about 1% per 32, 2% per 256
+RELATIVE_ERROR = {"Q8_0": 0.02, "Q5_0": 0.02, "Q5_1": 0.02, "Q6_K": 0.03, "Q5_K": 0.03}
 
 
 def make_tensor(qtype: str, n: int = 40, k: int = 512, seed: int = 0) -> QuantTensor:
@@ -50,9 +53,11 @@ def kernel(request):
 
 def error_bound(tensor: QuantTensor, x: torch.Tensor) -> torch.Tensor:
     """|y - x @ W.T| per output [M, N] from int8 activations: each element is off by at most
-    half a step (max|x| of its block / 254), plus fp32 accumulation slack."""
-    w = torch.from_numpy(tensor.dequantize()).abs().reshape(tensor.shape[0], -1, 32).sum(-1)  # [N, B]
-    step = x.abs().reshape(x.shape[0], -1, 32).amax(-1) / 254  # [M, B]
+    half a step (max|x| of its activation block / 254: blocks of 32, the K-quants' of 256),
+    plus fp32 accumulation slack."""
+    span = ACT_BLOCK[tensor.qtype.name]
+    w = torch.from_numpy(tensor.dequantize()).abs().reshape(tensor.shape[0], -1, span).sum(-1)  # [N, B]
+    step = x.abs().reshape(x.shape[0], -1, span).amax(-1) / 254  # [M, B]
     magnitude = x.abs() @ torch.from_numpy(tensor.dequantize()).abs().T
     return step @ w.T * 1.001 + magnitude * 1e-5
 
@@ -78,9 +83,9 @@ def test_outputs_within_the_int8_activation_bound(qtype, kernel):
     layer = k8.BlockLinear8(tensor, kernel=kernel)
     x = activations(6, tensor.shape[1])
     assert within_bound(layer, tensor, x)
-    # and the bound is tight enough to mean something: the relative error is about 1%
+    # and the bound is tight enough to mean something
     want = ReferenceLinear(tensor)(x)
-    assert ((layer(x) - want).norm() / want.norm()).item() < 0.02
+    assert ((layer(x) - want).norm() / want.norm()).item() < RELATIVE_ERROR[qtype]
 
 
 def misplaced_q6_k_values(b: np.ndarray) -> np.ndarray:
@@ -120,7 +125,7 @@ def test_logits_keep_top1_and_kl(qtype, kernel):
     got, want = k8.BlockLinear8(tensor, kernel=kernel)(x), ReferenceLinear(tensor)(x)
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 15 / 16
     kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True, reduction="batchmean")
-    assert kl.item() < 1e-3
+    assert kl.item() < (1e-3 if ACT_BLOCK[qtype] == 32 else 5e-3)  # one scale per 256 is coarser
 
 
 @pytest.mark.parametrize("qtype", QTYPES)

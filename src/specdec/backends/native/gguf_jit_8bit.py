@@ -2,19 +2,23 @@
 gguf_kernels_8bit.py, which wraps them and states the contract). Imported on first use;
 compiled once, cached on disk.
 
-The arithmetic every kernel shares, for one output y[m, n] (the torch replica in
-gguf_kernels_8bit.py performs the same operations in the same order, bit for bit):
-- activations: each block of 32 of x[m] becomes xs = max|x| / 127 and xq = rint(x * (1 / xs)),
-  int8 values (held in int16);
+The arithmetic, for one output y[m, n] (the torch replica in gguf_kernels_8bit.py performs
+the same operations in the same order, bit for bit):
 - weights: the file's integers (Q8_0 q, Q6_K q - 32, Q5_K q, Q5_0 q - 16, Q5_1 q) and fp32
-  scales formed from the file's fields exactly (d, d * sc, dmin * m: an fp16 times a small
-  integer; Q5_1's m as the offset -m);
-- 16 fp32 lanes c[l]; for each activation block b in order, lane l adds s * p, where p is the
-  exact integer w[2l] xq[2l] + w[2l + 1] xq[2l + 1] of that block and s = w_scale * xs[b]
-  (Q6_K: lanes 0-7 take the first sub-block of 16's scale, lanes 8-15 the second's);
-- y = c[0] + c[1] + ... + c[15], left to right; Q5_K then subtracts its min term, summed in
-  block order: sum over b of (dmin * m * xs[b]) * (sum of block b's xq); Q5_1 likewise with
-  -m in place of dmin * m.
+  scales formed from the file's fields exactly (d, dmin: fp16 values; Q5_1's m as the offset
+  -m); the K-quants' sub-block scales sc (Q6_K's int8 per 16, Q5_K's six bits per 32) and
+  Q5_K's mins m stay integers;
+- Q8_0, Q5_0, Q5_1 (`quantize_rows`, `_lanes_body`): each block of 32 of x[m] becomes xs =
+  max|x| / 127 and xq = rint(x * (1 / xs)), int8 values (held in int16); 16 fp32 lanes c[l];
+  for each block b in order, lane l adds s * p, where p is the exact integer w[2l] xq[2l] +
+  w[2l + 1] xq[2l + 1] of that block and s = d * xs[b]; y = c[0] + c[1] + ... + c[15], left
+  to right; Q5_1 then subtracts its min term, summed in block order: sum over b of (-m *
+  xs[b]) * (sum of block b's xq);
+- Q6_K, Q5_K (`quantize_rows_k`, `_super_body`; llama.cpp's Q8_K activations): each
+  super-block u of 256 of x[m] becomes inv = 127 / max|x|, xq = rint(x * inv), xs = 1 / inv;
+  isum = sum over u's elements of (w * sc) * xq, an exact int32; y = sum over u in order of
+  (d * xs[u]) * float(isum); Q5_K then subtracts (dmin * xs[u]) * float(sum over its
+  sub-blocks j of m[j] * (sum of block j's xq)), summed in order.
 Integer sums are exact and no float operation is reordered or fused (numba compiles without
 fastmath), so y[m, n] depends only on x[m] and row n: not on M, nor on the thread count
 (threads share out chunks of rows n; each output's reduction runs whole on one thread).
@@ -22,11 +26,12 @@ fastmath), so y[m, n] depends only on x[m] and row n: not on M, nor on the threa
 Layout: the kernels are LLVM vector IR built here with llvmlite (`_dot`), inlined into numba's
 loops. For one weight row they read each unit of blocks once into registers (`_Unit`: the
 bytes loaded as vectors, widened, masked and shifted into the file's integers as int16) and
-run the lanes for one activation row (decode) or DOT_ROWS of them at a time (verification,
-prompts): pair products that LLVM lowers to vpmaddwd (AVX2, AVX-512; NEON on arm64), then
-per lane one fp32 multiply by the block's scale and one add. Q5_K's six-bit scales and the
-min terms (Q5_K, Q5_1) are decoded and summed in the same loop: as a separate scalar pass
-they cost Q5_K 2-3x Q6_K's time per row. Only plain integer and float
+run one activation row (decode) or DOT_ROWS of them at a time (verification, prompts): pair
+products that LLVM lowers to vpmaddwd (AVX2, AVX-512; NEON on arm64), then per lane one fp32
+multiply by the block's scale and one add (small blocks), or integer adds until the
+super-block's end (K-quants, whose w * sc is formed once per pass for all its rows). Q5_K's
+six-bit scales and the min terms (Q5_K, Q5_1) are decoded and summed in the same loop: as a
+separate scalar pass they cost Q5_K 2-3x Q6_K's time per row. Only plain integer and float
 vector operations: no intrinsics, no fusion, so the CPU changes the speed, not the bits.
 Written as numba scalar code (a row buffer of unpacked integers, then generated scalar lanes
 packed by LLVM's SLP vectoriser) the same arithmetic ran 2-7x slower at one row.
@@ -75,10 +80,11 @@ def _splat_value(b, x, count: int):  # a run-time scalar in every lane of <count
 class _Unit:
     """Vector IR over one unit of a row: a block of 32 (Q8_0, Q5_0, Q5_1) or a super-block of
     256 (Q6_K, Q5_K) at byte `src`. The kinds below read it into, per block of 32, the file's
-    integers as <32 x i16> and (a callable, as unpacking needs none) the weights' fp32 scale per
-    lane as <16 x float> (lanes 0-7 and 8-15: the block's halves, which differ only for Q6_K). Plain integer and float vector
-    operations (no intrinsics, nothing fused or reordered), which LLVM lowers for the CPU at
-    hand (AVX2, AVX-512, NEON)."""
+    integers as <32 x i16>, and their scales: small blocks a callable (as unpacking needs
+    none) giving the fp32 scale per lane as <16 x float>; K-quants each element's integer
+    sub-block scale as <32 x i16>, and d. Plain integer and float vector operations (no
+    intrinsics, nothing fused or reordered), which LLVM lowers for the CPU at hand (AVX2,
+    AVX-512, NEON)."""
 
     def __init__(self, builder, src, index, wscale):
         self.b, self.src, self.index, self.wscale = builder, src, index, wscale
@@ -139,12 +145,9 @@ def _q6_k(u):  # 210 bytes: ql[128], qh[64], int8 sc[16], fp16 d; wscale: d per 
         for t in range(4):
             part = b.shuffle_vector(u.nibbles(ql, t >= 2), ql, _vector(list(range((t & 1) * 32, (t & 1) * 32 + 32)), _i32))
             ws.append(b.sub(b.or_(part, u.bits(qh, 2 * t, 3)), _splat(32, 32)))
-
-    def scales():  # block j: sub-blocks 2j (lanes 0-7) and 2j + 1 (lanes 8-15) of d * sc
-        sub = b.fmul(u.table_scale(u.index), b.sitofp(u.load(192, 16, element=_i8), ir.VectorType(_f32, 16)))
-        return [b.shuffle_vector(sub, sub, _vector([2 * j] * 8 + [2 * j + 1] * 8, _i32)) for j in range(8)]
-
-    return ws, scales, None
+    sc = u.load(192, 16, signed=True)  # <16 x i16>: sub-block j of 16 elements
+    scales = [b.shuffle_vector(sc, sc, _vector([2 * j] * 16 + [2 * j + 1] * 16, _i32)) for j in range(8)]
+    return ws, scales, u.table_value(u.index), None
 
 
 def _q5_k(u):  # 176 bytes: d, dmin, scales[12], qh[32], qs[128]; sub-block 2j + half is the low (half 0)
@@ -155,18 +158,12 @@ def _q5_k(u):  # 176 bytes: d, dmin, scales[12], qh[32], qs[128]; sub-block 2j +
     sc, mn = _q5_k_scale_bytes(u)
     b, two = u.b, ir.Constant(_i64, 2)
     d, dmin = u.table_value(b.mul(u.index, two)), u.table_value(b.add(b.mul(u.index, two), ir.Constant(_i64, 1)))
-
-    def scales():  # d * sc per sub-block of 32 (wscale: d, dmin per super-block)
-        return [_splat_value(b, b.fmul(d, b.extract_element(sc, ir.Constant(_i32, j))), 16) for j in range(8)]
-
-    def offsets():  # dmin * m per sub-block: the min term
-        return [b.fmul(dmin, b.extract_element(mn, ir.Constant(_i32, j))) for j in range(8)]
-
-    return ws, scales, offsets
+    scales = [b.shuffle_vector(sc, sc, _vector([j] * 32, _i32)) for j in range(8)]
+    return ws, scales, d, (b.sext(mn, ir.VectorType(_i32, 8)), dmin)
 
 
 def _q5_k_scale_bytes(u):
-    """Bytes 4-15 of a K-quant super-block -> its 8 six-bit sc and m as <8 x float>
+    """Bytes 4-15 of a K-quant super-block -> its 8 six-bit sc and m as <8 x i16>
     (llama.cpp's get_scale_min_k4): sub-block j < 4 takes the low 6 bits of bytes 4 + j and
     8 + j; j >= 4 the nibbles of byte 8 + j and the top 2 bits of bytes j and 4 + j."""
     b, raw = u.b, u.load(4, 12)  # raw[i] is byte 4 + i
@@ -177,10 +174,11 @@ def _q5_k_scale_bytes(u):
     tops = lambda v: b.mul(b.shl(b.lshr(v, _splat(6, 8)), _splat(4, 8)), upper)  # noqa: E731
     sc = b.or_(b.and_(low_sc, _vector([63] * 4 + [15] * 4, _i16)), tops(top_sc))
     mn = b.or_(b.lshr(b.and_(low_m, _vector([63] * 4 + [255] * 4, _i16)), _vector([0] * 4 + [4] * 4, _i16)), tops(top_m))
-    return b.uitofp(sc, ir.VectorType(_f32, 8)), b.uitofp(mn, ir.VectorType(_f32, 8))
+    return sc, mn
 
 
 MIN_KINDS = ("q5_k", "q5_1")  # the readers that give offsets: a min term
+SUPER_KINDS = ("q6_k", "q5_k")  # integer sums over a super-block of 256, one fp32 scale each
 # kind: (unit bytes, blocks of 32 per unit, reader)
 _KINDS = {"q8_0": (34, 1, _q8_0), "q6_k": (210, 8, _q6_k), "q5_k": (176, 8, _q5_k),
           "q5_0": (22, 1, _q5(2, 6, 16, 1)), "q5_1": (24, 1, _q5(4, 8, 0, 2))}  # fmt: skip
@@ -196,58 +194,124 @@ def _pairs(b, w, a):  # <32 x i16> twice -> <16 x i32>: lane l = w[2l] a[2l] + w
     return b.add(even, b.shuffle_vector(p, p, _vector(list(range(1, 32, 2)), _i32)))
 
 
+def _int_sum(b, v):  # <n x i32> -> i32, halving: integer, so exact in any order
+    n = v.type.count
+    while n > 1:
+        n //= 2
+        v = b.add(b.shuffle_vector(v, v, _vector(list(range(n)), _i32)),
+                  b.shuffle_vector(v, v, _vector(list(range(n, 2 * n)), _i32)))  # fmt: skip
+    return b.extract_element(v, ir.Constant(_i32, 0))
+
+
+class _Rows:
+    """The activation rows one pass reads (rows past M repeat row M - 1 and are not stored)."""
+
+    def __init__(self, b, qp, sp, np_, m, k, first, rows: int):
+        self.b, self.qp, self.sp, self.np, self.m, self.k, self.first = b, qp, sp, np_, m, k, first
+        last = b.sub(m, ir.Constant(_i64, 1))
+        self.picks = [b.select(b.icmp_signed("<", v, m), v, last) for v in
+                      (b.add(first, ir.Constant(_i64, r)) for r in range(rows))]  # fmt: skip
+
+    def block(self, pick, block):  # xq[pick, 32 block : 32 block + 32] as <32 x i16>
+        b = self.b
+        at = b.add(b.mul(pick, self.k), b.mul(block, ir.Constant(_i64, 32)))
+        return b.load(b.bitcast(b.gep(self.qp, [at]), ir.VectorType(_i16, 32).as_pointer()), align=2)
+
+    def slot(self, pick, index, span: int):  # pick * (K // span) + index
+        return self.b.add(self.b.mul(pick, self.b.udiv(self.k, ir.Constant(_i64, span))), index)
+
+    def store(self, totals, op):
+        for r, (pick, total) in enumerate(zip(self.picks, totals, strict=True)):
+            with self.b.if_then(self.b.icmp_signed("<", self.b.add(self.first, ir.Constant(_i64, r)), self.m)):
+                self.b.store(total, self.b.gep(op, [pick]))
+
+
+def _lanes_body(b, rows: _Rows, kind: str, rp, wp, units):
+    """Q8_0, Q5_0, Q5_1: 16 fp32 lanes per row, c += (wscale * xs[b]) * float(pairs) per block;
+    returns each row's c[0] + ... + c[15] (minus the min term)."""
+    width, blocks, reader = _KINDS[kind]
+    zero = ir.Constant(ir.VectorType(_f32, 16), [ir.Constant(_f32, 0.0)] * 16)
+    accs = [cgutils.alloca_once_value(b, zero) for _ in rows.picks]
+    mins = [cgutils.alloca_once_value(b, ir.Constant(_f32, 0.0)) for _ in rows.picks]
+    with cgutils.for_range(b, units) as loop:
+        weights, scales, offsets = reader(_Unit(b, b.gep(rp, [b.mul(loop.index, ir.Constant(_i64, width))]),
+                                                loop.index, wp))  # fmt: skip
+        cs, ms = [b.load(acc) for acc in accs], [b.load(v) for v in mins]
+        offs = offsets() if offsets else [None] * len(weights)
+        for j, (w, ws, off) in enumerate(zip(weights, scales(), offs, strict=True)):
+            block = b.add(b.mul(loop.index, ir.Constant(_i64, blocks)), ir.Constant(_i64, j))
+            for r, pick in enumerate(rows.picks):
+                slot = rows.slot(pick, block, 32)
+                x_scale = b.load(b.gep(rows.sp, [slot]))
+                scale = b.fmul(ws, _splat_value(b, x_scale, 16))
+                cs[r] = b.fadd(cs[r], b.fmul(scale, b.sitofp(_pairs(b, w, rows.block(pick, block)), ir.VectorType(_f32, 16))))
+                if off is not None:  # (offset * xs[b]) * sum of block b's xq
+                    ms[r] = b.fadd(ms[r], b.fmul(b.fmul(off, x_scale), b.sitofp(b.load(b.gep(rows.np, [slot])), _f32)))
+        for acc, c, v, mn in zip(accs, cs, mins, ms, strict=True):
+            b.store(c, acc)
+            b.store(mn, v)
+    totals = [_lane_sum(b, b.load(acc)) for acc in accs]
+    if kind not in MIN_KINDS:
+        return totals
+    return [b.fsub(total, b.load(v)) for total, v in zip(totals, mins, strict=True)]
+
+
+def _lane_sum(b, c):  # <16 x float> -> c[0] + c[1] + ... + c[15], left to right
+    total = b.extract_element(c, ir.Constant(_i32, 0))
+    for lane in range(1, LANES):
+        total = b.fadd(total, b.extract_element(c, ir.Constant(_i32, lane)))
+    return total
+
+
+def _super_body(b, rows: _Rows, kind: str, rp, wp, units):
+    """Q6_K, Q5_K: per super-block u, 16 exact int32 lanes (lane l: the pairs 2l, 2l + 1 of
+    each of u's blocks, of (w * sc) * xq), then c += (d * xs[u]) * float(lanes); Q5_K's min
+    term m += (dmin * xs[u]) * float(sum over sub-blocks j of mn[j] * xsum[j]) in
+    order; returns c[0] + ... + c[15] (- m)."""
+    width, blocks, reader = _KINDS[kind]
+    zero = ir.Constant(ir.VectorType(_f32, 16), [ir.Constant(_f32, 0.0)] * 16)
+    accs = [cgutils.alloca_once_value(b, zero) for _ in rows.picks]
+    mins = [cgutils.alloca_once_value(b, ir.Constant(_f32, 0.0)) for _ in rows.picks]
+    with cgutils.for_range(b, units) as loop:
+        weights, scales, d, minimum = reader(_Unit(b, b.gep(rp, [b.mul(loop.index, ir.Constant(_i64, width))]),
+                                                   loop.index, wp))  # fmt: skip
+        scaled = [b.mul(w, sc) for w, sc in zip(weights, scales, strict=True)]  # <32 x i16>, exact: |w sc| <= 4096
+        for r, pick in enumerate(rows.picks):
+            isum = None
+            for j, w in enumerate(scaled):
+                p = _pairs(b, w, rows.block(pick, b.add(b.mul(loop.index, ir.Constant(_i64, blocks)), ir.Constant(_i64, j))))
+                isum = p if isum is None else b.add(isum, p)
+            x_scale = b.load(b.gep(rows.sp, [rows.slot(pick, loop.index, 256)]))
+            term = b.fmul(_splat_value(b, b.fmul(d, x_scale), 16), b.sitofp(isum, ir.VectorType(_f32, 16)))
+            b.store(b.fadd(b.load(accs[r]), term), accs[r])
+            if minimum is not None:
+                mn, dmin = minimum
+                at = b.gep(rows.np, [rows.slot(pick, b.mul(loop.index, ir.Constant(_i64, blocks)), 32)])
+                sums = b.load(b.bitcast(at, ir.VectorType(_i32, 8).as_pointer()), align=4)
+                imin = b.sitofp(_int_sum(b, b.mul(mn, sums)), _f32)
+                b.store(b.fadd(b.load(mins[r]), b.fmul(b.fmul(dmin, x_scale), imin)), mins[r])
+    totals = [_lane_sum(b, b.load(acc)) for acc in accs]
+    if kind not in MIN_KINDS:
+        return totals
+    return [b.fsub(total, b.load(v)) for total, v in zip(totals, mins, strict=True)]
+
+
 def _dot(kind: str, rows: int):
     """An intrinsic `dot(row, xq, xs, xsum, wscale, units, first, out)`: the outputs of
     activation rows first .. first + rows - 1 (those below M) for one weight row, into
-    out[first:], with the row's integers read in registers once for all of them. Per
-    activation row the arithmetic of the module docstring, as vectors: c += (wscale * xs[b]) *
-    float(pairs(w, xq block b)) per block, then c[0] + ... + c[15], minus the min term (Q5_K,
-    Q5_1) summed in block order alongside. xq [M, K] int16, xs [M, K // 32] fp32, xsum
-    [M, K // 32] int32, out [M] fp32."""
-    width, blocks, reader = _KINDS[kind]
-    with_min = kind in MIN_KINDS
+    out[first:], with the row's integers read in registers once for all of them; the
+    arithmetic of the module docstring (`_lanes_body`, `_super_body`). xq [M, K] int16, xs
+    [M, K // 32] fp32 (Q6_K, Q5_K: [M, K // 256]), xsum [M, K // 32] int32, out [M] fp32."""
+    body = _super_body if kind in SUPER_KINDS else _lanes_body
 
     @intrinsic
     def dot(typingctx, row, xq, xs, xsum, wscale, units, first, out):
         def codegen(context, builder, signature, args):
-            b = builder
-            rp, qp, sp, np_, wp, op = (_data(context, b, signature, args, k) for k in (0, 1, 2, 3, 4, 7))
-            shape = context.make_array(signature.args[1])(context, b, args[1]).shape
-            m, k = b.extract_value(shape, 0), b.extract_value(shape, 1)
-            last = b.sub(m, ir.Constant(_i64, 1))  # rows past M repeat row M - 1 and are not stored
-            picks = [b.select(b.icmp_signed("<", v, m), v, last) for v in
-                     (b.add(args[6], ir.Constant(_i64, r)) for r in range(rows))]  # fmt: skip
-            zero = ir.Constant(ir.VectorType(_f32, 16), [ir.Constant(_f32, 0.0)] * 16)
-            accs = [cgutils.alloca_once_value(b, zero) for _ in range(rows)]
-            mins = [cgutils.alloca_once_value(b, ir.Constant(_f32, 0.0)) for _ in range(rows)]
-            with cgutils.for_range(b, args[5]) as loop:
-                weights, scales, offsets = reader(_Unit(b, b.gep(rp, [b.mul(loop.index, ir.Constant(_i64, width))]),
-                                                        loop.index, wp))  # fmt: skip
-                cs, ms = [b.load(acc) for acc in accs], [b.load(v) for v in mins]
-                offs = offsets() if offsets else [None] * len(weights)
-                for j, (w, ws, off) in enumerate(zip(weights, scales(), offs, strict=True)):
-                    block = b.add(b.mul(loop.index, ir.Constant(_i64, blocks)), ir.Constant(_i64, j))
-                    for r, pick in enumerate(picks):
-                        at = b.add(b.mul(pick, k), b.mul(block, ir.Constant(_i64, 32)))
-                        a = b.load(b.bitcast(b.gep(qp, [at]), ir.VectorType(_i16, 32).as_pointer()), align=2)
-                        slot = b.add(b.mul(pick, b.udiv(k, ir.Constant(_i64, 32))), block)
-                        x_scale = b.load(b.gep(sp, [slot]))
-                        scale = b.fmul(ws, _splat_value(b, x_scale, 16))
-                        cs[r] = b.fadd(cs[r], b.fmul(scale, b.sitofp(_pairs(b, w, a), ir.VectorType(_f32, 16))))
-                        if off is not None:  # (offset * xs[b]) * sum of block b's xq
-                            ms[r] = b.fadd(ms[r], b.fmul(b.fmul(off, x_scale), b.sitofp(b.load(b.gep(np_, [slot])), _f32)))
-                for acc, c, v, mn in zip(accs, cs, mins, ms, strict=True):
-                    b.store(c, acc)
-                    b.store(mn, v)
-            for r, pick in enumerate(picks):
-                c = b.load(accs[r])
-                total = b.extract_element(c, ir.Constant(_i32, 0))
-                for lane in range(1, LANES):
-                    total = b.fadd(total, b.extract_element(c, ir.Constant(_i32, lane)))
-                if with_min:
-                    total = b.fsub(total, b.load(mins[r]))
-                with b.if_then(b.icmp_signed("<", b.add(args[6], ir.Constant(_i64, r)), m)):
-                    b.store(total, b.gep(op, [pick]))
+            rp, qp, sp, np_, wp, op = (_data(context, builder, signature, args, k) for k in (0, 1, 2, 3, 4, 7))
+            shape = context.make_array(signature.args[1])(context, builder, args[1]).shape
+            m, k = builder.extract_value(shape, 0), builder.extract_value(shape, 1)
+            passing = _Rows(builder, qp, sp, np_, m, k, args[6], rows)
+            passing.store(body(builder, passing, kind, rp, wp, args[5]), op)
             return context.get_dummy_value()
 
         return types.void(row, xq, xs, xsum, wscale, units, first, out), codegen
@@ -280,6 +344,28 @@ def quantize_rows(x, xq, xs, xsum):  # pragma: no cover - compiled
                 xq[m, b * 32 + i] = q
                 total += q
             xsum[m, b] = total
+
+
+@njit("void(float32[:, ::1], int16[:, ::1], float32[:, ::1], int32[:, ::1])", cache=True, nogil=True)
+def quantize_rows_k(x, xq, xs, xsum):  # pragma: no cover - compiled
+    """For Q6_K and Q5_K (llama.cpp's Q8_K): x [M, K] -> xq [M, K] (int8 values), xs
+    [M, K // 256] and xsum [M, K // 32]; per super-block inv = 127 / max|x|, xq = rint(x *
+    inv), xs = 1 / inv."""
+    rows, units = xs.shape
+    for m in range(rows):
+        for u in range(units):
+            amax = np.float32(0)
+            for i in range(256):
+                amax = max(amax, abs(x[m, u * 256 + i]))
+            inv = np.float32(127) / amax if amax > 0 else np.float32(0)
+            xs[m, u] = np.float32(1) / inv if amax > 0 else np.float32(0)
+            for b in range(8):
+                total = 0
+                for i in range(32):
+                    q = np.int16(np.rint(x[m, u * 256 + b * 32 + i] * inv))
+                    xq[m, u * 256 + b * 32 + i] = q
+                    total += q
+                xsum[m, u * 8 + b] = total
 
 
 KIND_CODES = {name: code for code, name in enumerate(_KINDS)}  # matmul's `kind`

@@ -5,14 +5,21 @@ blocks.
 types to it). The layer keeps the file's bytes (memory-mapped, not copied) plus small
 fp32 tables of the blocks' fp16 scales: no dense float copy of the matrix.
 
-Arithmetic (gguf_jit_8bit.py states it exactly): int8 activations, quantized per block of 32
-of each row (scale max|x| / 127, as llama.cpp's Q8_0 activations), times the file's integers,
-with exact integer block sums; the weights' scales are the file's, exact in fp32 (d, d * sc,
-dmin * m, Q5_1's m), so the weights used equal the gguf package's reference dequantization as real
-numbers. The only roundings are the activations' quantization and the fp32 accumulation.
-Reduction order, for each output: 16 fp32 lanes over the blocks in order (lane l takes the
-pairs of elements 2l, 2l + 1 of every block), then the lanes summed left to right; Q5_K's and
-Q5_1's min term is summed in block order and subtracted last. Nothing depends on M or on the thread
+Arithmetic (gguf_jit_8bit.py states it exactly): int8 activations times the file's integers,
+as llama.cpp does. Q8_0, Q5_0 and Q5_1 quantize each row per block of 32 (scale max|x| / 127,
+llama.cpp's Q8_0 activations); Q6_K and Q5_K per super-block of 256 (scale 1 / (127 /
+max|x|), llama.cpp's Q8_K). The weights' scales are the file's, exact in fp32 (d, dmin, Q5_1's
+m; the K-quants' sub-block scales stay integers), so the weights used equal the gguf package's
+reference dequantization as real numbers. The only roundings are the activations'
+quantization and the fp32 accumulation. Reduction order, for each output:
+- Q8_0, Q5_0, Q5_1: 16 fp32 lanes over the blocks in order (lane l takes the pairs of elements
+  2l, 2l + 1 of every block), then the lanes summed left to right; Q5_1's min term is summed
+  in block order and subtracted last;
+- Q6_K, Q5_K: per super-block one exact integer sum of (w * sc) * xq, then one fp32 term (d *
+  xs) * isum added in super-block order; Q5_K's min term likewise, subtracted last. Fewer float
+  operations than the lanes (one per 256 weights and row), and the integer products of a
+  super-block are shared by the rows of a pass.
+Nothing depends on M or on the thread
 count: rows share no arithmetic, threads split the output rows, never a reduction (no
 split-K). Prompts (any M) run the same kernel, so a row's bits do not depend on the path.
 
@@ -43,7 +50,8 @@ from specdec.backends.native.ort_linear import OrtBlockLinear, ort_available
 
 QTYPES = ("Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q5_1")
 SMALL_BLOCK_TYPES = ("Q8_0", "Q5_0", "Q5_1")  # blocks of 32; the K-quants' are of 256
-BLOCK = 32  # activation block (and the lanes' span)
+BLOCK = 32  # activation block of the small-block types (and the lanes' span)
+SUPER = 256  # the K-quants' super-block: their activation block
 LANES = 16
 BLOCK_BYTES = {"Q8_0": 34, "Q6_K": 210, "Q5_K": 176, "Q5_0": 22, "Q5_1": 24}  # per block (of 32 or 256)
 TORCH_TILE = 256  # output rows the torch kernel decodes at a time
@@ -102,25 +110,28 @@ class BlockLinear8(torch.nn.Module):
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def _numba(self, x: np.ndarray) -> torch.Tensor:
-        jit = _jit()
-        m, blocks = x.shape[0], self.in_features // BLOCK
-        xq, xs = np.empty(x.shape, np.int16), np.empty((m, blocks), np.float32)
-        xsum = np.empty((m, blocks), np.int32)
-        jit.quantize_rows(x, xq, xs, xsum)
+        jit, m, k = _jit(), x.shape[0], self.in_features
+        span = BLOCK if self.qtype in SMALL_BLOCK_TYPES else SUPER
+        xq, xs = np.empty(x.shape, np.int16), np.empty((m, k // span), np.float32)
+        xsum = np.empty((m, k // BLOCK), np.int32)
+        (jit.quantize_rows if span == BLOCK else jit.quantize_rows_k)(x, xq, xs, xsum)
         y = np.empty((m, self.out_features), np.float32)
-        span = BLOCK if self.qtype in SMALL_BLOCK_TYPES else 256
         table = self.scales.reshape(self.out_features, -1)  # [N, T]: a view
-        jit.matmul(jit.KIND_CODES[self.qtype.lower()], self.raw, table, self.in_features // span, xq, xs, xsum, y)
+        jit.matmul(jit.KIND_CODES[self.qtype.lower()], self.raw, table, k // span, xq, xs, xsum, y)
         return torch.from_numpy(y)
 
     def _torch(self, x: torch.Tensor) -> torch.Tensor:
-        xq, xs, xsum = quantize_activations(x)
+        small = self.qtype in SMALL_BLOCK_TYPES
+        xq, xs, xsum = quantize_activations(x) if small else quantize_activations_k(x)
         tiles = []
         for start in range(0, self.out_features, TORCH_TILE):
-            w, lo, hi, offset = decode_integers(self.qtype, self.raw[start : start + TORCH_TILE],
-                                                self.scales[start : start + TORCH_TILE])  # fmt: skip
-            tiles.append(lanes_matmul(xq, xs, xsum, *(torch.from_numpy(t) for t in (w, lo, hi)),
-                                      None if offset is None else torch.from_numpy(offset)))  # fmt: skip
+            raw, scales = self.raw[start : start + TORCH_TILE], self.scales[start : start + TORCH_TILE]
+            if small:
+                w, lo, hi, offset = decode_integers(self.qtype, raw, scales)
+                tiles.append(lanes_matmul(xq, xs, xsum, *(torch.from_numpy(t) for t in (w, lo, hi)),
+                                          None if offset is None else torch.from_numpy(offset)))  # fmt: skip
+            else:
+                tiles.append(superblock_matmul(xq, xs, xsum, *decode_superblocks(self.qtype, raw, scales)))
         return torch.cat(tiles, dim=1)
 
 
@@ -132,6 +143,59 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     inv = torch.where(d > 0, 1 / torch.where(d > 0, d, 1), 0)
     xq = torch.round(blocks * inv[..., None])  # half to even, as np.rint
     return xq, d, xq.sum(-1)
+
+
+def quantize_activations_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] fp32 -> (xq [M, K // 256, 256] integer-valued fp32, xs [M, K // 256], xsum
+    [M, K // 32]), the operations of gguf_jit_8bit.quantize_rows_k (llama.cpp's Q8_K)."""
+    blocks = x.reshape(x.shape[0], -1, SUPER)
+    amax = blocks.abs().amax(-1)
+    # tensor / tensor: a scalar's `127 / t` is 127 * (1 / t), rounded twice
+    inv = torch.where(amax > 0, torch.full_like(amax, 127) / torch.where(amax > 0, amax, 1), 0)
+    xq = torch.round(blocks * inv[..., None])  # half to even, as np.rint
+    xs = torch.where(amax > 0, torch.ones_like(inv) / torch.where(amax > 0, inv, 1), 0)
+    return xq, xs, xq.reshape(x.shape[0], -1, BLOCK).sum(-1)
+
+
+def decode_superblocks(qtype: str, raw: np.ndarray, scales: np.ndarray) -> tuple:
+    """Rows of Q6_K or Q5_K super-blocks -> (w [n, S, 256] the file's integers, sc [n, S, 256]
+    each element's integer sub-block scale, d [n, S], and for Q5_K (m [n, S, 8] the integer
+    mins, dmin [n, S]), else None), as tensors; weight = d * sc * w (- dmin * m)."""
+    n = raw.shape[0]
+    if qtype == "Q6_K":
+        b = raw.reshape(n, -1, 210)
+        sc = np.repeat(b[..., 192:208].view(np.int8).astype(np.float32), 16, axis=-1)  # [n, S, 256]
+        tensors = (_q6_k_values(b), sc, scales)
+        return (*(torch.from_numpy(np.ascontiguousarray(t)) for t in tensors), None)
+    q, sc, mn = _q5_k_values(raw.reshape(n, -1, BLOCK_BYTES[qtype]))
+    tensors = (q, np.repeat(sc, 32, axis=-1), scales[..., 0])
+    return (*(torch.from_numpy(np.ascontiguousarray(t)) for t in tensors),
+            (torch.from_numpy(mn), torch.from_numpy(np.ascontiguousarray(scales[..., 1]))))  # fmt: skip
+
+
+def superblock_matmul(xq: torch.Tensor, xs: torch.Tensor, xsum: torch.Tensor, w: torch.Tensor, sc: torch.Tensor,
+                      d: torch.Tensor, minimum: tuple | None) -> torch.Tensor:
+    """The super-block kernels' arithmetic in PyTorch ops: xq [M, S, 256] -> y [M, n] fp32.
+    Each lane's integer sum (lane l: elements 2l, 2l + 1 of each block of 32) is below 2^31,
+    exact in float64 whatever the order, then rounded once to fp32 (as the kernels' int32 ->
+    fp32); the sums over super-blocks and then lanes run in the kernels' order."""
+    lanes = torch.einsum("msbla,nsbla->mnsl", xq.double().reshape(*xq.shape[:2], 8, LANES, 2),
+                         (w * sc).double().reshape(*w.shape[:2], 8, LANES, 2)).float()  # [M, n, S, 16]
+    scale = d[None] * xs[:, None]  # [M, n, S]
+    c = torch.zeros(*lanes.shape[:2], LANES)
+    for u in range(lanes.shape[2]):
+        c = c + scale[..., u, None] * lanes[..., u, :]
+    y = c[..., 0]
+    for lane in range(1, LANES):
+        y = y + c[..., lane]
+    if minimum is None:
+        return y
+    mn, dmin = minimum
+    imin = torch.einsum("msj,nsj->mns", xsum.reshape(xsum.shape[0], -1, 8).double(), mn.double()).float()
+    low, mins = dmin[None] * xs[:, None], torch.zeros_like(y)
+    for u in range(imin.shape[2]):
+        mins = mins + low[..., u] * imin[..., u]
+    return y - mins
 
 
 def decode_integers(qtype: str, raw: np.ndarray, scales: np.ndarray) -> tuple:
@@ -152,8 +216,7 @@ def decode_integers(qtype: str, raw: np.ndarray, scales: np.ndarray) -> tuple:
         sc = b[..., 192:208].view(np.int8).astype(np.float32)  # [n, S, 16]
         scale = (scales[..., None] * sc).reshape(n, -1, 2)  # [n, K // 32, 2]: per sub-block of 16
         return q.reshape(n, -1, 32), scale[..., 0].copy(), scale[..., 1].copy(), None
-    b = raw.reshape(n, -1, 176)
-    q, sc, mn = _q5_k_values(b)
+    q, sc, mn = _q5_k_values(raw.reshape(n, -1, BLOCK_BYTES[qtype]))
     scale = (scales[..., 0:1] * sc).reshape(n, -1)
     offset = (scales[..., 1:2] * mn).reshape(n, -1)
     return q.reshape(n, -1, 32), scale, scale, offset
