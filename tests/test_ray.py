@@ -320,6 +320,11 @@ def test_a_conversation_stays_on_its_replica(ray_server):
 
 @pytest.mark.ray
 @pytest.mark.slow
+def _accepted(server, replica: int) -> float:
+    """Requests the replica holds: decoding or queued in its own scheduler."""
+    return sum(server.metric(f"specdec:num_requests_{state}", replica=str(replica)) for state in ("running", "waiting"))
+
+
 def test_a_killed_replica_fails_its_requests_cleanly_and_comes_back(ray_server):
     health = ray_server.wait_healthy(300)
     assert [r["replica"] for r in health["replicas"]] == [0, 1]
@@ -333,7 +338,11 @@ def test_a_killed_replica_fails_its_requests_cleanly_and_comes_back(ray_server):
     assert first.choices[0].delta.role == "assistant"
     with ThreadPoolExecutor(1) as pool:
         plain = pool.submit(ray_server.client.chat.completions.create, **long)
-        time.sleep(0.5)
+        # kill only once the victim holds both: a request still queued in Ray's router when the
+        # replica dies waits for its restart (minutes on busy cores) instead of failing
+        deadline = time.time() + 120
+        while _accepted(ray_server, victim) < 2 and time.time() < deadline:
+            time.sleep(0.2)
         os.kill(pid, signal.SIGKILL)
         t0 = time.time()
         with pytest.raises(openai.APIError, match="replica 1 failed"):
