@@ -326,24 +326,34 @@ _two_q8_0, _two_q6_k, _two_q5_k, _two_q5_0, _two_q5_1 = (_dot(kind, 2) for kind 
 _many_q8_0, _many_q6_k, _many_q5_k, _many_q5_0, _many_q5_1 = (_dot(kind, DOT_ROWS) for kind in _KINDS)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _abs_max(x, m, start, count):  # pragma: no cover - compiled
+    amax = np.float32(0)
+    for i in range(start, start + count):
+        amax = max(amax, abs(x[m, i]))
+    return amax
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _quantize_block(x, xq, m, start, inv):  # pragma: no cover - compiled
+    """xq[m, start : start + 32] = rint(x * inv); returns their sum."""
+    total = 0
+    for i in range(start, start + 32):
+        q = np.int16(np.rint(x[m, i] * inv))
+        xq[m, i] = q
+        total += q
+    return total
+
+
 @njit("void(float32[:, ::1], int16[:, ::1], float32[:, ::1], int32[:, ::1])", cache=True, nogil=True)
 def quantize_rows(x, xq, xs, xsum):  # pragma: no cover - compiled
     """x [M, K] -> xq [M, K] (int8 values), xs [M, K // 32], xsum [M, K // 32] (sum of xq)."""
     rows, blocks = xs.shape
     for m in range(rows):
         for b in range(blocks):
-            amax = np.float32(0)
-            for i in range(32):
-                amax = max(amax, abs(x[m, b * 32 + i]))
-            d = amax / np.float32(127)
-            inv = np.float32(1) / d if d > 0 else np.float32(0)
+            d = _abs_max(x, m, b * 32, 32) / np.float32(127)
             xs[m, b] = d
-            total = 0
-            for i in range(32):
-                q = np.int16(np.rint(x[m, b * 32 + i] * inv))
-                xq[m, b * 32 + i] = q
-                total += q
-            xsum[m, b] = total
+            xsum[m, b] = _quantize_block(x, xq, m, b * 32, np.float32(1) / d if d > 0 else np.float32(0))
 
 
 @njit("void(float32[:, ::1], int16[:, ::1], float32[:, ::1], int32[:, ::1])", cache=True, nogil=True)
@@ -354,18 +364,11 @@ def quantize_rows_k(x, xq, xs, xsum):  # pragma: no cover - compiled
     rows, units = xs.shape
     for m in range(rows):
         for u in range(units):
-            amax = np.float32(0)
-            for i in range(256):
-                amax = max(amax, abs(x[m, u * 256 + i]))
+            amax = _abs_max(x, m, u * 256, 256)
             inv = np.float32(127) / amax if amax > 0 else np.float32(0)
             xs[m, u] = np.float32(1) / inv if amax > 0 else np.float32(0)
             for b in range(8):
-                total = 0
-                for i in range(32):
-                    q = np.int16(np.rint(x[m, u * 256 + b * 32 + i] * inv))
-                    xq[m, u * 256 + b * 32 + i] = q
-                    total += q
-                xsum[m, u * 8 + b] = total
+                xsum[m, u * 8 + b] = _quantize_block(x, xq, m, u * 256 + b * 32, inv)
 
 
 KIND_CODES = {name: code for code, name in enumerate(_KINDS)}  # matmul's `kind`
