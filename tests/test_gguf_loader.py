@@ -24,6 +24,7 @@ from specdec.backends.native import model as native_model
 from specdec.backends.native.gguf import read_gguf
 from specdec.backends.native.gguf_kernels import EIGHT_BIT_TYPES
 from specdec.backends.native.gguf_kernels_8bit import OrtBlockLinear8, ort_8bit_usable
+from specdec.backends.native.gguf_q4 import prompt_tiles
 from specdec.backends.native.gguf_tensors import ReferenceLinear
 from specdec.backends.native.layer import SUPPORTED_TYPES
 from specdec.backends.native.model import NativeModel
@@ -193,16 +194,17 @@ def test_a_wrong_row_layout_breaks_the_bound(tmp_path_factory, monkeypatch):
         read_gguf(path)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q6_K"])
-def test_prompt_groups_give_the_bits_of_one_pass_per_chunk(tmp_path_factory, qtype):
+@pytest.mark.parametrize(("qtype", "length"), [("Q4_1", 300), ("Q4_1", 270), ("Q8_0", 300), ("Q6_K", 270)])
+def test_prompt_groups_give_the_bits_of_one_pass_per_chunk(tmp_path_factory, qtype, length):
     """A prefill runs consecutive chunks in one forward (each chunk its own causal row): the
     logits and the cache equal those of one forward per chunk, and of a prefix kept from an
-    earlier prompt (the tiles' GEMM computes each row on its own)."""
+    earlier prompt (the tiles' GEMM computes each row on its own). At 270 tokens the last chunk
+    (14) is short and takes the decode kernels, in a forward of its own."""
     path, _ = _write(tmp_path_factory, "llama", qtype)
     model = NativeModel.from_gguf(path)
     if model.prompt_group_tokens is None:
         pytest.skip("this CPU's prompt GEMM gives a row different bits in different row counts: one chunk a forward")
-    tokens = [int(t) for t in np.random.default_rng(1).integers(3, VOCAB, 300)]
+    tokens = [int(t) for t in np.random.default_rng(1).integers(3, VOCAB, length)]
 
     def prefill(group_tokens: int, keep_from: list[int] | None = None):
         model.prompt_group_tokens = group_tokens
@@ -220,6 +222,32 @@ def test_prompt_groups_give_the_bits_of_one_pass_per_chunk(tmp_path_factory, qty
         logits, other_cache = prefill(group_tokens, keep_from)
         assert torch.equal(logits, grouped[128 if keep_from else 0 :]), (group_tokens, keep_from is not None)
         assert torch.equal(other_cache, cache)
+
+
+def test_a_short_chunk_takes_the_decode_kernels_and_a_warm_prefill_keeps_its_bits(tmp_path_factory):
+    """A chunk of fewer than SHORT_CHUNK_ROWS tokens runs the decode stack (the int4 kernel, not
+    bf16 tiles): its logits differ from the prompt kernels' where those decode tiles, and a
+    prompt prefilled after a kept prefix, whose chunk is then whole, equals its cold prefill."""
+    path, _ = _write(tmp_path_factory, "llama", "Q4_1")
+    model = NativeModel.from_gguf(path)
+    assert model.short_chunk_rows == native_model.SHORT_CHUNK_ROWS > 12
+    tokens = [int(t) for t in np.random.default_rng(2).integers(3, VOCAB, 200)]
+
+    def prefill(prompt: list[int], short_rows: int, keep_from: list[int] | None = None) -> torch.Tensor:
+        model.short_chunk_rows = short_rows
+        seq = model.new_pool(max_length=256).new_sequence()
+        if keep_from is not None:
+            seq.prefill(keep_from)
+        return seq.prefill(prompt, keep=128 if keep_from is not None else 0)
+
+    routed, tiled = prefill(tokens[:140], native_model.SHORT_CHUNK_ROWS), prefill(tokens[:140], 0)
+    assert torch.equal(routed[:128], tiled[:128])  # the whole chunk: the prompt kernels either way
+    if prompt_tiles():
+        assert not torch.equal(routed[128:], tiled[128:])  # the short one: another kernel
+    assert (routed[128:].argmax(-1) == tiled[128:].argmax(-1)).float().mean() >= 0.9
+    cold = prefill(tokens, native_model.SHORT_CHUNK_ROWS)
+    warm = prefill(tokens, native_model.SHORT_CHUNK_ROWS, keep_from=tokens[:140])
+    assert torch.equal(warm, cold[128:])
 
 
 def test_prompts_take_one_chunk_a_forward_where_the_gemm_rows_are_not_independent(tmp_path_factory, monkeypatch):

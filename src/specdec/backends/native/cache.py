@@ -129,16 +129,30 @@ class CachePool:
         attention is that of a pass per chunk, and the layers' kernels over all their tokens at
         once (a prompt kernel computes each row on its own, so a chunk's bits do not depend on
         its neighbours; the tests compare the two). A prompt kernel that decodes weight tiles
-        then decodes each tile once per group, not once per chunk. Logits [T, V], or [1, V]."""
-        start = seq._check_append(sum(len(chunk) for chunk in chunks))
-        tokens, positions, rows = [], [], []
+        then decodes each tile once per group, not once per chunk. A chunk of fewer than the
+        model's `short_chunk_rows` tokens takes the decode kernels instead (cheaper for a few
+        rows than decoding every tile); the choice depends on the chunk alone, so a warm
+        prefill still gives a cold one's bits. Logits [T, V], or [1, V]."""
+        seq._check_append(sum(len(chunk) for chunk in chunks))
+        if not any(chunks):
+            return torch.empty(0, self.model.config.vocab_size)
+        parts, logits = _runs_of(chunks, self.model.short_chunk_rows), []
+        for i, (short, part) in enumerate(parts):
+            last = i == len(parts) - 1
+            logits.append(self._prompt_part(seq, part, short, last_only, last))
+        return logits[-1] if last_only else torch.cat(logits)
+
+    def _prompt_part(self, seq: NativeSequence, chunks: list[list[int]], short: bool, last_only: bool,
+                     last: bool) -> torch.Tensor:  # fmt: skip
+        """Consecutive chunks of one kind (short or not) appended to `seq`: logits [T, V], or
+        with `last_only` [1, V] for the prompt's last part and [0, V] (no head) before it."""
+        start, tokens, positions, rows = seq._length, [], [], []
         for chunk in chunks:
             rows.append(self._row(seq.slot, len(tokens), start + len(tokens), len(chunk), dense=True))
             tokens.extend(chunk)
             positions.extend(range(start + len(tokens) - len(chunk), start + len(tokens)))
-        if not tokens:
-            return torch.empty(0, self.model.config.vocab_size)
-        hidden, logits = self._run(tokens, positions, rows, False, [len(tokens) - 1] if last_only else None, dense=True)
+        logits_at = None if not last_only else [len(tokens) - 1] if last else []
+        hidden, logits = self._run(tokens, positions, rows, False, logits_at, dense=not short)
         seq._store_hidden(start, hidden)
         seq._length = start + len(tokens)
         return logits
@@ -316,3 +330,18 @@ class NativeSequence:
                 rows = self.pool.hidden_buffer()[self.slot]  # [max_length, hidden]
                 rows[base : base + len(indices)] = rows.index_select(0, src)
         self._length, self._tree = base + len(indices), None
+
+
+def _runs_of(chunks: list[list[int]], short_rows: int) -> list[tuple[bool, list[list[int]]]]:
+    """Consecutive non-empty chunks split where their kind changes: (short, chunks), short
+    meaning fewer than `short_rows` tokens."""
+    runs: list[tuple[bool, list[list[int]]]] = []
+    for chunk in chunks:
+        if not chunk:
+            continue
+        short = len(chunk) < short_rows
+        if runs and runs[-1][0] == short:
+            runs[-1][1].append(chunk)
+        else:
+            runs.append((short, [chunk]))
+    return runs

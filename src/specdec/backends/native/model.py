@@ -100,6 +100,7 @@ class NativeModel:
             self.dense = ([_layer(config, views, i, precision) for i in range(config.num_layers)], self.lm_head)
         intermediate = sum(self.layers[0].gate_up.sizes) // 2  # [gate, up] or phi3's [gate | up]
         self.prompt_group_tokens = prompt_group_tokens(config, intermediate, self.device, precision)
+        self.short_chunk_rows = SHORT_CHUNK_ROWS if precision == GGUF_PRECISION else 0  # see forward_prompt
         self.sliding = [config.sliding(i) for i in range(config.num_layers)]  # which layers take windowed rows
         self.local_rope = [config.local_rope(i) for i in range(config.num_layers)]
         self.inv_freq = rope_inv_freq(config).to(self.device)  # [head_dim / 2]
@@ -324,6 +325,10 @@ def rope_inv_freq(config: NativeConfig) -> torch.Tensor:
 # decodes its weight tiles once per forward, so more chunks share that cost, and a bigger GEMM
 # runs faster; the activations of this many tokens stay small beside the weights
 PROMPT_GROUP_TOKENS = 512
+# a GGUF prompt chunk shorter than this runs the decode kernels: decoding every int4 weight tile
+# to bf16 costs more than the int4 kernel's per-row work up to about this many rows
+# (docs/performance-notes.md); at or above it, the prompt kernels
+SHORT_CHUNK_ROWS = 32
 
 
 def prompt_group_tokens(config: NativeConfig, intermediate: int, device: torch.device, precision: str) -> int | None:
