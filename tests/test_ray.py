@@ -100,10 +100,14 @@ def test_replicas_without_ray_is_a_one_line_error(monkeypatch, tmp_path):
         run_serve(args)
 
 
-class _Healthy(http.server.BaseHTTPRequestHandler):
+class _ProxyWithoutApp(http.server.BaseHTTPRequestHandler):
+    """What Ray Serve's proxy answers before an app is deployed (read from Ray 2.60's
+    proxy_router.ready_for_traffic): 503, its route table not yet populated."""
+
     def do_GET(self):  # noqa: N802 - http.server's name
-        self.send_response(200 if self.path == "/-/healthz" else 404)
+        self.send_response(503)
         self.end_headers()
+        self.wfile.write(b"Route table is not populated yet.")
 
     def log_message(self, *args):
         pass
@@ -111,8 +115,9 @@ class _Healthy(http.server.BaseHTTPRequestHandler):
 
 def test_serve_start_waits_past_rays_own_proxy_timeout(monkeypatch):
     """Ray raises TimeoutError when its HTTP proxy takes over 60 s to start (a busy machine),
-    while the proxy keeps starting: specdec connects again and waits for /-/healthz; with no
-    proxy at all it ends in a one-line error."""
+    while the proxy keeps starting: specdec connects again and waits until the proxy answers,
+    which before the app is deployed is a 503 (waiting for a 200 there hung a loaded run for
+    the whole wait); with no proxy at all it ends in a one-line error."""
     pytest.importorskip("ray.serve")
     from specdec.serve import ray_serve
 
@@ -124,7 +129,7 @@ def test_serve_start_waits_past_rays_own_proxy_timeout(monkeypatch):
             raise TimeoutError("HTTP proxies not available after 60s.")
 
     monkeypatch.setattr(ray_serve.serve, "start", start)
-    proxy = http.server.HTTPServer(("127.0.0.1", 0), _Healthy)
+    proxy = http.server.HTTPServer(("127.0.0.1", 0), _ProxyWithoutApp)
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
     try:
         ray_serve._start_serve("127.0.0.1", proxy.server_address[1], wait_s=60)

@@ -17,6 +17,7 @@ import signal
 import socket
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import ray
@@ -67,7 +68,7 @@ def _interrupt(signum, frame):
 
 
 def _start_serve(host: str, port: int, wait_s: float = PROXY_START_S) -> None:
-    """serve.start, waiting past Ray's own 60 s for the HTTP proxy until it answers /-/healthz."""
+    """serve.start, waiting past Ray's own 60 s for the HTTP proxy until it answers at all."""
     options = {"host": host, "port": port}
     try:
         serve.start(http_options=options)
@@ -77,11 +78,22 @@ def _start_serve(host: str, port: int, wait_s: float = PROXY_START_S) -> None:
     local = "127.0.0.1" if host in ("", "0.0.0.0", "::") else f"[{host}]" if ":" in host else host
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), urllib.request.urlopen(f"http://{local}:{port}/-/healthz", timeout=5) as r:
-            if r.status == 200:
-                return
+        if _proxy_answers(f"http://{local}:{port}/-/healthz"):
+            return
         time.sleep(1)
     raise SpecdecError(f"Ray Serve's HTTP proxy did not start within {wait_s:.0f} s", "replicas")
+
+
+def _proxy_answers(url: str) -> bool:
+    """Whether an HTTP server answers `url` with any status: until an app is deployed, Ray's
+    proxy answers /-/healthz with 503 (its route table is empty), so 200 would never come."""
+    try:
+        with urllib.request.urlopen(url, timeout=5):
+            return True
+    except urllib.error.HTTPError:
+        return True
+    except OSError:
+        return False
 
 
 def run_replicas(config: ServeConfig) -> None:
