@@ -3,7 +3,10 @@ chunk on the decode kernels (the default, SHORT_CHUNK_ROWS) against every chunk 
 kernels: medians of interleaved runs, milliseconds.
 
     python scripts/bench/prefill_cost.py [--target smollm2-135m] [--lengths 8,16,24,32,48,64,96,128,160]
-        [--repeats 7]
+        [--repeats 7] [--threads N] [--clock wall|cpu]
+
+`--clock cpu` times process CPU time instead of wall time: with `--threads 1` (which also
+gives numba one thread) that figure holds beside other jobs, where wall time would not.
 
 A length's last chunk holds T mod 128 tokens (128 when T is a multiple); only a chunk below
 SHORT_CHUNK_ROWS tokens runs another kernel, so the columns agree above it. Prints one line
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -24,12 +28,12 @@ from specdec.backends.native.model import GGUF_PRECISION, native_model_for
 from specdec.models import load_model
 
 
-def prefill_ms(model, prompt: list[int], short_rows: int) -> float:
+def prefill_ms(model, prompt: list[int], short_rows: int, clock) -> float:
     model.short_chunk_rows = short_rows
     seq = model.new_pool(max_length=len(prompt) + 1).new_sequence()
-    t0 = time.perf_counter()
+    t0 = clock()
     seq.prefill(prompt, all_logits=False)
-    return (time.perf_counter() - t0) * 1e3
+    return (clock() - t0) * 1e3
 
 
 def main() -> None:
@@ -37,7 +41,13 @@ def main() -> None:
     parser.add_argument("--target", default="smollm2-135m", help="a built-in name or a GGUF file")
     parser.add_argument("--lengths", default="8,16,24,32,48,64,96,128,160", help="prompt lengths, comma-separated")
     parser.add_argument("--repeats", type=int, default=7, help="runs per length and variant, interleaved")
+    parser.add_argument("--threads", type=int, default=None, help="torch and numba threads (default: torch's)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="wall time, or process CPU time")
     args = parser.parse_args()
+    if args.threads:
+        os.environ["NUMBA_NUM_THREADS"] = str(args.threads)  # before numba's first import
+        torch.set_num_threads(args.threads)
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
     target = load_model(args.target)
     model = native_model_for(target, GGUF_PRECISION)
     ids = target.tokenizer.encode("The harbour office opened at seven, and the ferry captains argued. " * 40)
@@ -46,11 +56,11 @@ def main() -> None:
     for length in (int(v) for v in args.lengths.split(",")):
         prompt = ids[:length]
         for short in (routed, 0):  # warm-up
-            prefill_ms(model, prompt, short)
+            prefill_ms(model, prompt, short, clock)
         times: dict[int, list[float]] = {routed: [], 0: []}
         for _ in range(args.repeats):
             for short in (routed, 0):
-                times[short].append(prefill_ms(model, prompt, short))
+                times[short].append(prefill_ms(model, prompt, short, clock))
         a, b = statistics.median(times[routed]), statistics.median(times[0])
         print(f"T={length:4d}  short chunk on decode kernels {a:7.1f} ms  all prompt kernels {b:7.1f} ms  {b / a:.2f}x",
               flush=True)  # fmt: skip
@@ -58,6 +68,7 @@ def main() -> None:
     model.short_chunk_rows = routed
     print(json.dumps({
         "threads": torch.get_num_threads(),
+        "clock": args.clock,
         "columns": ["Prompt tokens", "Last chunk", f"Short chunks (< {routed}) on decode kernels, ms",
                     "All chunks on prompt kernels, ms", "Speedup"],
         "rows": rows,
