@@ -433,6 +433,7 @@ for path in sys.argv[2:]:
         token = int(out[-1].argmax())
     h.update(seq.forward([token, 5, 6, 7]).numpy().tobytes())
     digests[path] = h.hexdigest()
+digests["torch threads at the end"] = torch.get_num_threads()  # numba's pool must not reset it
 print(json.dumps(digests))
 """
 
@@ -440,7 +441,9 @@ print(json.dumps(digests))
 def _digests_at(threads: int, paths: list[Path]) -> dict:
     out = subprocess.run([sys.executable, "-c", THREADS_SCRIPT, str(threads), *map(str, paths)], capture_output=True,
                          text=True, check=True)  # fmt: skip
-    return json.loads(out.stdout.splitlines()[-1])
+    digests = json.loads(out.stdout.splitlines()[-1])
+    assert digests.pop("torch threads at the end") == threads, digests  # else the counts compared are not these
+    return digests
 
 
 def test_whole_models_give_the_same_bits_at_one_and_two_threads(tmp_path_factory):

@@ -6,6 +6,7 @@ the fast paths' features runs), so a test or a user can compare the two on one m
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import platform
@@ -34,6 +35,23 @@ def cpu_features() -> frozenset[str]:
     return frozenset(flags)
 
 
+@contextlib.contextmanager
+def one_thread():
+    """Run the block's PyTorch ops on one thread. oneDNN's bf16 GEMM splits its work by the
+    thread count, and on AMX CPUs some shapes then sum K in another order (a 2-core Xeon:
+    [128, 1536] @ [1536, 512] at 1 and 2 threads), so the prompt GEMMs run on one thread and
+    a row's bits do not depend on the process's count."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def forced_fallback() -> bool:
     return os.environ.get(FORCE_ENV, "").lower() == "fallback"
 
@@ -55,5 +73,6 @@ def gemm_rows_independent(dtype: torch.dtype, k: int = 512, n: int = 320) -> boo
     run several chunks through one GEMM."""
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(300, k, generator=g).to(dtype), torch.randn(k, n, generator=g).to(dtype)
-    whole = torch.mm(x, w)
-    return all(torch.equal(torch.mm(x[lo:hi], w), whole[lo:hi]) for lo, hi in ((0, 1), (5, 12), (128, 300), (7, 135)))
+    with one_thread():  # as the prompt GEMMs run
+        whole = torch.mm(x, w)
+        return all(torch.equal(torch.mm(x[lo:hi], w), whole[lo:hi]) for lo, hi in ((0, 1), (5, 12), (128, 300), (7, 135)))

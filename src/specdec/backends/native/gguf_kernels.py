@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES
 
-from specdec.backends.native.cpu import forced_fallback, has_int4_kernel
+from specdec.backends.native.cpu import forced_fallback, has_int4_kernel, one_thread
 from specdec.backends.native.gguf_kernels_8bit import ORT_TYPES, OrtBlockLinear8, ort_8bit_usable
 from specdec.backends.native.gguf_kernels_8bit import linear_for as eight_bit_linear
 from specdec.backends.native.gguf_q4 import Q4_TYPES, ExactQ4Linear, Int4BlockLinear
@@ -168,7 +168,8 @@ class RowwiseLinear(torch.nn.Module):
     def prompt_forward(self, x: torch.Tensor) -> torch.Tensor:
         xb, out = x.to(torch.bfloat16), torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
         for start, stop, w in self._tiles(torch.bfloat16):
-            torch.mm(xb, w.T, out=out[:, start:stop])
+            with one_thread():  # the same bits at any thread count (cpu.one_thread)
+                torch.mm(xb, w.T, out=out[:, start:stop])
         out = out.float() if self.bias is None else out.float() + self.bias
         return out.to(x.dtype)
 

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from gguf.quants import Q4_K
 
-from specdec.backends.native.cpu import cpu_features, forced_fallback, gemm_rows_independent
+from specdec.backends.native.cpu import cpu_features, forced_fallback, gemm_rows_independent, one_thread
 from specdec.backends.native.jit_ops import importable as numba_importable
 from specdec.backends.native.jit_ops import numba_threads
 from specdec.backends.native.ort_linear import OrtBlockLinear
@@ -123,7 +123,8 @@ class Int4BlockLinear(Int4Linear):
         for start in range(0, packed.shape[0], PROMPT_TILE):
             stop = min(start + PROMPT_TILE, packed.shape[0])
             w_t = unpack(packed[start:stop], scales_and_zeros[:, start:stop])  # [K, rows] bf16
-            torch.mm(xb, w_t, out=out[:, start:stop])
+            with one_thread():  # the same bits at any thread count (cpu.one_thread)
+                torch.mm(xb, w_t, out=out[:, start:stop])
         y = out[:, : self.out_features].to(x.dtype)
         return y if self.bias is None else y + self.bias
 

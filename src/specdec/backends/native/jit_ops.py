@@ -58,9 +58,18 @@ def numba_threads() -> int:
     """Run numba's parallel loops on as many threads as torch's where a thread-safe threading
     layer (OpenMP or TBB) loads; returns the count (1: none loads, parallel loops run serially).
     Called before any parallel kernel runs, since the layer is chosen at its first launch."""
+    threads = torch.get_num_threads()
+    try:
+        return _set_numba_threads(threads)
+    finally:
+        # starting numba's OpenMP pool resets the process's OpenMP count to every core, which
+        # is torch's too: a process set to one thread ran its GEMMs on two
+        torch.set_num_threads(threads)
+
+
+def _set_numba_threads(threads: int) -> int:
     import numba
 
-    threads = torch.get_num_threads()
     if threads > 1:
         numba.config.THREADING_LAYER = "threadsafe"
         try:
@@ -68,6 +77,7 @@ def numba_threads() -> int:
             return numba.get_num_threads()
         except (ValueError, RuntimeError):  # no thread-safe layer here
             pass
+    numba.set_num_threads(1)  # numba's default is every core
     return 1
 
 
@@ -186,6 +196,7 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 
 @functools.cache
 def _jit():
+    numba_threads()  # loading jit.py's parallel kernel starts numba's pool: configure it first
     import specdec.backends.native.jit as jit  # compiles the kernels, or loads them from disk
 
     return jit
