@@ -26,9 +26,9 @@ Reduction order (what makes a row's bits independent of the batch and of the thr
 - `tile_forward` of `Int4BlockLinear` (the prompt kernel where `prompt_tiles`): a tile of
   512 output rows at a time is decoded from the packed weights to bf16 (the int4 kernel's own
   scale and zero, one more rounding to bf16; numba's gguf_jit_tiles.py, or its PyTorch
-  replica) and multiplied by oneDNN's bf16 GEMM, which computes each output over K in one
-  order for any M and any thread count on the CPUs tested (checked at start-up and by the
-  tests, not assumed).
+  replica) and multiplied by oneDNN's bf16 GEMM on one thread (cpu.one_thread: on an AMX
+  Xeon its order over K changed with the thread count), which computes each output over K in
+  one order for any M on the CPUs tested (checked at start-up and by the tests, not assumed).
 - `ExactQ4Linear`: a matrix-vector product per activation row (one row never shares a call).
 - `OrtQ4Linear`: per output, int8 block dot products summed in block order; MLAS splits over
   rows and columns (the tests compare 1 and 2 threads and M = 1 against M = 40).
