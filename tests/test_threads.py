@@ -1,0 +1,123 @@
+"""The same bits at one and two threads (issue 25: replicas with different core counts must
+agree): the fixed-block GEMM, and whole models from GGUF files and HF directories, each count
+in a fresh interpreter."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from specdec.backends.native import cpu
+from test_gguf_loader import _write
+
+# A whole model's logits at a thread count: a 270-token prefill (two whole chunks and a short
+# one), 8 greedy steps and a 4-token chain; one digest per file. Run in a fresh interpreter per
+# count, since numba fixes its thread count at its first parallel launch.
+THREADS_SCRIPT = """
+import hashlib, json, sys
+import torch
+torch.set_num_threads(int(sys.argv[1]))
+from specdec.backends.native.model import NativeModel
+digests = {}
+for path in sys.argv[2:]:
+    if path.startswith("hf:"):  # hf:PRECISION:DIRECTORY, over transformers' model as the loader builds it
+        from transformers import AutoModelForCausalLM
+        _, precision, directory = path.split(":", 2)
+        model = NativeModel.from_hf(AutoModelForCausalLM.from_pretrained(directory).eval(), precision)
+    else:
+        model = NativeModel.from_gguf(path)
+    vocab = model.config.vocab_size
+    seq = model.new_pool(max_length=512).new_sequence()
+    ids = [int(t) for t in torch.randint(3, vocab, (270,), generator=torch.Generator().manual_seed(0))]
+    logits, h = seq.prefill(ids), hashlib.sha256()
+    h.update(logits.numpy().tobytes())
+    token = int(logits[-1].argmax())
+    for _ in range(8):
+        out = seq.forward([token])
+        h.update(out.numpy().tobytes())
+        token = int(out[-1].argmax())
+    h.update(seq.forward([token, 5, 6, 7]).numpy().tobytes())
+    digests[path] = h.hexdigest()
+digests["torch threads at the end"] = torch.get_num_threads()  # numba's pool must not reset it
+print(json.dumps(digests))
+"""
+
+
+def _digests_at(threads: int, paths: list) -> dict:
+    out = subprocess.run([sys.executable, "-c", THREADS_SCRIPT, str(threads), *map(str, paths)], capture_output=True,
+                         text=True, check=True)  # fmt: skip
+    digests = json.loads(out.stdout.splitlines()[-1])
+    assert digests.pop("torch threads at the end") == threads, digests  # else the counts compared are not these
+    return digests
+
+
+def test_whole_models_give_the_same_bits_at_one_and_two_threads(tmp_path_factory):
+    """Prefill (prompt kernels, a short chunk's decode kernels, SDPA), decode steps and a
+    verify chain, every architecture with a quant type each: bit-identical logits at 1 and 2
+    threads on the CPU at hand."""
+    pairs = [("llama", "Q4_K"), ("mistral", "Q4_0"), ("qwen2", "Q8_0"), ("qwen3", "Q6_K"), ("gemma3", "Q5_K"),
+             ("phi3", "Q4_1"), ("llama", "F16")]  # fmt: skip
+    paths = [_write(tmp_path_factory, arch, qtype)[0] for arch, qtype in pairs]
+    assert _digests_at(1, paths) == _digests_at(2, paths)
+
+
+@pytest.mark.slow
+def test_the_embedded_model_gives_the_same_bits_at_one_and_two_threads():
+    """The same on the real SmolLM2 file, whose 576/1536-wide matrices take other GEMM paths."""
+    from specdec.models import builtin_gguf_path
+
+    path = builtin_gguf_path("smollm2-135m")
+    assert _digests_at(1, [path]) == _digests_at(2, [path])
+
+
+def test_hf_directories_give_the_same_bits_at_one_and_two_threads(tmp_path):
+    """A float checkpoint at int4 (dense bf16 or fp32 prompt layers, cpu.fixed_block_mm) and at
+    fp32 (whose 4-row verify chains took MKL's thread-split GEMM on an AMX Xeon), at the
+    embedded model's widths."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=2048, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=1024)  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(str(tmp_path))
+    specs = [f"hf:{precision}:{tmp_path}" for precision in ("int4", "fp32")]
+    assert _digests_at(1, specs) == _digests_at(2, specs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m, k, n", [(4, 576, 576), (40, 2048, 2048), (128, 1536, 576), (40, 8960, 1536),
+                                     (270, 1536, 256), (1, 576, 1000)])  # fmt: skip
+def test_the_fixed_block_gemm_gives_the_same_bits_at_any_thread_count(dtype, m, k, n, monkeypatch):
+    """Shapes where oneDNN's or MKL's own GEMM changed its bits between 1 and 2 threads on an AMX
+    Xeon. The blocks run in this thread at 1 thread and on the workers at 2: the same bits, and
+    the process's count comes back."""
+    g = torch.Generator().manual_seed(k + n)
+    x, w_t = torch.randn(m, k, generator=g).to(dtype), torch.randn(k, n, generator=g).to(dtype)
+    threads, outs = torch.get_num_threads(), {}
+    monkeypatch.setattr(cpu, "POOL_MIN_MACS", 0)  # every shape takes the workers at 2 threads
+    try:
+        for count in (1, 2, 1):
+            torch.set_num_threads(count)
+            outs.setdefault(count, []).append(cpu.fixed_block_mm(x, w_t, torch.empty(m, n, dtype=dtype)))
+            assert torch.get_num_threads() == count
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[1][0], outs[2][0]) and torch.equal(outs[1][0], outs[1][1])
+    assert 2 in cpu._POOLS  # the 2-thread call ran on the workers
+    torch.testing.assert_close(outs[1][0].float(), (x.float() @ w_t.float()), rtol=2e-2, atol=2e-2 * k**0.5)
+
+
+def test_a_failing_block_raises_and_restores_the_thread_count(monkeypatch):
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(cpu, "POOL_MIN_MACS", 0)
+    try:
+        torch.set_num_threads(2)
+        with pytest.raises(RuntimeError):  # an out of another dtype
+            cpu.fixed_block_mm(torch.ones(3, 64), torch.ones(64, 600), torch.empty(3, 600, dtype=torch.float64))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
