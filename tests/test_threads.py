@@ -75,7 +75,7 @@ def test_the_embedded_model_gives_the_same_bits_at_one_and_two_threads():
 
 
 def test_hf_directories_give_the_same_bits_at_one_and_two_threads(tmp_path):
-    """A float checkpoint at int4 (dense bf16 or fp32 prompt layers, cpu.fixed_block_mm) and at
+    """A float checkpoint at int4 (dense bf16 or fp32 prompt layers, cpu.one_thread_mm) and at
     fp32 (whose 4-row verify chains took MKL's thread-split GEMM on an AMX Xeon), at the
     embedded model's widths."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -91,33 +91,29 @@ def test_hf_directories_give_the_same_bits_at_one_and_two_threads(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m, k, n", [(4, 576, 576), (40, 2048, 2048), (128, 1536, 576), (40, 8960, 1536),
                                      (270, 1536, 256), (1, 576, 1000)])  # fmt: skip
-def test_the_fixed_block_gemm_gives_the_same_bits_at_any_thread_count(dtype, m, k, n, monkeypatch):
+def test_the_prompt_gemm_gives_the_same_bits_at_any_thread_count(dtype, m, k, n):
     """Shapes where oneDNN's or MKL's own GEMM changed its bits between 1 and 2 threads on an AMX
-    Xeon. The blocks run in this thread at 1 thread and on the workers at 2: the same bits, and
-    the process's count comes back."""
+    Xeon: the same bits at 1, 2 and 1 threads, and the process's count comes back."""
     g = torch.Generator().manual_seed(k + n)
     x, w_t = torch.randn(m, k, generator=g).to(dtype), torch.randn(k, n, generator=g).to(dtype)
     threads, outs = torch.get_num_threads(), {}
-    monkeypatch.setattr(cpu, "POOL_MIN_MACS", 0)  # every shape takes the workers at 2 threads
     try:
         for count in (1, 2, 1):
             torch.set_num_threads(count)
-            outs.setdefault(count, []).append(cpu.fixed_block_mm(x, w_t, torch.empty(m, n, dtype=dtype)))
+            outs.setdefault(count, []).append(cpu.one_thread_mm(x, w_t, torch.empty(m, n, dtype=dtype)))
             assert torch.get_num_threads() == count
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(outs[1][0], outs[2][0]) and torch.equal(outs[1][0], outs[1][1])
-    assert 2 in cpu._POOLS  # the 2-thread call ran on the workers
     torch.testing.assert_close(outs[1][0].float(), (x.float() @ w_t.float()), rtol=2e-2, atol=2e-2 * k**0.5)
 
 
-def test_a_failing_block_raises_and_restores_the_thread_count(monkeypatch):
+def test_a_failing_gemm_raises_and_restores_the_thread_count():
     threads = torch.get_num_threads()
-    monkeypatch.setattr(cpu, "POOL_MIN_MACS", 0)
     try:
         torch.set_num_threads(2)
         with pytest.raises(RuntimeError):  # an out of another dtype
-            cpu.fixed_block_mm(torch.ones(3, 64), torch.ones(64, 600), torch.empty(3, 600, dtype=torch.float64))
+            cpu.one_thread_mm(torch.ones(3, 64), torch.ones(64, 600), torch.empty(3, 600, dtype=torch.float64))
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)

@@ -1,15 +1,17 @@
 """What the thread-count invariance of the prompt GEMMs costs: a cold prefill of T tokens with
-the prompt GEMMs (GGUF prompt tiles, dense prompt layers) run three ways, at the process's
+the prompt GEMMs (GGUF prompt tiles, dense prompt layers) run four ways, at the process's
 thread count: medians of interleaved runs, wall milliseconds.
 
     python scripts/bench/prompt_gemm_threads.py [--target smollm2-135m] [--hf]
         [--lengths 128,256,512] [--repeats 5] [--threads N]
 
-- `fixed blocks` (the default): `cpu.fixed_block_mm`, fixed 256-column blocks, each a
-  one-thread GEMM, shared by the process's threads;
-- `one thread`: the whole GEMM on one thread (thread-invariant, one core busy);
+- `one thread` (what specdec runs): `cpu.one_thread_mm`, the whole GEMM on one thread;
 - `library threads`: oneDNN's or MKL's own threaded GEMM, whose bits may change with the
-  thread count (the speed that invariance gives up, if any).
+  thread count (the speed that invariance gives up);
+- `column-block pool` (tried, not adopted): fixed 256-column blocks, each a one-thread GEMM,
+  shared by a pool of the process's thread count (invariant, and every core busy);
+- `dedicated worker` (tried, not adopted): the GEMM handed to one long-lived thread whose
+  count stays 1, which spares the set_num_threads calls (each clears oneDNN's primitive cache).
 
 `--hf` runs the float checkpoint path instead of the GGUF file's: transformers' model of the
 target at int4, whose prompts run dense bf16 (or fp32) layers. Prints one line per length and
@@ -23,6 +25,7 @@ import json
 import os
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -30,24 +33,50 @@ from specdec.backends.native import cpu, gguf_kernels, gguf_q4, quant
 from specdec.backends.native.model import GGUF_PRECISION, NativeModel, native_model_for
 from specdec.models import load_model
 
-MODULES = (quant, gguf_q4, gguf_kernels)  # where the prompt GEMMs call fixed_block_mm
+MODULES = (quant, gguf_q4, gguf_kernels)  # where the prompt GEMMs call one_thread_mm
+COLUMN_BLOCK = 256
+_pools: dict[int, ThreadPoolExecutor] = {}
 
 
-def _one_thread_mm(x: torch.Tensor, w_t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    with cpu.one_thread():
-        return torch.mm(x, w_t, out=out)
+def _one_thread_worker() -> None:
+    if torch.get_num_threads() != 1:  # OpenMP's count is per thread
+        torch.set_num_threads(1)
 
 
 def _library_mm(x: torch.Tensor, w_t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return torch.mm(x, w_t, out=out)
 
 
-SCHEMES = {"fixed blocks": cpu.fixed_block_mm, "one thread": _one_thread_mm, "library threads": _library_mm}
+def _column_block_pool_mm(x: torch.Tensor, w_t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    threads, n = torch.get_num_threads(), w_t.shape[1]
+    pool = _pools.get(threads) or _pools.setdefault(threads, ThreadPoolExecutor(threads))
+
+    def block(start: int) -> None:
+        _one_thread_worker()
+        torch.mm(x, w_t[:, start : start + COLUMN_BLOCK], out=out[:, start : start + COLUMN_BLOCK])
+
+    with cpu.one_thread():
+        list(pool.map(block, range(0, n, COLUMN_BLOCK)))
+    return out
+
+
+def _dedicated_worker_mm(x: torch.Tensor, w_t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    worker = _pools.get(0) or _pools.setdefault(0, ThreadPoolExecutor(1))
+
+    def gemm() -> torch.Tensor:
+        _one_thread_worker()
+        return torch.mm(x, w_t, out=out)
+
+    return worker.submit(gemm).result()
+
+
+SCHEMES = {"one thread": cpu.one_thread_mm, "library threads": _library_mm,
+           "column-block pool": _column_block_pool_mm, "dedicated worker": _dedicated_worker_mm}  # fmt: skip
 
 
 def prefill_ms(model, prompt: list[int], scheme: str) -> float:
     for module in MODULES:
-        module.fixed_block_mm = SCHEMES[scheme]
+        module.one_thread_mm = SCHEMES[scheme]
     try:
         seq = model.new_pool(max_length=len(prompt) + 1).new_sequence()
         t0 = time.perf_counter()
@@ -55,7 +84,7 @@ def prefill_ms(model, prompt: list[int], scheme: str) -> float:
         return (time.perf_counter() - t0) * 1e3
     finally:
         for module in MODULES:
-            module.fixed_block_mm = cpu.fixed_block_mm
+            module.one_thread_mm = cpu.one_thread_mm
 
 
 def main() -> None:
@@ -81,14 +110,12 @@ def main() -> None:
         for _ in range(args.repeats):
             for scheme in SCHEMES:
                 times[scheme].append(prefill_ms(model, prompt, scheme))
-        fixed, one, lib = (statistics.median(times[s]) for s in SCHEMES)
-        print(f"T={length:4d}  fixed blocks {fixed:7.1f} ms  one thread {one:7.1f} ms  library threads {lib:7.1f} ms",
-              flush=True)  # fmt: skip
-        rows.append([length, f"{fixed:.1f}", f"{one:.1f}", f"{lib:.1f}", f"{one / fixed:.2f}x", f"{lib / fixed:.2f}x"])
+        one, *others = (statistics.median(times[s]) for s in SCHEMES)
+        print(f"T={length:4d}  " + "  ".join(f"{s} {statistics.median(times[s]):7.1f} ms" for s in SCHEMES), flush=True)
+        rows.append([length, f"{one:.1f}"] + [f"{v:.1f} ({one / v:.2f}x)" for v in others])
     print(json.dumps({
         "threads": torch.get_num_threads(),
-        "columns": ["Prompt tokens", "Fixed blocks, ms", "One thread, ms", "Library threads, ms",
-                    "One thread / fixed", "Library / fixed"],
+        "columns": ["Prompt tokens", "One thread, ms"] + [f"{s.capitalize()}, ms (speed vs one thread)" for s in list(SCHEMES)[1:]],
         "rows": rows,
     }))  # fmt: skip
 

@@ -10,7 +10,6 @@ import contextlib
 import functools
 import os
 import platform
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -41,7 +40,7 @@ def one_thread():
     """Run the block's PyTorch ops on one thread. oneDNN's and MKL's GEMMs split their work by
     the thread count, and at some shapes then sum K in another order (on an AMX Xeon: bf16
     [128, 1536] @ [1536, 512], fp32 from 4 rows), so a GEMM whose bits must not depend on
-    the process's count runs its blocks on one thread each (fixed_block_mm)."""
+    the process's count runs on one thread (one_thread_mm)."""
     threads = torch.get_num_threads()
     if threads == 1:
         yield
@@ -53,36 +52,13 @@ def one_thread():
         torch.set_num_threads(threads)
 
 
-# Output columns per one-thread GEMM in `fixed_block_mm`. The width, not the thread count, fixes
-# each block's kernel and so its summation order.
-COLUMN_BLOCK = 256
-# Below this many multiply-adds a fixed_block_mm runs its blocks in this thread: handing them
-# to the workers costs more than they save, and the blocks' bits are the same either way.
-POOL_MIN_MACS = 1 << 22
-_POOLS: dict[int, ThreadPoolExecutor] = {}  # by worker count
-os.register_at_fork(after_in_child=_POOLS.clear)  # a forked child has none of the workers
-
-
-def fixed_block_mm(x: torch.Tensor, w_t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out [M, N] = x [M, K] @ w_t [K, N] in bits that do not depend on the thread count: the
-    columns go in fixed blocks of COLUMN_BLOCK, each one GEMM on one thread (one_thread's
-    reason), and the process's torch threads share the blocks. Unlike `one_thread` around the
-    whole GEMM this keeps every core busy."""
-    n, threads = w_t.shape[1], torch.get_num_threads()
-    blocks = [(start, min(start + COLUMN_BLOCK, n)) for start in range(0, n, COLUMN_BLOCK)]
-
-    def block(bounds: tuple[int, int]) -> None:
-        torch.set_num_threads(1)  # OpenMP's count is per thread; a worker starts at every core
-        torch.mm(x, w_t[:, bounds[0] : bounds[1]], out=out[:, bounds[0] : bounds[1]])
-
+def one_thread_mm(x: torch.Tensor, w_t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out [M, N] = x [M, K] @ w_t [K, N] on one thread, in bits that do not depend on the
+    process's thread count (one_thread's reason). A pool of one-thread column blocks, and a
+    dedicated one-thread worker, kept more cores busy but measured slower on two cores
+    (docs/performance-notes.md; scripts/bench/prompt_gemm_threads.py)."""
     with one_thread():
-        if threads == 1 or len(blocks) == 1 or x.shape[0] * x.shape[1] * n < POOL_MIN_MACS:
-            for bounds in blocks:
-                block(bounds)
-        else:
-            pool = _POOLS.get(threads) or _POOLS.setdefault(threads, ThreadPoolExecutor(threads, "specdec-gemm"))
-            list(pool.map(block, blocks))  # waits for every block, and raises a block's error
-    return out
+        return torch.mm(x, w_t, out=out)
 
 
 def forced_fallback() -> bool:
@@ -107,7 +83,7 @@ def gemm_rows_independent(dtype: torch.dtype, k: int = 512, n: int = 320) -> boo
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(300, k, generator=g).to(dtype), torch.randn(k, n, generator=g).to(dtype)
     def mm(rows: torch.Tensor) -> torch.Tensor:  # as the prompt GEMMs run
-        return fixed_block_mm(rows, w, torch.empty(rows.shape[0], n, dtype=dtype))
+        return one_thread_mm(rows, w, torch.empty(rows.shape[0], n, dtype=dtype))
 
     whole = mm(x)
     return all(torch.equal(mm(x[lo:hi]), whole[lo:hi]) for lo, hi in ((0, 1), (5, 12), (128, 300), (7, 135)))

@@ -12,13 +12,13 @@
 Float matrices, and their reduction orders (a row's bits depend neither on the other rows nor
 on the thread count; tests/test_gguf_kernels.py checks both):
 - F32 `RowwiseLinear`: one fp32 matrix-vector product per activation row, over the file's own
-  (memory-mapped) tensor; prompts cast 512-row tiles to bf16 and run the bf16 GEMM in
-  cpu.fixed_block_mm's fixed column blocks.
+  (memory-mapped) tensor; prompts cast 512-row tiles to bf16 and run the bf16 GEMM on one
+  thread (cpu.one_thread_mm).
 - F16 on fbgemm's fp16 GEMM (quant.FP16Linear; one thread, K in order per output). Its
   packing reads an fp32 copy of the matrix while the layer is built (transient). Where fbgemm
   is missing, `RowwiseLinear` over fp32 tiles of the fp16 tensor.
 - BF16: oneDNN's bf16 GEMM on the file's tensor (quant.DenseLinear): one row's GEMV splits
-  only N; several rows run in cpu.fixed_block_mm's fixed column blocks.
+  only N; several rows run on one thread (cpu.one_thread_mm).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES
 
-from specdec.backends.native.cpu import fixed_block_mm, forced_fallback, has_int4_kernel
+from specdec.backends.native.cpu import forced_fallback, has_int4_kernel, one_thread_mm
 from specdec.backends.native.gguf_kernels_8bit import ORT_TYPES, OrtBlockLinear8, ort_8bit_usable
 from specdec.backends.native.gguf_kernels_8bit import linear_for as eight_bit_linear
 from specdec.backends.native.gguf_q4 import Q4_TYPES, ExactQ4Linear, Int4BlockLinear
@@ -170,7 +170,7 @@ class RowwiseLinear(torch.nn.Module):
     def prompt_forward(self, x: torch.Tensor) -> torch.Tensor:
         xb, out = x.to(torch.bfloat16), torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
         for start, stop, w in self._tiles(torch.bfloat16):
-            fixed_block_mm(xb, w.T, out[:, start:stop])  # the same bits at any thread count
+            one_thread_mm(xb, w.T, out[:, start:stop])  # the same bits at any thread count
         out = out.float() if self.bias is None else out.float() + self.bias
         return out.to(x.dtype)
 

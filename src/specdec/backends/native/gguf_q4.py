@@ -26,9 +26,8 @@ Reduction order (what makes a row's bits independent of the batch and of the thr
 - `tile_forward` of `Int4BlockLinear` (the prompt kernel where `prompt_tiles`): a tile of
   512 output rows at a time is decoded from the packed weights to bf16 (the int4 kernel's own
   scale and zero, one more rounding to bf16; numba's gguf_jit_tiles.py, or its PyTorch
-  replica) and multiplied by oneDNN's bf16 GEMM in fixed blocks of 256 columns, each on one
-  thread (cpu.fixed_block_mm: on an AMX Xeon a GEMM's order over K changed with the thread
-  count), which computes each output over K in one order for any M on the CPUs tested
+  replica) and multiplied by oneDNN's bf16 GEMM on one thread (cpu.one_thread_mm: on an AMX
+  Xeon a GEMM's order over K changed with the thread count), which computes each output over K in one order for any M on the CPUs tested
   (checked at start-up and by the tests, not assumed).
 - `ExactQ4Linear`: a matrix-vector product per activation row (one row never shares a call).
 - `OrtQ4Linear`: per output, int8 block dot products summed in block order; MLAS splits over
@@ -43,7 +42,7 @@ import numpy as np
 import torch
 from gguf.quants import Q4_K
 
-from specdec.backends.native.cpu import cpu_features, fixed_block_mm, forced_fallback, gemm_rows_independent
+from specdec.backends.native.cpu import cpu_features, forced_fallback, gemm_rows_independent, one_thread_mm
 from specdec.backends.native.jit_ops import importable as numba_importable
 from specdec.backends.native.jit_ops import numba_threads
 from specdec.backends.native.ort_linear import OrtBlockLinear
@@ -124,7 +123,7 @@ class Int4BlockLinear(Int4Linear):
         for start in range(0, packed.shape[0], PROMPT_TILE):
             stop = min(start + PROMPT_TILE, packed.shape[0])
             w_t = unpack(packed[start:stop], scales_and_zeros[:, start:stop])  # [K, rows] bf16
-            fixed_block_mm(xb, w_t, out[:, start:stop])  # the same bits at any thread count
+            one_thread_mm(xb, w_t, out[:, start:stop])  # the same bits at any thread count
         y = out[:, : self.out_features].to(x.dtype)
         return y if self.bias is None else y + self.bias
 
