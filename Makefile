@@ -33,12 +33,8 @@ run: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
 
-# Test files are spread over TEST_WORKERS processes (pytest-xdist), a file's tests in one of them,
-# so module fixtures load once; much of the suite waits on subprocesses and servers.
-TEST_WORKERS ?= 2
-
 test: lint
-	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
+	$(BIN)/pytest -q --durations=25
 
 test-fast: lint
 	$(BIN)/pytest -q -m "not slow"
