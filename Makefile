@@ -13,7 +13,7 @@ STAMP  := $(VENV)/.installed
 REQUEST ?= --messages examples/agent_turn.json --tools examples/tools.json --tool-choice required --no-parallel-tool-calls
 RUN_ARGS ?= --backend native --drafter ngram --max-new-tokens 96
 
-.PHONY: run test test-fast lint install docs clean
+.PHONY: run test test-fast test-under-load lint install docs clean
 
 install: $(STAMP)
 
@@ -38,6 +38,11 @@ test: lint
 
 test-fast: lint
 	$(BIN)/pytest -q -m "not slow"
+
+# The whole suite while two busy loops keep two cores busy: no test may depend on wall time.
+test-under-load: lint
+	@yes > /dev/null & a=$$!; yes > /dev/null & b=$$!; \
+	$(BIN)/pytest -q --durations=25; rc=$$?; kill $$a $$b; exit $$rc
 
 # The hooks (scripts/docs/hooks.py) render the configuration reference from the code and the
 # benchmark tables from docs/results/*.json (scripts/bench/record.py writes them).
