@@ -5,6 +5,7 @@ command skips them, `make test` runs them) start one real `specdec serve --repli
 (its own `ray.init(num_cpus=2)`) and one single-process server on the same tiny random model:
 - greedy replies, streamed or not, are identical to the single server's, with drafts accepted;
 - errors have the same bodies;
+- the replicas run at the server's priority, not Ray's default niceness of 15;
 - each conversation's turns land on one replica (the `x-specdec-replica` header and the
   ingress's routing counters), and the conversations spread over both replicas;
 - a replica killed (SIGKILL) while requests run answers them with a clean error (a 503, or an
@@ -323,13 +324,22 @@ def test_a_conversation_stays_on_its_replica(ray_server):
     assert ray_server.metric("specdec:generation_tokens_total", replica="1") > 0
 
 
-@pytest.mark.ray
-@pytest.mark.slow
 def _accepted(server, replica: int) -> float:
     """Requests the replica holds: decoding or queued in its own scheduler."""
     return sum(server.metric(f"specdec:num_requests_{state}", replica=str(replica)) for state in ("running", "waiting"))
 
 
+@pytest.mark.ray
+@pytest.mark.slow
+def test_replicas_run_at_normal_priority(ray_server):
+    # Ray's default worker niceness is 15: beside any busy process the replicas would starve
+    health = ray_server.wait_healthy(300)
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    assert [os.getpriority(os.PRIO_PROCESS, r["pid"]) for r in health["replicas"]] == [ours, ours]
+
+
+@pytest.mark.ray
+@pytest.mark.slow
 def test_a_killed_replica_fails_its_requests_cleanly_and_comes_back(ray_server):
     health = ray_server.wait_healthy(300)
     assert [r["replica"] for r in health["replicas"]] == [0, 1]

@@ -56,8 +56,10 @@ def start_ray(address: str | None, replicas: int, cpus: float) -> None:
         if address:
             ray.init(address=address, log_to_driver=False, configure_logging=False)
         else:
-            # address="local": a new instance, never a cluster another process left running here
-            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(replicas * cpus)), **quiet)
+            # address="local": a new instance, never a cluster another process left running here.
+            # Ray runs workers at niceness 15; replicas are the service, not background work.
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(replicas * cpus)),
+                     _system_config={"worker_niceness": 0}, **quiet)
     except (ConnectionError, RuntimeError, ValueError) as e:
         where = f"the Ray cluster at {address}" if address else "a local Ray instance"
         raise SpecdecError(f"cannot start {where}: {str(e).splitlines()[0]}", "ray_address") from None
