@@ -1,6 +1,6 @@
 """The same bits at one and two threads (issue 25: replicas with different core counts must
-agree): the fixed-block GEMM, and whole models from GGUF files and HF directories, each count
-in a fresh interpreter."""
+agree): the one-thread GEMM, and whole models from GGUF files and HF directories, eager and
+compiled, each count in a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ import torch
 torch.set_num_threads(int(sys.argv[1]))
 from specdec.backends.native.model import NativeModel
 digests = {}
-for path in sys.argv[2:]:
+for spec in sys.argv[2:]:
+    path = spec.removeprefix("compiled:")  # compiled:...: the decoder layers torch.compile'd
     if path.startswith("hf:"):  # hf:PRECISION:DIRECTORY, over transformers' model as the loader builds it
         from transformers import AutoModelForCausalLM
         _, precision, directory = path.split(":", 2)
@@ -31,7 +32,10 @@ for path in sys.argv[2:]:
     else:
         model = NativeModel.from_gguf(path)
     vocab = model.config.vocab_size
-    seq = model.new_pool(max_length=512).new_sequence()
+    pool = model.new_pool(max_length=512)
+    if spec.startswith("compiled:"):
+        model.compile(pool)
+    seq = pool.new_sequence()
     ids = [int(t) for t in torch.randint(3, vocab, (270,), generator=torch.Generator().manual_seed(0))]
     logits, h = seq.prefill(ids), hashlib.sha256()
     h.update(logits.numpy().tobytes())
@@ -41,7 +45,7 @@ for path in sys.argv[2:]:
         h.update(out.numpy().tobytes())
         token = int(out[-1].argmax())
     h.update(seq.forward([token, 5, 6, 7]).numpy().tobytes())
-    digests[path] = h.hexdigest()
+    digests[spec] = h.hexdigest()
 digests["torch threads at the end"] = torch.get_num_threads()  # numba's pool must not reset it
 print(json.dumps(digests))
 """
@@ -78,14 +82,27 @@ def test_hf_directories_give_the_same_bits_at_one_and_two_threads(tmp_path):
     """A float checkpoint at int4 (dense bf16 or fp32 prompt layers, cpu.one_thread_mm) and at
     fp32 (whose 4-row verify chains took MKL's thread-split GEMM on an AMX Xeon), at the
     embedded model's widths."""
+    specs = [f"hf:{precision}:{_hf_directory(tmp_path)}" for precision in ("int4", "fp32")]
+    assert _digests_at(1, specs) == _digests_at(2, specs)
+
+
+@pytest.mark.slow
+def test_a_compiled_model_gives_the_same_bits_at_one_and_two_threads(tmp_path):
+    """compile=1 at fp32: Inductor's own mm summed a 4-row chain's K in another order at 2
+    threads; the compiled layers now call one_thread_mm as an opaque op."""
+    spec = f"compiled:hf:fp32:{_hf_directory(tmp_path)}"
+    assert _digests_at(1, [spec]) == _digests_at(2, [spec])
+
+
+def _hf_directory(path) -> str:
+    """A random llama checkpoint at the embedded model's widths, two layers."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=2048, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
                          num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=1024)  # fmt: skip
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(str(tmp_path))
-    specs = [f"hf:{precision}:{tmp_path}" for precision in ("int4", "fp32")]
-    assert _digests_at(1, specs) == _digests_at(2, specs)
+    LlamaForCausalLM(config).save_pretrained(str(path))
+    return str(path)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

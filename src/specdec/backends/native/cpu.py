@@ -61,6 +61,18 @@ def one_thread_mm(x: torch.Tensor, w_t: torch.Tensor, out: torch.Tensor) -> torc
         return torch.mm(x, w_t, out=out)
 
 
+@torch.library.custom_op("specdec::one_thread_mm", mutates_args=())
+def one_thread_mm_op(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+    """one_thread_mm as compiled graphs call it: Dynamo cannot trace set_num_threads, and
+    Inductor's own mm would split K by the thread count (fp32 chains on an AMX Xeon)."""
+    return one_thread_mm(x, w_t, x.new_empty(x.shape[0], w_t.shape[1]))
+
+
+@one_thread_mm_op.register_fake
+def _(x, w_t):
+    return x.new_empty(x.shape[0], w_t.shape[1])  # [M, N]
+
+
 def forced_fallback() -> bool:
     return os.environ.get(FORCE_ENV, "").lower() == "fallback"
 

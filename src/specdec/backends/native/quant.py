@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specdec.backends.native.cpu import forced_fallback, has_int4_kernel, one_thread_mm
+from specdec.backends.native.cpu import forced_fallback, has_int4_kernel, one_thread_mm, one_thread_mm_op
 from specdec.backends.native.ort_linear import OrtBlockLinear, ort_available
 
 PRECISIONS = ("fp32", "bf16", "fp16", "int8", "int4")
@@ -63,11 +63,14 @@ class DenseLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         xw = x if x.dtype == self.weight.dtype else x.to(self.weight.dtype)
-        if x.dim() == 2 and x.shape[0] > 1 and x.device.type == "cpu" and not torch.compiler.is_compiling():
+        if x.dim() == 2 and x.shape[0] > 1 and x.device.type == "cpu":
             # several rows: oneDNN's and MKL's GEMMs split K by the thread count at some shapes
             # (fp32 from 4 rows, bf16 at 8960-wide K), so one thread keeps the bits; one row's
             # GEMV splits only N
-            y = one_thread_mm(xw, self.weight.T, torch.empty(x.shape[0], self.out_features, dtype=xw.dtype))
+            if torch.compiler.is_compiling():
+                y = one_thread_mm_op(xw, self.weight.T)
+            else:
+                y = one_thread_mm(xw, self.weight.T, torch.empty(x.shape[0], self.out_features, dtype=xw.dtype))
             y = y if self.bias is None else y.add_(self.bias)
         else:
             y = F.linear(xw, self.weight, self.bias)
