@@ -82,7 +82,8 @@ def test_hf_directories_give_the_same_bits_at_one_and_two_threads(tmp_path):
     """A float checkpoint at int4 (dense bf16 or fp32 prompt layers, cpu.one_thread_mm) and at
     fp32 (whose 4-row verify chains took MKL's thread-split GEMM on an AMX Xeon), at the
     embedded model's widths."""
-    specs = [f"hf:{precision}:{_hf_directory(tmp_path)}" for precision in ("int4", "fp32")]
+    directory = _hf_directory(tmp_path)
+    specs = [f"hf:{precision}:{directory}" for precision in ("int4", "fp32")]
     assert _digests_at(1, specs) == _digests_at(2, specs)
 
 
