@@ -129,12 +129,13 @@ def test_logits_keep_top1_and_kl(qtype, kernel):
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
-def test_numba_and_torch_kernels_agree_bit_for_bit(qtype):
+@pytest.mark.parametrize("m", [1, 5])  # decode (several weight rows a pass) and a verification batch
+def test_numba_and_torch_kernels_agree_bit_for_bit(qtype, m):
     if not jit_ops.importable():
         pytest.skip("numba is not installed")
-    tensor = make_tensor(qtype, n=70)  # not a multiple of the 16-row chunks
-    x = activations(5, tensor.shape[1])
-    x[2] = 0  # an all-zero row: zero scales
+    tensor = make_tensor(qtype, n=70)  # not a multiple of the 16-row chunks, nor of the 4-row passes
+    x = activations(m, tensor.shape[1])
+    x[m // 2, : tensor.shape[1] // 2] = 0  # zero blocks: zero scales
     bias = torch.randn(70)
     got = k8.BlockLinear8(tensor, bias, kernel="numba")(x)
     assert torch.equal(got, k8.BlockLinear8(tensor, bias, kernel="torch")(x))

@@ -26,13 +26,17 @@ fastmath), so y[m, n] depends only on x[m] and row n: not on M, nor on the threa
 Layout: the kernels are LLVM vector IR built here with llvmlite (`_dot`), inlined into numba's
 loops. For one weight row they read each unit of blocks once into registers (`_Unit`: the
 bytes loaded as vectors, widened, masked and shifted into the file's integers as int16) and
-run one activation row (decode) or DOT_ROWS of them at a time (verification, prompts): pair
+run one activation row or DOT_ROWS of them at a time (verification, prompts); at one
+activation row (decode), the small-block kinds take WEIGHT_ROWS weight rows a pass, whose
+independent chains overlap and whose final lane sums share vector adds (`_lane_sums`). Each
+pass prefetches the bytes a few passes (or rows) ahead (`llvm.prefetch`, a hint). Pair
 products that LLVM lowers to vpmaddwd (AVX2, AVX-512; NEON on arm64), then per lane one fp32
 multiply by the block's scale and one add (small blocks), or integer adds until the
 super-block's end (K-quants, whose w * sc is formed once per pass for all its rows). Q5_K's
 six-bit scales and the min terms (Q5_K, Q5_1) are decoded and summed in the same loop: as a
 separate scalar pass they cost Q5_K 2-3x Q6_K's time per row. Only plain integer and float
-vector operations: no intrinsics, no fusion, so the CPU changes the speed, not the bits.
+vector operations (no arithmetic intrinsics, no fusion), so the CPU changes the speed, not
+the bits.
 Written as numba scalar code (a row buffer of unpacked integers, then generated scalar lanes
 packed by LLVM's SLP vectoriser) the same arithmetic ran 2-7x slower at one row.
 The IR helpers are not cached themselves; the cached kernels contain them, so they live in
@@ -58,6 +62,11 @@ def _raw(dtype):
 LANES = 16
 CHUNK = 16  # output rows per parallel work item (scratch buffers are allocated per chunk)
 DOT_ROWS = 4  # activation rows per pass over a weight row (at most; 1 or 2 for the last ones)
+WEIGHT_ROWS = 4  # weight rows per pass at one activation row (small-block kinds); divides CHUNK
+# a pass asks for the bytes this many passes ahead: streaming several rows at once, the
+# hardware prefetchers alone left a decode pass slower from memory than one row at a time
+PREFETCH_PASSES = 2
+PREFETCH_ROWS = 8  # the same for the one-weight-row passes
 
 
 _i8, _i16, _i32, _i64, _f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -226,44 +235,76 @@ class _Rows:
                 self.b.store(total, self.b.gep(op, [pick]))
 
 
-def _lanes_body(b, rows: _Rows, kind: str, rp, wp, units):
-    """Q8_0, Q5_0, Q5_1: 16 fp32 lanes per row, c += (wscale * xs[b]) * float(pairs) per block;
-    returns each row's c[0] + ... + c[15] (minus the min term)."""
+def _prefetch(b, ptr):  # a hint to fetch the cache line at ptr: no effect on results, and never faults
+    fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(ir.VoidType(), [_i8.as_pointer(), _i32, _i32, _i32]),
+                                        "llvm.prefetch.p0i8")
+    b.call(fn, [ptr, ir.Constant(_i32, 0), ir.Constant(_i32, 3), ir.Constant(_i32, 1)])
+
+
+def _lanes_body(b, rows: _Rows, kind: str, weight_rows, units, ahead=None):
+    """Q8_0, Q5_0, Q5_1: 16 fp32 lanes per output, c += (wscale * xs[b]) * float(pairs) per
+    block; returns c[0] + ... + c[15] (minus the min term) for each weight row (rp, wp) of
+    `weight_rows` and each activation row, weight row first."""
     width, blocks, reader = _KINDS[kind]
     zero = ir.Constant(ir.VectorType(_f32, 16), [ir.Constant(_f32, 0.0)] * 16)
-    accs = [cgutils.alloca_once_value(b, zero) for _ in rows.picks]
-    mins = [cgutils.alloca_once_value(b, ir.Constant(_f32, 0.0)) for _ in rows.picks]
+    outputs = [(w, r) for w in range(len(weight_rows)) for r in range(len(rows.picks))]
+    accs = [cgutils.alloca_once_value(b, zero) for _ in outputs]
+    mins = [cgutils.alloca_once_value(b, ir.Constant(_f32, 0.0)) for _ in outputs]
     with cgutils.for_range(b, units) as loop:
-        weights, scales, offsets = reader(_Unit(b, b.gep(rp, [b.mul(loop.index, ir.Constant(_i64, width))]),
-                                                loop.index, wp))  # fmt: skip
         cs, ms = [b.load(acc) for acc in accs], [b.load(v) for v in mins]
-        offs = offsets() if offsets else [None] * len(weights)
-        for j, (w, ws, off) in enumerate(zip(weights, scales(), offs, strict=True)):
-            block = b.add(b.mul(loop.index, ir.Constant(_i64, blocks)), ir.Constant(_i64, j))
-            for r, pick in enumerate(rows.picks):
-                slot = rows.slot(pick, block, 32)
-                x_scale = b.load(b.gep(rows.sp, [slot]))
-                scale = b.fmul(ws, _splat_value(b, x_scale, 16))
-                cs[r] = b.fadd(cs[r], b.fmul(scale, b.sitofp(_pairs(b, w, rows.block(pick, block)), ir.VectorType(_f32, 16))))
-                if off is not None:  # (offset * xs[b]) * sum of block b's xq
-                    ms[r] = b.fadd(ms[r], b.fmul(b.fmul(off, x_scale), b.sitofp(b.load(b.gep(rows.np, [slot])), _f32)))
+        for w_at, (rp, wp) in enumerate(weight_rows):
+            unit = _Unit(b, b.gep(rp, [b.mul(loop.index, ir.Constant(_i64, width))]), loop.index, wp)
+            if ahead is not None:
+                _prefetch(b, b.gep(unit.src, [ahead]))
+            weights, scales, offsets = reader(unit)
+            offs = offsets() if offsets else [None] * len(weights)
+            for j, (w, ws, off) in enumerate(zip(weights, scales(), offs, strict=True)):
+                block = b.add(b.mul(loop.index, ir.Constant(_i64, blocks)), ir.Constant(_i64, j))
+                for r, pick in enumerate(rows.picks):
+                    at, slot = outputs.index((w_at, r)), rows.slot(pick, block, 32)
+                    x_scale = b.load(b.gep(rows.sp, [slot]))
+                    scale = b.fmul(ws, _splat_value(b, x_scale, 16))
+                    pairs = b.sitofp(_pairs(b, w, rows.block(pick, block)), ir.VectorType(_f32, 16))
+                    cs[at] = b.fadd(cs[at], b.fmul(scale, pairs))
+                    if off is not None:  # (offset * xs[b]) * sum of block b's xq
+                        xsum = b.sitofp(b.load(b.gep(rows.np, [slot])), _f32)
+                        ms[at] = b.fadd(ms[at], b.fmul(b.fmul(off, x_scale), xsum))
         for acc, c, v, mn in zip(accs, cs, mins, ms, strict=True):
             b.store(c, acc)
             b.store(mn, v)
-    totals = [_lane_sum(b, b.load(acc)) for acc in accs]
+    totals = _lane_sums(b, [b.load(acc) for acc in accs])
     if kind not in MIN_KINDS:
         return totals
     return [b.fsub(total, b.load(v)) for total, v in zip(totals, mins, strict=True)]
 
 
-def _lane_sum(b, c):  # <16 x float> -> c[0] + c[1] + ... + c[15], left to right
-    total = b.extract_element(c, ir.Constant(_i32, 0))
-    for lane in range(1, LANES):
-        total = b.fadd(total, b.extract_element(c, ir.Constant(_i32, lane)))
-    return total
+def _lane_sums(b, cs):
+    """<16 x float> accumulators -> for each, c[0] + c[1] + ... + c[15], left to right. With
+    several, lane l of all of them is gathered into one vector and the vectors are added in
+    lane order: each output takes the same additions in the same order as alone, and the
+    sums run side by side instead of one scalar chain after another."""
+    if len(cs) == 1:
+        total = b.extract_element(cs[0], ir.Constant(_i32, 0))
+        for lane in range(1, LANES):
+            total = b.fadd(total, b.extract_element(cs[0], ir.Constant(_i32, lane)))
+        return [total]
+    count = 1 << (len(cs) - 1).bit_length()  # padded to a power of two (the extra lanes are unused)
+    rows = cs + [cs[-1]] * (count - len(cs))
+    while len(rows) > 1:  # interleave pairs: lane l of every accumulator ends up side by side
+        span = LANES * count // len(rows)  # elements per row so far; group = span // LANES
+        group = span // LANES
+        order = [half * span + lane * group + g for lane in range(LANES) for half in range(2) for g in range(group)]
+        rows = [b.shuffle_vector(rows[i], rows[i + 1], _vector(order, _i32)) for i in range(0, len(rows), 2)]
+    table = rows[0]  # element l * count + i: lane l of accumulator i
+    lanes = [b.shuffle_vector(table, table, _vector(list(range(lane * count, lane * count + count)), _i32))
+             for lane in range(LANES)]  # fmt: skip
+    total = lanes[0]
+    for lane in lanes[1:]:
+        total = b.fadd(total, lane)
+    return [b.extract_element(total, ir.Constant(_i32, i)) for i in range(len(cs))]
 
 
-def _super_body(b, rows: _Rows, kind: str, rp, wp, units):
+def _super_body(b, rows: _Rows, kind: str, rp, wp, units, ahead=None):
     """Q6_K, Q5_K: per super-block u, 16 exact int32 lanes (lane l: the pairs 2l, 2l + 1 of
     each of u's blocks, of (w * sc) * xq), then c += (d * xs[u]) * float(lanes); Q5_K's min
     term m += (dmin * xs[u]) * float(sum over sub-blocks j of mn[j] * xsum[j]) in
@@ -273,8 +314,10 @@ def _super_body(b, rows: _Rows, kind: str, rp, wp, units):
     accs = [cgutils.alloca_once_value(b, zero) for _ in rows.picks]
     mins = [cgutils.alloca_once_value(b, ir.Constant(_f32, 0.0)) for _ in rows.picks]
     with cgutils.for_range(b, units) as loop:
-        weights, scales, d, minimum = reader(_Unit(b, b.gep(rp, [b.mul(loop.index, ir.Constant(_i64, width))]),
-                                                   loop.index, wp))  # fmt: skip
+        unit = _Unit(b, b.gep(rp, [b.mul(loop.index, ir.Constant(_i64, width))]), loop.index, wp)
+        if ahead is not None:
+            _prefetch(b, b.gep(unit.src, [ahead]))
+        weights, scales, d, minimum = reader(unit)
         scaled = [b.mul(w, sc) for w, sc in zip(weights, scales, strict=True)]  # <32 x i16>, exact: |w sc| <= 4096
         for r, pick in enumerate(rows.picks):
             isum = None
@@ -290,7 +333,7 @@ def _super_body(b, rows: _Rows, kind: str, rp, wp, units):
                 sums = b.load(b.bitcast(at, ir.VectorType(_i32, 8).as_pointer()), align=4)
                 imin = b.sitofp(_int_sum(b, b.mul(mn, sums)), _f32)
                 b.store(b.fadd(b.load(mins[r]), b.fmul(b.fmul(dmin, x_scale), imin)), mins[r])
-    totals = [_lane_sum(b, b.load(acc)) for acc in accs]
+    totals = _lane_sums(b, [b.load(acc) for acc in accs])
     if kind not in MIN_KINDS:
         return totals
     return [b.fsub(total, b.load(v)) for total, v in zip(totals, mins, strict=True)]
@@ -302,16 +345,21 @@ def _dot(kind: str, rows: int):
     out[first:], with the row's integers read in registers once for all of them; the
     arithmetic of the module docstring (`_lanes_body`, `_super_body`). xq [M, K] int16, xs
     [M, K // 32] fp32 (Q6_K, Q5_K: [M, K // 256]), xsum [M, K // 32] int32, out [M] fp32."""
-    body = _super_body if kind in SUPER_KINDS else _lanes_body
 
     @intrinsic
     def dot(typingctx, row, xq, xs, xsum, wscale, units, first, out):
         def codegen(context, builder, signature, args):
             rp, qp, sp, np_, wp, op = (_data(context, builder, signature, args, k) for k in (0, 1, 2, 3, 4, 7))
+            row_bytes = builder.extract_value(context.make_array(signature.args[0])(context, builder, args[0]).shape, 0)
+            ahead = builder.mul(row_bytes, ir.Constant(_i64, PREFETCH_ROWS))
             shape = context.make_array(signature.args[1])(context, builder, args[1]).shape
             m, k = builder.extract_value(shape, 0), builder.extract_value(shape, 1)
             passing = _Rows(builder, qp, sp, np_, m, k, args[6], rows)
-            passing.store(body(builder, passing, kind, rp, wp, args[5]), op)
+            if kind in SUPER_KINDS:
+                totals = _super_body(builder, passing, kind, rp, wp, args[5], ahead)
+            else:
+                totals = _lanes_body(builder, passing, kind, [(rp, wp)], args[5], ahead)
+            passing.store(totals, op)
             return context.get_dummy_value()
 
         return types.void(row, xq, xs, xsum, wscale, units, first, out), codegen
@@ -319,11 +367,40 @@ def _dot(kind: str, rows: int):
     return dot
 
 
+def _dot_weight_rows(kind: str, count: int):
+    """An intrinsic `dot_rows(raw, table, n, units, xq, xs, xsum, out)` for the small-block
+    kinds and one activation row (decode): the outputs of weight rows n .. n + count - 1 into
+    out[0:count]. Each output's arithmetic is `_dot`'s; the rows' independent chains run
+    side by side, and their final lane sums share vector adds (`_lane_sums`)."""
+
+    @intrinsic
+    def dot_rows(typingctx, raw, table, n, units, xq, xs, xsum, out):
+        def codegen(context, builder, signature, args):
+            raw_a, table_a, xq_a = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 4))
+            qp, sp, np_, op = (_data(context, builder, signature, args, k) for k in (4, 5, 6, 7))
+            raw_cols, table_cols = (builder.extract_value(a.shape, 1) for a in (raw_a, table_a))
+            at = [builder.add(args[2], ir.Constant(_i64, w)) for w in range(count)]
+            weight_rows = [(builder.gep(raw_a.data, [builder.mul(row, raw_cols)]),
+                            builder.gep(table_a.data, [builder.mul(row, table_cols)])) for row in at]  # fmt: skip
+            one = ir.Constant(_i64, 1)
+            passing = _Rows(builder, qp, sp, np_, one, builder.extract_value(xq_a.shape, 1), ir.Constant(_i64, 0), 1)
+            ahead = builder.mul(raw_cols, ir.Constant(_i64, PREFETCH_PASSES * count))
+            for w, total in enumerate(_lanes_body(builder, passing, kind, weight_rows, args[3], ahead)):
+                builder.store(total, builder.gep(op, [ir.Constant(_i64, w)]))
+            return context.get_dummy_value()
+
+        return types.void(raw, table, n, units, xq, xs, xsum, out), codegen
+
+    return dot_rows
+
+
 # one, two or DOT_ROWS activation rows per pass over a weight row (a pass computes all its
 # rows, so the last ones take the narrowest pass that holds them)
 _one_q8_0, _one_q6_k, _one_q5_k, _one_q5_0, _one_q5_1 = (_dot(kind, 1) for kind in _KINDS)
 _two_q8_0, _two_q6_k, _two_q5_k, _two_q5_0, _two_q5_1 = (_dot(kind, 2) for kind in _KINDS)
 _many_q8_0, _many_q6_k, _many_q5_k, _many_q5_0, _many_q5_1 = (_dot(kind, DOT_ROWS) for kind in _KINDS)
+# WEIGHT_ROWS weight rows per pass at one activation row, small-block kinds
+_rows_q8_0, _rows_q5_0, _rows_q5_1 = (_dot_weight_rows(kind, WEIGHT_ROWS) for kind in ("q8_0", "q5_0", "q5_1"))
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -413,17 +490,37 @@ def _pass(kind, row, xq, xs, xsum, table, units, first, width, out):  # pragma: 
         _many_q5_1(row, xq, xs, xsum, table, units, first, out)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _weight_rows_pass(kind, raw, table, n, units, xq, xs, xsum, out):  # pragma: no cover - compiled
+    """Weight rows n .. n + WEIGHT_ROWS - 1 at activation row 0 (Q8_0, Q5_0, Q5_1 only)."""
+    if kind == 0:
+        _rows_q8_0(raw, table, n, units, xq, xs, xsum, out)
+    elif kind == 3:
+        _rows_q5_0(raw, table, n, units, xq, xs, xsum, out)
+    else:
+        _rows_q5_1(raw, table, n, units, xq, xs, xsum, out)
+
+
 @njit(types.void(types.int64, _raw(types.uint8), _f32_2d, types.int64, _i16_2d, _f32_2d, types.int32[:, ::1], _f32_2d),
       cache=True, nogil=True, parallel=True)  # fmt: skip
 def matmul(kind, raw, table, units, xq, xs, xsum, y):  # pragma: no cover - compiled
     """raw [N, bytes per row] (the file's blocks of KIND_CODES' type `kind`), table [N, T] fp32:
     per row the fp16 fields as fp32 (Q8_0, Q5_0: d per block; Q5_1: d, m per block; Q6_K: d
     per super-block; Q5_K: d, dmin per super-block), units: blocks (or super-blocks) per row
-    -> y [M, N]. Rows of activations in passes of DOT_ROWS, the last ones narrower."""
+    -> y [M, N]. Rows of activations in passes of DOT_ROWS, the last ones narrower; at M = 1
+    the small-block kinds take WEIGHT_ROWS weight rows a pass (the K-quants' unpacked
+    super-blocks of four rows do not fit the registers: measured slower)."""
     rows, m = raw.shape[0], xq.shape[0]
     for chunk in prange((rows + CHUNK - 1) // CHUNK):
-        out = np.empty(m, np.float32)
-        for n in range(chunk * CHUNK, min(rows, chunk * CHUNK + CHUNK)):
+        out = np.empty(max(m, WEIGHT_ROWS), np.float32)
+        start, stop = chunk * CHUNK, min(rows, chunk * CHUNK + CHUNK)
+        if m == 1 and kind != 1 and kind != 2:  # decode, not Q6_K / Q5_K: several weight rows a pass
+            while start + WEIGHT_ROWS <= stop:
+                _weight_rows_pass(kind, raw, table, start, units, xq, xs, xsum, out)
+                for w in range(WEIGHT_ROWS):
+                    y[0, start + w] = out[w]
+                start += WEIGHT_ROWS
+        for n in range(start, stop):
             first = 0
             while first < m:
                 width = DOT_ROWS if m - first > 2 else m - first
