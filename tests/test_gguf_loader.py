@@ -353,7 +353,7 @@ def test_auto_picks_native_for_each_architecture_or_says_why_not(tmp_path_factor
 
 
 # The baseline is the runtime, not the model: `import specdec`'s native modules and the
-# compiled kernels (numba's jit.py and gguf_jit_8bit.py, loaded from its disk cache or compiled:
+# compiled kernels (numba's jit.py, gguf_jit_8bit.py and gguf_jit_quant.py, loaded from its disk cache or compiled:
 # LLVM's code pages and numba's tables, ~50 MB, once per process whatever it loads). What is left
 # above it is the model's: the repacked (copied) matrices, the mapped pages still resident, the
 # header's arrays and the allocator's slack. Measured in a fresh interpreter, as the issue does.
@@ -362,7 +362,7 @@ import json, os, sys
 import specdec.backends.native.model as m
 from specdec.backends.native import jit_ops
 if jit_ops.importable():
-    import specdec.backends.native.jit, specdec.backends.native.gguf_jit_8bit
+    import specdec.backends.native.jit, specdec.backends.native.gguf_jit_8bit, specdec.backends.native.gguf_jit_quant
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 before = rss()

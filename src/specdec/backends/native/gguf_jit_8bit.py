@@ -8,13 +8,13 @@ the same operations in the same order, bit for bit):
   scales formed from the file's fields exactly (d, dmin: fp16 values; Q5_1's m as the offset
   -m); the K-quants' sub-block scales sc (Q6_K's int8 per 16, Q5_K's six bits per 32) and
   Q5_K's mins m stay integers;
-- Q8_0, Q5_0, Q5_1 (`quantize_rows`, `_lanes_body`): each block of 32 of x[m] becomes xs =
+- Q8_0, Q5_0, Q5_1 (gguf_jit_quant's `quantize_rows`, `_lanes_body`): each block of 32 of x[m] becomes xs =
   max|x| / 127 and xq = rint(x * (1 / xs)), int8 values (held in int16); 16 fp32 lanes c[l];
   for each block b in order, lane l adds s * p, where p is the exact integer w[2l] xq[2l] +
   w[2l + 1] xq[2l + 1] of that block and s = d * xs[b]; y = c[0] + c[1] + ... + c[15], left
   to right; Q5_1 then subtracts its min term, summed in block order: sum over b of (-m *
   xs[b]) * (sum of block b's xq);
-- Q6_K, Q5_K (`quantize_rows_k`, `_super_body`; llama.cpp's Q8_K activations): each
+- Q6_K, Q5_K (gguf_jit_quant's `quantize_rows_k`, `_super_body`; llama.cpp's Q8_K activations): each
   super-block u of 256 of x[m] becomes inv = 127 / max|x|, xq = rint(x * inv), xs = 1 / inv;
   isum = sum over u's elements of (w * sc) * xq, an exact int32; y = sum over u in order of
   (d * xs[u]) * float(isum); Q5_K then subtracts (dmin * xs[u]) * float(sum over its
@@ -401,51 +401,6 @@ _two_q8_0, _two_q6_k, _two_q5_k, _two_q5_0, _two_q5_1 = (_dot(kind, 2) for kind 
 _many_q8_0, _many_q6_k, _many_q5_k, _many_q5_0, _many_q5_1 = (_dot(kind, DOT_ROWS) for kind in _KINDS)
 # WEIGHT_ROWS weight rows per pass at one activation row, small-block kinds
 _rows_q8_0, _rows_q5_0, _rows_q5_1 = (_dot_weight_rows(kind, WEIGHT_ROWS) for kind in ("q8_0", "q5_0", "q5_1"))
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _abs_max(x, m, start, count):  # pragma: no cover - compiled
-    amax = np.float32(0)
-    for i in range(start, start + count):
-        amax = max(amax, abs(x[m, i]))
-    return amax
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _quantize_block(x, xq, m, start, inv):  # pragma: no cover - compiled
-    """xq[m, start : start + 32] = rint(x * inv); returns their sum."""
-    total = 0
-    for i in range(start, start + 32):
-        q = np.int16(np.rint(x[m, i] * inv))
-        xq[m, i] = q
-        total += q
-    return total
-
-
-@njit("void(float32[:, ::1], int16[:, ::1], float32[:, ::1], int32[:, ::1])", cache=True, nogil=True)
-def quantize_rows(x, xq, xs, xsum):  # pragma: no cover - compiled
-    """x [M, K] -> xq [M, K] (int8 values), xs [M, K // 32], xsum [M, K // 32] (sum of xq)."""
-    rows, blocks = xs.shape
-    for m in range(rows):
-        for b in range(blocks):
-            d = _abs_max(x, m, b * 32, 32) / np.float32(127)
-            xs[m, b] = d
-            xsum[m, b] = _quantize_block(x, xq, m, b * 32, np.float32(1) / d if d > 0 else np.float32(0))
-
-
-@njit("void(float32[:, ::1], int16[:, ::1], float32[:, ::1], int32[:, ::1])", cache=True, nogil=True)
-def quantize_rows_k(x, xq, xs, xsum):  # pragma: no cover - compiled
-    """For Q6_K and Q5_K (llama.cpp's Q8_K): x [M, K] -> xq [M, K] (int8 values), xs
-    [M, K // 256] and xsum [M, K // 32]; per super-block inv = 127 / max|x|, xq = rint(x *
-    inv), xs = 1 / inv."""
-    rows, units = xs.shape
-    for m in range(rows):
-        for u in range(units):
-            amax = _abs_max(x, m, u * 256, 256)
-            inv = np.float32(127) / amax if amax > 0 else np.float32(0)
-            xs[m, u] = np.float32(1) / inv if amax > 0 else np.float32(0)
-            for b in range(8):
-                xsum[m, u * 8 + b] = _quantize_block(x, xq, m, u * 256 + b * 32, inv)
 
 
 KIND_CODES = {name: code for code, name in enumerate(_KINDS)}  # matmul's `kind`

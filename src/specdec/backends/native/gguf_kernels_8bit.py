@@ -114,7 +114,8 @@ class BlockLinear8(torch.nn.Module):
         span = BLOCK if self.qtype in SMALL_BLOCK_TYPES else SUPER
         xq, xs = np.empty(x.shape, np.int16), np.empty((m, k // span), np.float32)
         xsum = np.empty((m, k // BLOCK), np.int32)
-        (jit.quantize_rows if span == BLOCK else jit.quantize_rows_k)(x, xq, xs, xsum)
+        quant = _quantizer()
+        (quant.quantize_rows if span == BLOCK else quant.quantize_rows_k)(x, xq, xs, xsum)
         y = np.empty((m, self.out_features), np.float32)
         table = self.scales.reshape(self.out_features, -1)  # [N, T]: a view
         jit.matmul(jit.KIND_CODES[self.qtype.lower()], self.raw, table, k // span, xq, xs, xsum, y)
@@ -137,7 +138,7 @@ class BlockLinear8(torch.nn.Module):
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] fp32 -> (xq [M, K // 32, 32] integer-valued fp32, xs [M, K // 32], xsum [M, K // 32]),
-    the operations of gguf_jit_8bit.quantize_rows."""
+    the operations of gguf_jit_quant.quantize_rows."""
     blocks = x.reshape(x.shape[0], -1, BLOCK)
     d = blocks.abs().amax(-1) / 127
     inv = torch.where(d > 0, 1 / torch.where(d > 0, d, 1), 0)
@@ -147,7 +148,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 
 def quantize_activations_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] fp32 -> (xq [M, K // 256, 256] integer-valued fp32, xs [M, K // 256], xsum
-    [M, K // 32]), the operations of gguf_jit_8bit.quantize_rows_k (llama.cpp's Q8_K)."""
+    [M, K // 32]), the operations of gguf_jit_quant.quantize_rows_k (llama.cpp's Q8_K)."""
     blocks = x.reshape(x.shape[0], -1, SUPER)
     amax = blocks.abs().amax(-1)
     # tensor / tensor: a scalar's `127 / t` is 127 * (1 / t), rounded twice
@@ -347,3 +348,10 @@ def _jit():
     import specdec.backends.native.gguf_jit_8bit as jit  # compiles, or loads from disk
 
     return jit
+
+
+@functools.cache
+def _quantizer():
+    import specdec.backends.native.gguf_jit_quant as quant  # compiles, or loads from disk
+
+    return quant

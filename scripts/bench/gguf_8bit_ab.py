@@ -1,0 +1,97 @@
+"""The numba GGUF 8-bit kernels (gguf_jit_8bit.py) of this tree against another tree's, in
+one process, in turns.
+
+    git worktree add /tmp/base HEAD~1
+    python scripts/bench/gguf_8bit_ab.py --base /tmp/base [--threads 2] [--cases ...]
+
+Each case is KIND:N:K:M (Q8_0, Q5_0, Q5_1, Q6_K or Q5_K; N x K weights, M activation rows)
+on random blocks. Both modules compile (or load) their own cached kernels; per case the two
+`matmul` calls alternate, and both must write the same bits. The default cases are
+gemma3-270m's head and a Q5_0 projection at one row (the head streams from memory, the
+projection from cache), a verification batch of four rows, and 1.5B-sized Q6_K / Q5_K
+matrices from memory. Prints each case's medians and ends with a JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DEFAULT_CASES = ("Q8_0:262144:640:1,Q5_0:2048:640:1,Q8_0:65536:640:4,Q5_0:262144:640:1,"
+                 "Q6_K:131072:1536:1,Q5_K:131072:1536:1,Q6_K:131072:1536:4")  # fmt: skip
+# bytes per block, elements per block, fp32 table entries per block (gguf_kernels_8bit's tables)
+LAYOUT = {"Q8_0": (34, 32, 1), "Q6_K": (210, 256, 1), "Q5_K": (176, 256, 2), "Q5_0": (22, 32, 1), "Q5_1": (24, 32, 2)}
+
+
+def load_base(tree: Path):
+    path = tree / "src/specdec/backends/native/gguf_jit_8bit.py"
+    spec = importlib.util.spec_from_file_location("base_gguf_jit_8bit", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_case(mods: dict, case: str, seconds: float) -> dict:
+    qtype, n, k, m = case.split(":")
+    n, k, m = int(n), int(k), int(m)
+    width, span, per_block = LAYOUT[qtype]
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, (n, k // span * width), dtype=np.uint8)
+    table = rng.random((n, k // span * per_block), dtype=np.float32)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    this = mods["this"]
+    from specdec.backends.native import gguf_jit_quant as quant
+
+    xq, xs, xsum = np.empty((m, k), np.int16), np.empty((m, k // span), np.float32), np.empty((m, k // 32), np.int32)
+    (quant.quantize_rows if span == 32 else quant.quantize_rows_k)(x, xq, xs, xsum)
+    kind = this.KIND_CODES[qtype.lower()]
+    outs = {name: np.empty((m, n), np.float32) for name in mods}
+    calls = {name: (lambda mod=mod, y=outs[name]: mod.matmul(kind, raw, table, k // span, xq, xs, xsum, y))
+             for name, mod in mods.items()}  # fmt: skip
+    times = {name: [] for name in mods}
+    rounds = max(20, min(400, int(seconds * 4e8 // raw.nbytes)))
+    for i in range(rounds):
+        for name in list(mods) if i % 2 else list(mods)[::-1]:
+            start = time.perf_counter()
+            calls[name]()
+            times[name].append(time.perf_counter() - start)
+    if not np.array_equal(outs["this"], outs["base"], equal_nan=True):
+        raise SystemExit(f"{case}: the two trees' kernels wrote different bits")
+    medians = {name: 1000 * statistics.median(t) for name, t in times.items()}
+    return {"this_ms": round(medians["this"], 3), "base_ms": round(medians["base"], 3),
+            "ratio": round(medians["this"] / medians["base"], 2), "rounds": rounds}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base", required=True, type=Path, help="the other tree's root")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--cases", default=DEFAULT_CASES)
+    p.add_argument("--seconds", type=float, default=1.0, help="scales the rounds per case")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    from specdec.backends.native import jit_ops
+
+    jit_ops.numba_threads()  # the threading layer and count, before either module's first launch
+    import specdec.backends.native.gguf_jit_8bit as this
+
+    mods = {"this": this, "base": load_base(args.base)}
+    rows = []
+    for case in args.cases.split(","):
+        r = run_case(mods, case, args.seconds)
+        print(f"{case}: this {r['this_ms']} ms, base {r['base_ms']} ms, {r['ratio']}x")
+        rows.append([case, f"{r['this_ms']:.3f}", f"{r['base_ms']:.3f}", f"**{r['ratio']:.2f}x**"])
+    print(json.dumps({"threads": args.threads, "base": str(args.base),
+                      "columns": ["Case (type:N:K:M)", "This tree ms (median)", "Base ms (median)", "Ratio"],
+                      "rows": rows}))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

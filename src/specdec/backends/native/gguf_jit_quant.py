@@ -1,0 +1,54 @@
+"""The int8 activations of the GGUF 8-bit kernels (gguf_jit_8bit.py states the arithmetic;
+gguf_kernels_8bit.py holds the PyTorch replica). numba, compiled once and cached on disk;
+imported on first use. Each activation row is quantized on its own, so a row's integers and
+scales do not depend on the others in the batch."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _abs_max(x, m, start, count):  # pragma: no cover - compiled
+    amax = np.float32(0)
+    for i in range(start, start + count):
+        amax = max(amax, abs(x[m, i]))
+    return amax
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _quantize_block(x, xq, m, start, inv):  # pragma: no cover - compiled
+    """xq[m, start : start + 32] = rint(x * inv); returns their sum."""
+    total = 0
+    for i in range(start, start + 32):
+        q = np.int16(np.rint(x[m, i] * inv))
+        xq[m, i] = q
+        total += q
+    return total
+
+
+@njit("void(float32[:, ::1], int16[:, ::1], float32[:, ::1], int32[:, ::1])", cache=True, nogil=True)
+def quantize_rows(x, xq, xs, xsum):  # pragma: no cover - compiled
+    """x [M, K] -> xq [M, K] (int8 values), xs [M, K // 32], xsum [M, K // 32] (sum of xq)."""
+    rows, blocks = xs.shape
+    for m in range(rows):
+        for b in range(blocks):
+            d = _abs_max(x, m, b * 32, 32) / np.float32(127)
+            xs[m, b] = d
+            xsum[m, b] = _quantize_block(x, xq, m, b * 32, np.float32(1) / d if d > 0 else np.float32(0))
+
+
+@njit("void(float32[:, ::1], int16[:, ::1], float32[:, ::1], int32[:, ::1])", cache=True, nogil=True)
+def quantize_rows_k(x, xq, xs, xsum):  # pragma: no cover - compiled
+    """For Q6_K and Q5_K (llama.cpp's Q8_K): x [M, K] -> xq [M, K] (int8 values), xs
+    [M, K // 256] and xsum [M, K // 32]; per super-block inv = 127 / max|x|, xq = rint(x *
+    inv), xs = 1 / inv."""
+    rows, units = xs.shape
+    for m in range(rows):
+        for u in range(units):
+            amax = _abs_max(x, m, u * 256, 256)
+            inv = np.float32(127) / amax if amax > 0 else np.float32(0)
+            xs[m, u] = np.float32(1) / inv if amax > 0 else np.float32(0)
+            for b in range(8):
+                xsum[m, u * 8 + b] = _quantize_block(x, xq, m, u * 256 + b * 32, inv)
