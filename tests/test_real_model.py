@@ -88,9 +88,17 @@ def test_compiled_native_trees_and_chains_equal_compiled_plain_decoding(smollm2,
     trees = []
     forward_tree = NativeSequence.forward_tree
     monkeypatch.setattr(NativeSequence, "forward_tree", lambda self, *a: trees.append(a) or forward_tree(self, *a))
+    from torch._dynamo.utils import counters
+
+    from specdec.backends.native.cache import COMPILE_BUCKETS
+
     options = {"precision": "int4", "compile": 1}
+    graphs = counters["stats"]["unique_graphs"]
     plain = Engine(target=smollm2, drafter="none", k=0, backend="native", backend_options=options)
     warm_up = len(trees)  # compile() traces trees of every bucket
+    # graphs per kind of forward, not per layer: a guard on what the layers before appended
+    # to a tree's node lists traced one graph per layer (32 here), past the cache limit
+    assert counters["stats"]["unique_graphs"] - graphs <= len(COMPILE_BUCKETS)
     prompts = [PROMPTS[1], "List the planets of the solar system, then list them again in reverse order."]
     want = [plain.generate(p, max_new_tokens=64).token_ids for p in prompts]
     for drafter in ("suffix:tree=1", "ngram"):

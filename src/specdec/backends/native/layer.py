@@ -215,6 +215,23 @@ class DecoderLayer(torch.nn.Module):
         return batch_invariant_attention(q, k, v, k_cache, v_cache, rows, self.gqa, self.act_dtype, self.scale)
 
 
+def compiled_layer(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, rows: list[KVRow]) -> torch.Tensor:
+    """A compiled layer's forward. A token tree's rows collect each layer's node keys and
+    values in `tree_kv`, and a compiled graph guards on that list's length at entry: each
+    layer would trace a graph of its own. The layer gets empty lists, and what it appends
+    joins the tree's list after it (a sliding layer's rows share their list with the others')."""
+    lists = [(row, row.tree_kv) for row in rows if row.tree_kv is not None]
+    for row, _ in lists:
+        row.tree_kv = []
+    try:
+        return layer(x, cos, sin, k_cache, v_cache, rows)
+    finally:
+        for row, kept in lists:
+            kept.extend(row.tree_kv)
+            row.tree_kv = kept
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     # x [N, heads, dim]; see NativeModel.rope_tables
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin

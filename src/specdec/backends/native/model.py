@@ -33,6 +33,7 @@ from specdec.backends.native.layer import (
     DecoderLayer,
     KVRow,
     NativeConfig,
+    compiled_layer,
     default_inv_freq,
     rms_norm,
 )
@@ -228,7 +229,7 @@ class NativeModel:
         for i, layer in enumerate(layers):
             (cos, sin), layer_rows = tables[self.local_rope[i]], row_sets[self.sliding[i]]
             if compiled:  # calling the module runs its compiled graph
-                x = layer(x, cos, sin, pool.k[i], pool.v[i], layer_rows)
+                x = compiled_layer(layer, x, cos, sin, pool.k[i], pool.v[i], layer_rows)
             else:  # each residual add joins the norm after it (forward_open)
                 x, pending = layer.forward_open(x, pending, cos, sin, pool.k[i], pool.v[i], layer_rows)
         if pending is not None:
