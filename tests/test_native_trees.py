@@ -114,11 +114,14 @@ def test_compiled_model_is_close_to_eager_and_consistent_with_itself():
     are only close to eager ones; but a compiled model must agree with itself bit for bit
     whatever it scores at once: a chain of drafts, a batch of sequences (run one by one), a
     token tree (its compiled layers around the kernel's attention), and what keep() leaves."""
+    from torch._dynamo.utils import counters
+
     eager = NativeModel.from_hf(tiny_llama(seed=0, layers=1).model, "int4")
     compiled = NativeModel.from_hf(tiny_llama(seed=0, layers=1).model, "int4")
-    assert compiled.compile() > 0
-    tokens = random_tokens(20, seed=13)
     pool = compiled.new_pool(slots=2)
+    assert compiled.compile(pool) > 0  # traced in one slot
+    graphs = counters["stats"]["unique_graphs"]
+    tokens = random_tokens(20, seed=13)
     a, b = eager.new_pool().new_sequence(), pool.new_sequence()
     torch.testing.assert_close(b.prefill(tokens[:9]), a.prefill(tokens[:9]), **TOL)
     for chunk in (tokens[9:10], tokens[10:13], tokens[13:20]):  # 3 and 7 tokens are padded to 4 and 8
@@ -153,3 +156,5 @@ def test_compiled_model_is_close_to_eager_and_consistent_with_itself():
             b.keep(tree_path(parents, i))
             assert torch.equal(b.forward(tokens[14:16]), b2.forward(tokens[14:16]))
         pool.release(b2)
+    # compile() traced every graph: the other slot took none of its own
+    assert counters["stats"]["unique_graphs"] == graphs

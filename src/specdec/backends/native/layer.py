@@ -217,19 +217,26 @@ class DecoderLayer(torch.nn.Module):
 
 def compiled_layer(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, rows: list[KVRow]) -> torch.Tensor:
-    """A compiled layer's forward. A token tree's rows collect each layer's node keys and
-    values in `tree_kv`, and a compiled graph guards on that list's length at entry: each
-    layer would trace a graph of its own. The layer gets empty lists, and what it appends
-    joins the tree's list after it (a sliding layer's rows share their list with the others')."""
-    lists = [(row, row.tree_kv) for row in rows if row.tree_kv is not None]
-    for row, _ in lists:
-        row.tree_kv = []
+    """A compiled layer's forward, for one sequence (CachePool.forward_batch runs a compiled
+    batch one by one). A compiled graph guards on what it reads at entry, so two things are
+    handed in a form that every call shares:
+    - the sequence's slot: the layer sees its slot's cache as slot 0 of a one-slot view, or
+      each slot (and each pool size) would trace graphs of its own;
+    - a token tree's `tree_kv`, where each layer collects its node keys and values: the layer
+      gets an empty list, or each layer would trace its own graph for the list's length. What
+      it appends joins the tree's list after it (a sliding layer's row shares the list)."""
+    (seq_row,) = rows
+    slot, seq_row.slot = seq_row.slot, 0
+    kept = seq_row.tree_kv
+    if kept is not None:
+        seq_row.tree_kv = []
     try:
-        return layer(x, cos, sin, k_cache, v_cache, rows)
+        return layer(x, cos, sin, k_cache[slot : slot + 1], v_cache[slot : slot + 1], rows)
     finally:
-        for row, kept in lists:
-            kept.extend(row.tree_kv)
-            row.tree_kv = kept
+        seq_row.slot = slot
+        if kept is not None:
+            kept.extend(seq_row.tree_kv)
+            seq_row.tree_kv = kept
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
