@@ -478,6 +478,7 @@ def test_cli_end_to_end_on_the_embedded_model(tmp_path, capsys):
     main([
         "bench", "--categories", "tool_calls,agent_sessions", "--limit", "1", "--max-new-tokens", "12",
         "--methods", "none,ngram", "--peers", "hf,llamacpp", "--out", str(out), "--no-plots",
+        "--warmup", "0",  # the warm-up is tested on tiny models; here it would double the time
     ])
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     results = json.loads((out / "results.json").read_text())

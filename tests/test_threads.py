@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,12 +53,25 @@ print(json.dumps(digests))
 """
 
 
-def _digests_at(threads: int, paths: list) -> dict:
-    out = subprocess.run([sys.executable, "-c", THREADS_SCRIPT, str(threads), *map(str, paths)], capture_output=True,
-                         text=True, check=True)  # fmt: skip
-    digests = json.loads(out.stdout.splitlines()[-1])
-    assert digests.pop("torch threads at the end") == threads, digests  # else the counts compared are not these
-    return digests
+def _digests_at_one_and_two_threads(paths: list) -> tuple[dict, dict]:
+    """Each count's digests, from two interpreters run side by side: the digests do not
+    depend on timing, and two cores halve the wall time of loading and compiling. Their
+    output goes to files, so that neither blocks on a full pipe while the other is read."""
+    digests = {}
+    with tempfile.TemporaryDirectory() as folder:
+        logs = {threads: (Path(folder, f"{threads}.out"), Path(folder, f"{threads}.err")) for threads in (1, 2)}
+        runs = {}
+        for threads, (out, err) in logs.items():
+            with out.open("w") as stdout, err.open("w") as stderr:
+                runs[threads] = subprocess.Popen([sys.executable, "-c", THREADS_SCRIPT, str(threads), *map(str, paths)],
+                                                 stdout=stdout, stderr=stderr)  # fmt: skip
+        for threads, run in runs.items():
+            out, err = logs[threads]
+            assert run.wait() == 0, err.read_text()[-3000:]
+            digests[threads] = json.loads(out.read_text().splitlines()[-1])
+            # else the counts compared are not these
+            assert digests[threads].pop("torch threads at the end") == threads, digests[threads]
+    return digests[1], digests[2]
 
 
 def test_whole_models_give_the_same_bits_at_one_and_two_threads(tmp_path_factory):
@@ -66,7 +81,8 @@ def test_whole_models_give_the_same_bits_at_one_and_two_threads(tmp_path_factory
     pairs = [("llama", "Q4_K"), ("mistral", "Q4_0"), ("qwen2", "Q8_0"), ("qwen3", "Q6_K"), ("gemma3", "Q5_K"),
              ("phi3", "Q4_1"), ("llama", "F16")]  # fmt: skip
     paths = [_write(tmp_path_factory, arch, qtype)[0] for arch, qtype in pairs]
-    assert _digests_at(1, paths) == _digests_at(2, paths)
+    one, two = _digests_at_one_and_two_threads(paths)
+    assert one == two
 
 
 @pytest.mark.slow
@@ -75,7 +91,8 @@ def test_the_embedded_model_gives_the_same_bits_at_one_and_two_threads():
     from specdec.models import builtin_gguf_path
 
     path = builtin_gguf_path("smollm2-135m")
-    assert _digests_at(1, [path]) == _digests_at(2, [path])
+    one, two = _digests_at_one_and_two_threads([path])
+    assert one == two
 
 
 def test_hf_directories_give_the_same_bits_at_one_and_two_threads(tmp_path):
@@ -84,7 +101,8 @@ def test_hf_directories_give_the_same_bits_at_one_and_two_threads(tmp_path):
     embedded model's widths."""
     directory = _hf_directory(tmp_path)
     specs = [f"hf:{precision}:{directory}" for precision in ("int4", "fp32")]
-    assert _digests_at(1, specs) == _digests_at(2, specs)
+    one, two = _digests_at_one_and_two_threads(specs)
+    assert one == two
 
 
 @pytest.mark.slow
@@ -92,7 +110,8 @@ def test_a_compiled_model_gives_the_same_bits_at_one_and_two_threads(tmp_path):
     """compile=1 at fp32: Inductor's own mm summed a 4-row chain's K in another order at 2
     threads; the compiled layers now call one_thread_mm as an opaque op."""
     spec = f"compiled:hf:fp32:{_hf_directory(tmp_path)}"
-    assert _digests_at(1, [spec]) == _digests_at(2, [spec])
+    one, two = _digests_at_one_and_two_threads([spec])
+    assert one == two
 
 
 def _hf_directory(path) -> str:
