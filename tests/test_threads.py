@@ -65,12 +65,17 @@ def _digests_at_one_and_two_threads(paths: list) -> tuple[dict, dict]:
             with out.open("w") as stdout, err.open("w") as stderr:
                 runs[threads] = subprocess.Popen([sys.executable, "-c", THREADS_SCRIPT, str(threads), *map(str, paths)],
                                                  stdout=stdout, stderr=stderr)  # fmt: skip
-        for threads, run in runs.items():
-            out, err = logs[threads]
-            assert run.wait() == 0, err.read_text()[-3000:]
-            digests[threads] = json.loads(out.read_text().splitlines()[-1])
-            # else the counts compared are not these
-            assert digests[threads].pop("torch threads at the end") == threads, digests[threads]
+        try:
+            for threads, run in runs.items():
+                out, err = logs[threads]
+                assert run.wait() == 0, err.read_text()[-3000:]
+                digests[threads] = json.loads(out.read_text().splitlines()[-1])
+                # else the counts compared are not these
+                assert digests[threads].pop("torch threads at the end") == threads, digests[threads]
+        finally:  # one failed: the other is not left running
+            for run in runs.values():
+                run.kill()
+                run.wait()
     return digests[1], digests[2]
 
 
