@@ -18,7 +18,7 @@ from gguf.quants import dequantize
 from specdec.backends.native import gguf_kernels_8bit as k8
 from specdec.backends.native import jit_ops
 from specdec.backends.native.gguf_encode import quantize_blocks
-from specdec.backends.native.gguf_kernels import head_from_quant
+from specdec.backends.native.gguf_kernels import head_from_quant, linear_from_quant
 from specdec.backends.native.gguf_tensors import QuantTensor, ReferenceLinear
 from specdec.errors import SpecdecError
 
@@ -254,3 +254,22 @@ def test_a_gguf_head_refuses_what_it_cannot_run_by_name(qtype, kind, message):
 
 def test_the_default_head_is_the_files_own_kernel():
     assert isinstance(head_from_quant(make_tensor("Q8_0", n=8, k=256)).layer, k8.BlockLinear8)
+
+
+@pytest.mark.parametrize("types, shared", [(("Q5_0", "Q5_0", "Q8_0"), True), (("Q5_1", "Q8_0"), True),
+                                           (("Q6_K", "Q5_K"), True), (("Q8_0", "Q6_K"), False)])  # fmt: skip
+def test_mixed_8bit_types_share_one_quantization_of_the_input(types, shared, kernel, monkeypatch):
+    """A Q4_K_M file's Q5_0 q and k beside its Q8_0 v: one layer that quantizes the input once
+    and writes each part's columns, bit for bit what each part computes alone (biases
+    included), at one row (decode) and at several. Blocks of 32 beside super-blocks of 256
+    read two activation formats: separate parts."""
+    monkeypatch.setattr("specdec.backends.native.gguf_kernels_8bit.kernel_name", lambda: kernel)
+    parts = [make_tensor(t, n, 512, seed=i) for i, (t, n) in enumerate(zip(types, (96, 64, 32)[: len(types)], strict=True))]
+    biases = [torch.randn(96), None, torch.randn(32)][: len(parts)]
+    fused = linear_from_quant(parts, biases)
+    assert (fused.fused is not None) == shared and isinstance(getattr(fused.fused, "layer", None), k8.MixedBlockLinear8) == shared
+    for m in (1, 5):
+        x = activations(m, 512)
+        alone = [linear_from_quant(t, b)(x) for t, b in zip(parts, biases, strict=True)]
+        assert torch.equal(fused.joined(x), torch.cat(alone, dim=-1)), m
+        assert all(torch.equal(got, want) for got, want in zip(fused(x), alone, strict=True))

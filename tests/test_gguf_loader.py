@@ -20,6 +20,7 @@ from specdec import gguf_file as gguf_file_module
 from specdec.backends import make_backend
 from specdec.backends.auto import resolve_backend
 from specdec.backends.native import gguf as reader
+from specdec.backends.native import layer as native_layer
 from specdec.backends.native import model as native_model
 from specdec.backends.native.gguf import read_gguf
 from specdec.backends.native.gguf_kernels import EIGHT_BIT_TYPES
@@ -248,6 +249,29 @@ def test_a_short_chunk_takes_the_decode_kernels_and_a_warm_prefill_keeps_its_bit
     cold = prefill(tokens, native_model.SHORT_CHUNK_ROWS)
     warm = prefill(tokens, native_model.SHORT_CHUNK_ROWS, keep_from=tokens[:140])
     assert torch.equal(warm, cold[128:])
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen2"])
+def test_a_lone_chain_row_attends_in_one_call_with_the_bits_of_a_batch(tmp_path_factory, arch, monkeypatch):
+    """fp32 q|k|v (the 8-bit kinds): a forward of one chain row norms, rotates and attends in
+    one numba call (jit.norm_rotate_attend); the same rows in a batch of two take the separate
+    calls. Bit for bit the same, with q/k norms and sliding windows (gemma3) and a qkv bias
+    (qwen2), one token and a chain of four."""
+    path, _ = _write(tmp_path_factory, arch, "Q8_0")
+    calls = []
+    one_call = native_layer.norm_rotate_attend
+    monkeypatch.setattr(native_layer, "norm_rotate_attend", lambda *a: calls.append(1) or one_call(*a))
+    pool = NativeModel.from_gguf(path).new_pool(slots=2, max_length=256)
+    a, b = pool.new_sequence(), pool.new_sequence()
+    for seq, start in ((a, 0), (b, 7)):
+        seq.prefill(TOKENS[start : start + 30])
+    alone = [a.forward(TOKENS[30:31]), a.forward(TOKENS[31:35])]
+    assert calls, "the one-call path did not run"
+    calls.clear()
+    a.rollback(30)
+    batched = [pool.forward_batch([a, b], [chunk, TOKENS[:1]])[0] for chunk in (TOKENS[30:31], TOKENS[31:35])]
+    assert not calls
+    assert all(torch.equal(x, y) for x, y in zip(alone, batched, strict=True))
 
 
 def test_prompts_take_one_chunk_a_forward_where_the_gemm_rows_are_not_independent(tmp_path_factory, monkeypatch):

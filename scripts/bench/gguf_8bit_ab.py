@@ -53,7 +53,9 @@ def run_case(mods: dict, case: str, seconds: float) -> dict:
     (quant.quantize_rows if span == 32 else quant.quantize_rows_k)(x, xq, xs, xsum)
     kind = this.KIND_CODES[qtype.lower()]
     outs = {name: np.empty((m, n), np.float32) for name in mods}
-    calls = {name: (lambda mod=mod, y=outs[name]: mod.matmul(kind, raw, table, k // span, xq, xs, xsum, y))
+    # trees from before the output column argument take one argument less
+    extra = {name: (0,) if mod.matmul.py_func.__code__.co_argcount == 9 else () for name, mod in mods.items()}
+    calls = {name: (lambda mod=mod, y=outs[name]: mod.matmul(kind, raw, table, k // span, xq, xs, xsum, y, *extra[name]))
              for name, mod in mods.items()}  # fmt: skip
     times = {name: [] for name in mods}
     rounds = max(20, min(400, int(seconds * 4e8 // raw.nbytes)))

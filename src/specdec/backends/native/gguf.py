@@ -218,7 +218,7 @@ def quant_state(model: GGUFModel, lm_head: str = "auto") -> dict:
     """The native model's state from the file's tensors as they are: each matrix a layer from
     `linear_from_quant` (its bias inside), the embedding from `embedding_from_quant`, norms fp32.
     A file without an output matrix ties the head to the embedding's tensor."""
-    state, fused = _fused_state(model)
+    state, fused, fused_copies = _fused_state(model)
     for key, tensor in model.tensors.items():
         if key.endswith(".bias") or key in fused:
             continue  # inside its layer
@@ -238,7 +238,7 @@ def quant_state(model: GGUFModel, lm_head: str = "auto") -> dict:
     # the copied matrices' mapped pages, read once to build them, would stay resident (and
     # counted as this process's) while the cached GGUFFile maps the file: drop them. A tied
     # embedding's rows fault back in from the page cache as lookups read them.
-    copied = [t.name for key, t in model.tensors.items() if len(t.shape) == 2 and (key in fused or copies_weights(t))]
+    copied = [t.name for key, t in model.tensors.items() if len(t.shape) == 2 and (key in fused_copies or copies_weights(t))]
     head = model.tensors.get("lm_head.weight", model.tensors["model.embed_tokens.weight"])
     if head_copies_weights(head, lm_head):  # a tied embedding's rows fault back in as lookups read them
         copied.append(head.name)
@@ -252,24 +252,29 @@ _FUSED = (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_
           ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")))  # fmt: skip
 
 
-def _fused_state(model: GGUFModel) -> tuple[dict, set[str]]:
-    """Each layer's q/k/v and gate/up of one quant type as one FusedLinear under the fused
-    name (the layer splits its output), so a step makes four kernel calls a layer, not seven.
-    Returns the state so far and the keys of the tensors it consumed (their rows are copied
-    side by side, so the loader drops their mapped pages too). Mixed types stay separate."""
+def _fused_state(model: GGUFModel) -> tuple[dict, set[str], set[str]]:
+    """Each layer's q/k/v and gate/up as one FusedLinear under the fused name (the layer
+    splits its output), so a step makes four kernel calls a layer, not seven: one kernel over
+    the rows side by side where they share a type, shared activations where 8-bit types mix
+    (gguf_kernels.build_linear), else a part per tensor. Returns the state so far, the keys of
+    the tensors it consumed and of those whose bytes it copied (the loader drops their mapped
+    pages)."""
     state: dict = {}
     consumed: set[str] = set()
+    copied: set[str] = set()
     for i in range(model.config["num_layers"]):
         prefix = f"model.layers.{i}."
         for joined, names in _FUSED:
             keys = [f"{prefix}{name}.weight" for name in names]
             tensors = [model.tensors.get(key) for key in keys]
-            if any(t is None for t in tensors) or len({t.qtype for t in tensors}) != 1:
+            if any(t is None for t in tensors):
                 continue
             biases = [model.tensors.get(key[: -len("weight")] + "bias") for key in keys]
             state[f"{prefix}{joined}.weight"] = linear_from_quant(tensors, [None if b is None else _floats(b) for b in biases])
             consumed.update(keys)
-    return state, consumed
+            one_type = len({t.qtype for t in tensors}) == 1  # their rows copied side by side
+            copied.update(key for key, t in zip(keys, tensors, strict=True) if one_type or copies_weights(t))
+    return state, consumed, copied
 
 
 def float_state(model: GGUFModel) -> dict:

@@ -456,13 +456,14 @@ def _weight_rows_pass(kind, raw, table, n, units, xq, xs, xsum, out):  # pragma:
         _rows_q5_1(raw, table, n, units, xq, xs, xsum, out)
 
 
-@njit(types.void(types.int64, _raw(types.uint8), _f32_2d, types.int64, _i16_2d, _f32_2d, types.int32[:, ::1], _f32_2d),
-      cache=True, nogil=True, parallel=True)  # fmt: skip
-def matmul(kind, raw, table, units, xq, xs, xsum, y):  # pragma: no cover - compiled
+@njit(types.void(types.int64, _raw(types.uint8), _f32_2d, types.int64, _i16_2d, _f32_2d, types.int32[:, ::1], _f32_2d,
+                 types.int64), cache=True, nogil=True, parallel=True)  # fmt: skip
+def matmul(kind, raw, table, units, xq, xs, xsum, y, column):  # pragma: no cover - compiled
     """raw [N, bytes per row] (the file's blocks of KIND_CODES' type `kind`), table [N, T] fp32:
     per row the fp16 fields as fp32 (Q8_0, Q5_0: d per block; Q5_1: d, m per block; Q6_K: d
     per super-block; Q5_K: d, dmin per super-block), units: blocks (or super-blocks) per row
-    -> y [M, N]. Rows of activations in passes of DOT_ROWS, the last ones narrower; at M = 1
+    -> y[:, column : column + N] (several matrices of one input write one output side by
+    side). Rows of activations in passes of DOT_ROWS, the last ones narrower; at M = 1
     the small-block kinds take WEIGHT_ROWS weight rows a pass (the K-quants' unpacked
     super-blocks of four rows do not fit the registers: measured slower)."""
     rows, m = raw.shape[0], xq.shape[0]
@@ -473,7 +474,7 @@ def matmul(kind, raw, table, units, xq, xs, xsum, y):  # pragma: no cover - comp
             while start + WEIGHT_ROWS <= stop:
                 _weight_rows_pass(kind, raw, table, start, units, xq, xs, xsum, out)
                 for w in range(WEIGHT_ROWS):
-                    y[0, start + w] = out[w]
+                    y[0, column + start + w] = out[w]
                 start += WEIGHT_ROWS
         for n in range(start, stop):
             first = 0
@@ -482,4 +483,4 @@ def matmul(kind, raw, table, units, xq, xs, xsum, y):  # pragma: no cover - comp
                 _pass(kind, raw[n], xq, xs, xsum, table[n], units, first, width, out)
                 first += width
             for r in range(m):
-                y[r, n] = out[r]
+                y[r, column + n] = out[r]

@@ -4,7 +4,9 @@
   here, at the file's own precision; Q8_0, Q5_K, Q6_K, Q5_0 and Q5_1 in gguf_kernels_8bit.py
   (another module; until it exists they run on the dequantizing ReferenceLinear).
 - A list of tensors of one type and K (q/k/v, gate/up) becomes one kernel over their rows
-  concatenated (a `FusedLinear` that splits the output); mixed types keep separate parts.
+  concatenated (a `FusedLinear` that splits the output). Mixed 8-bit types that read one
+  activation format share its quantization and one output (`MixedBlockLinear8`); other
+  mixes keep separate parts.
 - Every layer has `forward` (decode steps, drafts: any M) and `prompt_forward` (prompt chunks:
   compute-bound, may run another kernel); `prompt_view` wraps a layer so that a second stack of
   decoder layers runs the prompt kernels over the same buffers (no copy).
@@ -30,7 +32,12 @@ import torch
 from gguf import GGML_QUANT_SIZES
 
 from specdec.backends.native.cpu import forced_fallback, has_int4_kernel, one_thread_mm
-from specdec.backends.native.gguf_kernels_8bit import ORT_TYPES, OrtBlockLinear8, ort_8bit_usable
+from specdec.backends.native.gguf_kernels_8bit import (
+    ORT_TYPES,
+    MixedBlockLinear8,
+    OrtBlockLinear8,
+    ort_8bit_usable,
+)
 from specdec.backends.native.gguf_kernels_8bit import linear_for as eight_bit_linear
 from specdec.backends.native.gguf_q4 import Q4_TYPES, ExactQ4Linear, Int4BlockLinear
 from specdec.backends.native.gguf_tensors import QuantTensor, check_type
@@ -58,6 +65,10 @@ def build_linear(tensors: QuantTensor | list[QuantTensor], bias=None):
                            + ", ".join(f"{t.name} {list(t.shape)}" for t in tensors), "target")  # fmt: skip
     sizes = [t.shape[0] for t in tensors]
     if len({t.qtype for t in tensors}) != 1:  # e.g. a Q4_K_M file's Q6_K attn_v beside Q4_K q, k
+        if all(t.qtype.name in EIGHT_BIT_TYPES for t in tensors):
+            parts = [eight_bit_linear(t, b) for t, b in zip(tensors, biases, strict=True)]
+            if MixedBlockLinear8.shares_input(parts):  # one quantization of the input, one output
+                return FusedLinear.from_layers([PromptSame(MixedBlockLinear8(parts))], sizes)
         return FusedLinear.from_layers([_single(t, b) for t, b in zip(tensors, biases, strict=True)], sizes)
     joined = None
     if any(b is not None for b in biases):

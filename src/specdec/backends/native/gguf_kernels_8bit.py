@@ -96,6 +96,9 @@ class BlockLinear8(torch.nn.Module):
             self.scales = np.ascontiguousarray(np.stack([_fp16_at(blocks, 0), _fp16_at(blocks, 2)], axis=-1))
         self.bias = None if bias is None else bias.detach().float().cpu()  # [N]
         self.kernel = kernel or kernel_name()
+        # what the numba kernel takes, formed once: a call's fixed costs weigh at decode widths
+        self.kind, self.small_blocks, self.units = qtype.lower(), span == BLOCK, k // span
+        self.table = self.scales.reshape(n, -1)  # [N, T]: a view
 
     def nbytes(self) -> int:
         """Bytes this layer holds besides the file's mapping (the scale tables and the bias)."""
@@ -103,23 +106,22 @@ class BlockLinear8(torch.nn.Module):
 
     @torch.compiler.disable  # numba and numpy: compiled graphs call it eagerly
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
-        a = x.detach().to("cpu", torch.float32).contiguous()
-        y = self._numba(a.numpy()) if self.kernel == "numba" else self._torch(a)
+        if self.kernel == "numba":
+            rows = float_rows(x)
+            y = np.empty((rows.shape[0], self.out_features), np.float32)
+            self.matmul_into(quantized(rows, self.small_blocks), y, 0)
+            y = torch.from_numpy(y)
+        else:
+            y = self._torch(x.detach().to("cpu", torch.float32).contiguous())
         if self.bias is not None:
             y = y + self.bias
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
-    def _numba(self, x: np.ndarray) -> torch.Tensor:
-        jit, m, k = _jit(), x.shape[0], self.in_features
-        span = BLOCK if self.qtype in SMALL_BLOCK_TYPES else SUPER
-        xq, xs = np.empty(x.shape, np.int16), np.empty((m, k // span), np.float32)
-        xsum = np.empty((m, k // BLOCK), np.int32)
-        quant = _quantizer()
-        (quant.quantize_rows if span == BLOCK else quant.quantize_rows_k)(x, xq, xs, xsum)
-        y = np.empty((m, self.out_features), np.float32)
-        table = self.scales.reshape(self.out_features, -1)  # [N, T]: a view
-        jit.matmul(jit.KIND_CODES[self.qtype.lower()], self.raw, table, k // span, xq, xs, xsum, y)
-        return torch.from_numpy(y)
+    def matmul_into(self, activations: tuple, y: np.ndarray, column: int) -> None:
+        """The numba kernel on `quantized` activations of this layer's kind, into y[:, column :
+        column + N]."""
+        jit = _jit()
+        jit.matmul(jit.KIND_CODES[self.kind], self.raw, self.table, self.units, *activations, y, column)
 
     def _torch(self, x: torch.Tensor) -> torch.Tensor:
         small = self.qtype in SMALL_BLOCK_TYPES
@@ -134,6 +136,62 @@ class BlockLinear8(torch.nn.Module):
             else:
                 tiles.append(superblock_matmul(xq, xs, xsum, *decode_superblocks(self.qtype, raw, scales)))
         return torch.cat(tiles, dim=1)
+
+
+class MixedBlockLinear8(torch.nn.Module):
+    """Matrices of different QTYPES over one input, side by side (a Q4_K_M file's Q5_0 q and k
+    beside its Q8_0 v): x [M, K] -> [M, sum N]. The input is quantized once, where all parts
+    read one activation format (blocks of 32, or super-blocks), and each part's kernel writes
+    its columns of one output. Each part's outputs are those it computes alone, bit for bit."""
+
+    def __init__(self, parts: list[BlockLinear8]):
+        super().__init__()
+        if len({p.in_features for p in parts}) != 1 or len({p.small_blocks for p in parts}) != 1:
+            raise ValueError("parts of a MixedBlockLinear8 share K and the activation format")
+        self.parts = parts
+        self.in_features, self.out_features = parts[0].in_features, sum(p.out_features for p in parts)
+        self.act_dtype, self.kernel = torch.float32, parts[0].kernel
+        self.columns = np.cumsum([0] + [p.out_features for p in parts[:-1]]).tolist()
+        biases = [p.bias for p in parts]
+        self.bias = None
+        if any(b is not None for b in biases):
+            self.bias = torch.cat([torch.zeros(p.out_features) if b is None else b for p, b in zip(parts, biases, strict=True)])
+
+    @staticmethod
+    def shares_input(parts: list[BlockLinear8]) -> bool:
+        """Whether the parts can run as one MixedBlockLinear8."""
+        return len({(p.in_features, p.small_blocks, p.kernel) for p in parts}) == 1
+
+    @torch.compiler.disable
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, sum N]
+        if self.kernel != "numba":
+            return torch.cat([p.forward(x) for p in self.parts], dim=-1)
+        rows = float_rows(x)
+        activations, y = quantized(rows, self.parts[0].small_blocks), np.empty((rows.shape[0], self.out_features), np.float32)
+        for part, column in zip(self.parts, self.columns, strict=True):
+            part.matmul_into(activations, y, column)
+        out = torch.from_numpy(y) if self.bias is None else torch.from_numpy(y) + self.bias
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def float_rows(x: torch.Tensor) -> np.ndarray:
+    """x [M, K] as a C-contiguous fp32 array on the CPU: a view where it already is one (the
+    usual case; each tensor operation costs about a microsecond at decode widths)."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.requires_grad or not x.is_contiguous():
+        x = x.detach().to("cpu", torch.float32).contiguous()
+    return x.numpy()
+
+
+def quantized(x: np.ndarray, small_blocks: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x [M, K] fp32 -> (xq [M, K] int16, xs [M, K // span] fp32, xsum [M, K // 32] int32), the
+    activations the numba kernels read: per block of 32 (small-block kinds) or per
+    super-block of 256 (K-quants), gguf_jit_quant's rounding."""
+    m, k = x.shape
+    span = BLOCK if small_blocks else SUPER
+    xq, xs, xsum = np.empty((m, k), np.int16), np.empty((m, k // span), np.float32), np.empty((m, k // BLOCK), np.int32)
+    quant = _quantizer()
+    (quant.quantize_rows if small_blocks else quant.quantize_rows_k)(x, xq, xs, xsum)
+    return xq, xs, xsum
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

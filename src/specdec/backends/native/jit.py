@@ -468,3 +468,23 @@ def rotate_attend_parallel(qkv, cos, signed_sin, heads, kv_heads, k_cache, v_cac
     """`rotate_attend` on numba's threads (attend_parallel)."""
     q, k, v = split_rotate(qkv, cos, signed_sin, heads, kv_heads)
     return bf16_rows(attend_parallel(q, k, v, k_cache, v_cache, slot, store, limits, paths, starts, scale))
+
+
+@njit(cache=True, nogil=True)
+def norm_rotate_attend(qkv, cos, signed_sin, heads, kv_heads, q_weight, k_weight, eps, k_cache, v_cache, slot, store,
+                       limits, paths, starts, scale):  # pragma: no cover - compiled
+    """split_norm_rotate and attend in one call, for one chain row: qkv fp32 [T, (heads + 2
+    kv_heads) * dim] -> fp32 [T, heads * dim]. The same functions as the two steps, so the
+    same bits."""
+    q, k, v = split_norm_rotate(qkv, cos, signed_sin, heads, kv_heads, q_weight, k_weight, eps)
+    out = attend(q, k, v, k_cache, v_cache, slot, store, limits, paths, starts, scale)
+    return out.reshape(out.shape[0], out.shape[1] * out.shape[2])
+
+
+@njit(cache=True, nogil=True)
+def norm_rotate_attend_parallel(qkv, cos, signed_sin, heads, kv_heads, q_weight, k_weight, eps, k_cache, v_cache, slot,
+                                store, limits, paths, starts, scale):  # pragma: no cover - compiled
+    """`norm_rotate_attend` on numba's threads (attend_parallel)."""
+    q, k, v = split_norm_rotate(qkv, cos, signed_sin, heads, kv_heads, q_weight, k_weight, eps)
+    out = attend_parallel(q, k, v, k_cache, v_cache, slot, store, limits, paths, starts, scale)
+    return out.reshape(out.shape[0], out.shape[1] * out.shape[2])

@@ -83,13 +83,14 @@ def _set_numba_threads(threads: int) -> int:
 
 @functools.cache
 def _compiled() -> tuple:
-    """((attend, rotate_attend) on the calling thread, the same on numba's threads): the
-    second pair where numba_threads() runs more than one thread, else the first."""
+    """((attend, rotate_attend, norm_rotate_attend) on the calling thread, the same on numba's
+    threads): the second where numba_threads() runs more than one thread, else the first."""
     threads = numba_threads()
     import specdec.backends.native.jit as jit  # compiles, or loads from disk
 
-    serial = jit.attend, jit.rotate_attend
-    return (serial, (jit.attend_parallel, jit.rotate_attend_parallel)) if threads > 1 else (serial, serial)
+    serial = jit.attend, jit.rotate_attend, jit.norm_rotate_attend
+    parallel = jit.attend_parallel, jit.rotate_attend_parallel, jit.norm_rotate_attend_parallel
+    return (serial, parallel) if threads > 1 else (serial, serial)
 
 
 def _kernels(limits: np.ndarray, query_heads: int) -> tuple:
@@ -156,6 +157,21 @@ def rotate_attend(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
                   k_cache.numpy(), v_cache.numpy(), slot, store, limits, paths, starts,
                   _scale(scale, cos.shape[-1]))  # fmt: skip
     return torch.from_numpy(bits).view(torch.bfloat16)
+
+
+def norm_rotate_attend(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: int, kv_heads: int,
+                       norms: tuple[torch.Tensor, torch.Tensor] | None, eps: float, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, slot: int, store: int, limits: np.ndarray, paths: np.ndarray,
+                       starts: np.ndarray | None = None, scale: float | None = None) -> torch.Tensor:  # fmt: skip
+    """split_norm_rotate and attend_kernel in one call (jit.norm_rotate_attend), for a chain
+    row: qkv [T, (heads + 2 kv_heads) * dim] fp32 -> [T, heads * dim] fp32."""
+    kernel = _kernels(limits, qkv.shape[0] * heads)[2]
+    starts = np.zeros_like(limits) if starts is None else starts
+    q_weight, k_weight = norms if norms is not None else (_NO_NORM, _NO_NORM)
+    out = kernel(qkv.contiguous().numpy(), cos.numpy(), signed_sin.numpy(), heads, kv_heads, q_weight.numpy(),
+                 k_weight.numpy(), np.float32(eps), k_cache.numpy(), v_cache.numpy(), slot, store, limits, paths,
+                 starts, _scale(scale, cos.shape[-1]))  # fmt: skip
+    return torch.from_numpy(out)
 
 
 def add_rms_norm_bf16(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,

@@ -19,6 +19,7 @@ from specdec.backends.native.jit_ops import (
     add_rms_norm_bf16,
     fast_layer_usable,
     fast_norms_usable,
+    norm_rotate_attend,
     rms_norm_bf16,
     rms_norm_f32,
     rotate_attend,
@@ -161,12 +162,16 @@ class DecoderLayer(torch.nn.Module):
         x, h = self._add_norm(x, pending, attn_norm, fast, fast_norms)
         qkv = qkv_linear(h)
         fast_qkv = fast and qkv.dtype == torch.bfloat16 and q_norm is None  # numba's rotation has no q/k norm
-        row = kernel_chain_row(rows, heads // kv_heads, x.device, k_cache.dtype) if fast_qkv else None
-        if row is not None:  # one chain row: rotation, attention and the cast in one numba call
+        fast_fp32 = fast_norms and qkv.dtype == torch.float32  # GGUF's 8-bit kinds
+        row = kernel_chain_row(rows, heads // kv_heads, x.device, k_cache.dtype) if fast_qkv or fast_fp32 else None
+        qk_norms = None if q_norm is None else (q_norm, k_norm)
+        if row is not None and fast_qkv:  # one chain row: rotation, attention and the cast in one numba call
             attn = rotate_attend(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, row.slot, row.store,
                                  *row.plan.arrays, self.scale)  # fmt: skip
+        elif row is not None:  # the same in fp32, with the q/k norms where the layer has them
+            attn = norm_rotate_attend(qkv, cos, sin, heads, kv_heads, qk_norms, self.eps, k_cache, v_cache, row.slot,
+                                      row.store, *row.plan.arrays, self.scale).to(act)  # fmt: skip
         else:
-            qk_norms = None if q_norm is None else (q_norm, k_norm)
             attn = self._attention(qkv, cos, sin, k_cache, v_cache, rows, fast_qkv, qk_norms, fast_norms)
             attn = attn.reshape(n, heads * dim).to(act)
         # .forward: the linears are plain modules (no hooks), and __call__ costs each of them
