@@ -44,6 +44,7 @@ class CachePool:
         # head_dim + 1], in whole attention chunks (attention.py)
         self.k, self.v = new_cache((cfg.num_layers, slots), cfg.num_kv_heads, max_length, cfg.head_dim, kv_dtype,
                                    model.device)  # fmt: skip
+        self.layer_caches = list(zip(self.k.unbind(0), self.v.unbind(0), strict=True))  # views, made once
         self.kernel = uses_kernel(model.device, kv_dtype)  # jit_ops, or the PyTorch routine
         self.group = cfg.num_heads // cfg.num_kv_heads  # query heads per kv head
         self.cos, self.sin = model.rope_tables(max_length)  # [max_length, head_dim]

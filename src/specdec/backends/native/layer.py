@@ -170,7 +170,8 @@ class DecoderLayer(torch.nn.Module):
                                  *row.plan.arrays, self.scale)  # fmt: skip
         elif row is not None:  # the same in fp32, with the q/k norms where the layer has them
             attn = norm_rotate_attend(qkv, cos, sin, heads, kv_heads, qk_norms, self.eps, k_cache, v_cache, row.slot,
-                                      row.store, *row.plan.arrays, self.scale).to(act)  # fmt: skip
+                                      row.store, *row.plan.arrays, self.scale)  # fmt: skip
+            attn = attn if attn.dtype == act else attn.to(act)  # a no-op .to() still costs a dispatch
         else:
             attn = self._attention(qkv, cos, sin, k_cache, v_cache, rows, fast_qkv, qk_norms, fast_norms)
             attn = attn.reshape(n, heads * dim).to(act)
@@ -264,12 +265,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dty
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # SwiGLU in fp32, rounded once to the kernels' dtype
-    return F.silu(gate.float(), inplace=True).mul_(up).to(dtype)
+    out = F.silu(gate.float(), inplace=True).mul_(up)
+    return out if out.dtype == dtype else out.to(dtype)
 
 
 def gelu_mul(gate: torch.Tensor, up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # GeGLU with the tanh approximation (gemma3's gelu_pytorch_tanh) in fp32, rounded once
-    return F.gelu(gate.float(), approximate="tanh").mul_(up).to(dtype)
+    out = F.gelu(gate.float(), approximate="tanh").mul_(up)
+    return out if out.dtype == dtype else out.to(dtype)
 
 
 def activation_dtype(linear) -> torch.dtype:

@@ -226,12 +226,12 @@ class NativeModel:
             tables.append((pool.local_cos[positions].unsqueeze(1), pool.local_sin[positions].unsqueeze(1)))
         row_sets = (rows, windowed(rows, cfg.sliding_window, pool.group, self.device, pool.kernel) if any(self.sliding) else rows)
         pending = None
-        for i, layer in enumerate(layers):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, pool.layer_caches, strict=True)):
             (cos, sin), layer_rows = tables[self.local_rope[i]], row_sets[self.sliding[i]]
             if compiled:  # calling the module runs its compiled graph
-                x = compiled_layer(layer, x, cos, sin, pool.k[i], pool.v[i], layer_rows)
+                x = compiled_layer(layer, x, cos, sin, k_cache, v_cache, layer_rows)
             else:  # each residual add joins the norm after it (forward_open)
-                x, pending = layer.forward_open(x, pending, cos, sin, pool.k[i], pool.v[i], layer_rows)
+                x, pending = layer.forward_open(x, pending, cos, sin, k_cache, v_cache, layer_rows)
         if pending is not None:
             x = x + pending
         x = rms_norm(x, self.norm, cfg.rms_eps, torch.float32)
