@@ -477,14 +477,15 @@ def test_cli_end_to_end_on_the_embedded_model(tmp_path, capsys):
     out = tmp_path / "bench"
     main([
         "bench", "--categories", "tool_calls,agent_sessions", "--limit", "1", "--max-new-tokens", "12",
-        "--methods", "none,ngram", "--peers", "hf,llamacpp", "--out", str(out), "--no-plots",
+        "--methods", "none,ngram", "--peers", "llamacpp", "--out", str(out), "--no-plots",
         "--warmup", "0",  # the warm-up is tested on tiny models; here it would double the time
     ])
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     results = json.loads((out / "results.json").read_text())
     turns = results["settings"]["turns"]
     assert summary["methods"]["ngram"]["exact_match"] == f"{turns}/{turns}"
-    assert summary["peers"]["hf"]["exact_match"] == f"{turns}/{turns}"
+    # the hf peer's exactness: test_run_matches_baseline_and_writes_every_output (tiny models) and
+    # test_real_model's native-against-transformers checks on this model
     if llamacpp_available():  # the optional extra runs the GGUF itself; its tokens may differ
         assert results["peers"]["llamacpp"]["tokens_per_second"] > 0
     else:

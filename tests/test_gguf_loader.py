@@ -458,16 +458,21 @@ def test_real_gemma3_270m_loads_natively_and_decodes():
 
 
 @pytest.mark.slow
-def test_smollm2_q4_0_drafts_for_smollm2_q8_0_exactly(tmp_path_factory):
+def test_smollm2_q4_0_drafts_for_smollm2_q8_0_exactly(tmp_path_factory, smollm2_tokenizer, monkeypatch):
     """The embedded model re-encoded into two files (our own encoders): a Q8_0 target and a
-    Q4_0 draft (model:FILE), both on the native path; speculative equals plain greedy."""
+    Q4_0 draft (model:FILE), both on the native path; speculative equals plain greedy. Both
+    files keep the embedded model's tokenizer, so they share its loaded copy (reading each
+    file's own is test_load_model_reads_the_tokenizer_and_facts_without_weights's part)."""
     from gguf_factory import requantize_gguf
     from specdec.models import builtin_gguf_path
 
     folder = tmp_path_factory.mktemp("smollm2")
     for qtype in ("Q8_0", "Q4_0"):
         requantize_gguf(builtin_gguf_path("smollm2-135m"), folder / f"smollm2-{qtype}.gguf", qtype)
-    target = load_model(str(folder / "smollm2-Q8_0.gguf"))
+    monkeypatch.setattr("specdec.drafters.draft_model.load_model",
+                        lambda name: LoadedModel(name, tokenizer=smollm2_tokenizer, gguf_path=Path(name)))
+    path = folder / "smollm2-Q8_0.gguf"
+    target = LoadedModel(path.name, tokenizer=smollm2_tokenizer, gguf_path=path)
     plain = Engine(target=target, drafter="none", backend="native")
     spec = Engine(target=target, drafter=f"model:{folder / 'smollm2-Q4_0.gguf'}", k=4, backend="native")
     assert spec.drafter.backend.pool.model.precision == "gguf"
