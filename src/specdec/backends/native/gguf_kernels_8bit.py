@@ -146,8 +146,8 @@ class MixedBlockLinear8(torch.nn.Module):
 
     def __init__(self, parts: list[BlockLinear8]):
         super().__init__()
-        if len({p.in_features for p in parts}) != 1 or len({p.small_blocks for p in parts}) != 1:
-            raise ValueError("parts of a MixedBlockLinear8 share K and the activation format")
+        if not self.shares_input(parts):
+            raise ValueError("parts of a MixedBlockLinear8 share K, the activation format and the kernel")
         self.parts = parts
         self.in_features, self.out_features = parts[0].in_features, sum(p.out_features for p in parts)
         self.act_dtype, self.kernel = torch.float32, parts[0].kernel
