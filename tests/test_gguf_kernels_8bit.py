@@ -3,11 +3,16 @@ test for every type and both kernels (numba, and the PyTorch replica):
 - the integers and scales the kernels read reproduce the gguf package's reference weights
   bit for bit, and the outputs stay within the int8 activations' error bound of the exact
   dequantized product (a misplaced decoder breaks the bound);
-- numba and the replica agree bit for bit;
+- numba and the replica agree bit for bit, on each instruction path the CPU can run;
 - rows are bit-identical whatever M (decode and prompt sizes) and at 1 or 2 threads;
 - the layer keeps the file's bytes without copying them."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -129,16 +134,56 @@ def test_logits_keep_top1_and_kl(qtype, kernel):
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("m", [1, 5])  # decode (several weight rows a pass) and a verification batch
-def test_numba_and_torch_kernels_agree_bit_for_bit(qtype, m):
+@pytest.mark.parametrize("m", [1, 2, 5])  # decode and a two-token chain (several weight rows a pass), a batch
+@pytest.mark.parametrize("k", [512, 288])  # 288: an odd number of blocks of 32 (small-block kinds)
+def test_numba_and_torch_kernels_agree_bit_for_bit(qtype, m, k):
     if not jit_ops.importable():
         pytest.skip("numba is not installed")
-    tensor = make_tensor(qtype, n=70)  # not a multiple of the 16-row chunks, nor of the 4-row passes
+    if k % ACT_BLOCK[qtype]:
+        pytest.skip("the K-quants' rows are whole super-blocks of 256")
+    tensor = make_tensor(qtype, n=70, k=k)  # not a multiple of the 16-row chunks, nor of the 4-row passes
     x = activations(m, tensor.shape[1])
     x[m // 2, : tensor.shape[1] // 2] = 0  # zero blocks: zero scales
     bias = torch.randn(70)
     got = k8.BlockLinear8(tensor, bias, kernel="numba")(x)
     assert torch.equal(got, k8.BlockLinear8(tensor, bias, kernel="torch")(x))
+
+
+DOT_CHECK = """
+import numpy as np, torch
+from specdec.backends.native import gguf_jit_small, gguf_kernels_8bit as k8
+from tests.test_gguf_kernels_8bit import activations, make_tensor
+assert gguf_jit_small.DOT == {dot!r}
+for qtype in ("Q8_0", "Q5_0", "Q5_1"):
+    tensor, x = make_tensor(qtype, n=24, k=288), activations(5, 288)
+    for m in (1, 2, 5):
+        got = k8.BlockLinear8(tensor, kernel="numba")(x[:m])
+        assert torch.equal(got, k8.BlockLinear8(tensor, kernel="torch")(x[:m])), (qtype, m)
+"""
+
+
+@pytest.mark.slow
+def test_every_instruction_path_of_the_small_block_kernels_gives_the_replicas_bits():
+    """vpdpbusd (VNNI), pmaddubsw (AVX2) and plain IR each compute the lanes' integers; each
+    path this CPU can run, compiled in a process of its own, writes the replica's bits."""
+    if not jit_ops.importable():
+        pytest.skip("numba is not installed")
+    from specdec.backends.native import gguf_jit_small
+
+    paths = gguf_jit_small.DOTS[gguf_jit_small.DOTS.index(gguf_jit_small.DOT) + 1 :]  # the default runs above
+    for dot in paths:
+        env = {**os.environ, "SPECDEC_INT8_DOT": dot}
+        done = subprocess.run([sys.executable, "-c", DOT_CHECK.format(dot=dot)], env=env, capture_output=True, text=True,
+                              cwd=Path(__file__).parent.parent, timeout=300)  # fmt: skip
+        assert done.returncode == 0, f"{dot}: {done.stderr[-2000:]}"
+
+
+def test_the_instruction_path_follows_the_cpu_features():
+    from specdec.backends.native.gguf_jit_small import dot_for
+
+    assert dot_for("+avx2,+avx512bw,+avx512vnni,-amx-tile") == "vnni"
+    assert dot_for("+avx2,+avx512bw,-avx512vnni") == "avx2"
+    assert dot_for("+neon,+dotprod") == "generic"
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -164,7 +209,7 @@ def test_rows_do_not_depend_on_the_thread_count(qtype, kernel):
             if kernel == "numba":
                 import numba
 
-                k8._jit()  # sets the threading layer first
+                k8._jit(True)  # sets the threading layer first
                 numba.set_num_threads(min(count, numba.config.NUMBA_NUM_THREADS))
             outputs.append(layer(x))
     finally:

@@ -1,15 +1,14 @@
-"""The numba GGUF 8-bit kernels (gguf_jit_8bit.py) of this tree against another tree's, in
+"""The numba GGUF K-quant kernels (gguf_jit_8bit.py) of this tree against another tree's, in
 one process, in turns.
 
     git worktree add /tmp/base HEAD~1
     python scripts/bench/gguf_8bit_ab.py --base /tmp/base [--threads 2] [--cases ...]
 
-Each case is KIND:N:K:M (Q8_0, Q5_0, Q5_1, Q6_K or Q5_K; N x K weights, M activation rows)
-on random blocks. Both modules compile (or load) their own cached kernels; per case the two
-`matmul` calls alternate, and both must write the same bits. The default cases are
-gemma3-270m's head and a Q5_0 projection at one row (the head streams from memory, the
-projection from cache), a verification batch of four rows, and 1.5B-sized Q6_K / Q5_K
-matrices from memory. Prints each case's medians and ends with a JSON line.
+Each case is KIND:N:K:M (Q6_K or Q5_K; N x K weights, M activation rows) on random blocks.
+Both modules compile (or load) their own cached kernels; per case the two `matmul` calls
+alternate, and both must write the same bits. The default cases are 1.5B-sized matrices from
+memory. Prints each case's medians and ends with a JSON line. (Q8_0, Q5_0 and Q5_1 moved to
+gguf_jit_small.py with another arithmetic: `gguf_matrix_time.py` times them per tree.)
 """
 
 from __future__ import annotations
@@ -24,10 +23,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-DEFAULT_CASES = ("Q8_0:262144:640:1,Q5_0:2048:640:1,Q8_0:65536:640:4,Q5_0:262144:640:1,"
-                 "Q6_K:131072:1536:1,Q5_K:131072:1536:1,Q6_K:131072:1536:4")  # fmt: skip
+DEFAULT_CASES = "Q6_K:131072:1536:1,Q5_K:131072:1536:1,Q6_K:131072:1536:4"
 # bytes per block, elements per block, fp32 table entries per block (gguf_kernels_8bit's tables)
-LAYOUT = {"Q8_0": (34, 32, 1), "Q6_K": (210, 256, 1), "Q5_K": (176, 256, 2), "Q5_0": (22, 32, 1), "Q5_1": (24, 32, 2)}
+LAYOUT = {"Q6_K": (210, 256, 1), "Q5_K": (176, 256, 2)}
 
 
 def load_base(tree: Path):
@@ -46,17 +44,16 @@ def run_case(mods: dict, case: str, seconds: float) -> dict:
     raw = rng.integers(0, 256, (n, k // span * width), dtype=np.uint8)
     table = rng.random((n, k // span * per_block), dtype=np.float32)
     x = rng.standard_normal((m, k), dtype=np.float32)
-    this = mods["this"]
     from specdec.backends.native import gguf_jit_quant as quant
 
     xq, xs, xsum = np.empty((m, k), np.int16), np.empty((m, k // span), np.float32), np.empty((m, k // 32), np.int32)
-    (quant.quantize_rows if span == 32 else quant.quantize_rows_k)(x, xq, xs, xsum)
-    kind = this.KIND_CODES[qtype.lower()]
+    quant.quantize_rows_k(x, xq, xs, xsum)
     outs = {name: np.empty((m, n), np.float32) for name in mods}
     # trees from before the output column argument take one argument less
     extra = {name: (0,) if mod.matmul.py_func.__code__.co_argcount == 9 else () for name, mod in mods.items()}
-    calls = {name: (lambda mod=mod, y=outs[name]: mod.matmul(kind, raw, table, k // span, xq, xs, xsum, y, *extra[name]))
-             for name, mod in mods.items()}  # fmt: skip
+    kinds = {name: mod.KIND_CODES[qtype.lower()] for name, mod in mods.items()}  # each tree's own codes
+    calls = {name: (lambda mod=mod, y=outs[name], more=extra[name], kind=kinds[name]:
+                    mod.matmul(kind, raw, table, k // span, xq, xs, xsum, y, *more)) for name, mod in mods.items()}  # fmt: skip
     times = {name: [] for name in mods}
     rounds = max(20, min(400, int(seconds * 4e8 // raw.nbytes)))
     for i in range(rounds):

@@ -5,7 +5,8 @@
 Random weights encoded into each type (gguf_encode), in two shapes (576 x 1536, SmolLM2's
 q_proj; 1536 x 8960, Qwen2.5-1.5B's down_proj). Per type and rows M, median milliseconds of
 one call, the designs in turns:
-- numba: gguf_kernels_8bit's default (int8 activations per block of 32, vpmaddwd lanes);
+- numba: gguf_kernels_8bit's default (int8 activations per block of 32; Q8_0, Q5_0, Q5_1 in
+  pairs of blocks on vpdpbusd where the CPU has VNNI, the K-quants on vpmaddwd lanes);
 - ort8: ONNX Runtime's MatMulNBits, 8 bits, blocks of 32 (Q8_0) or 16 (Q6_K, zero point 32),
   accuracy level 4 (int8 activations); Q5_K's float zero points are not tried (ort_linear.py:
   they leave MLAS's fast kernels);

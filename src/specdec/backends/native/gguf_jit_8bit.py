@@ -1,46 +1,38 @@
-"""numba kernels for GGUF's Q8_0, Q6_K, Q5_K, Q5_0 and Q5_1 matrices on int8 activations (see
-gguf_kernels_8bit.py, which wraps them and states the contract). Imported on first use;
-compiled once, cached on disk.
+"""numba kernels for GGUF's Q6_K and Q5_K matrices on int8 activations (see
+gguf_kernels_8bit.py, which wraps them and states the contract; gguf_jit_small.py holds Q8_0,
+Q5_0 and Q5_1's). Imported on first use; compiled once, cached on disk.
 
 The arithmetic, for one output y[m, n] (the torch replica in gguf_kernels_8bit.py performs
 the same operations in the same order, bit for bit):
-- weights: the file's integers (Q8_0 q, Q6_K q - 32, Q5_K q, Q5_0 q - 16, Q5_1 q) and fp32
-  scales formed from the file's fields exactly (d, dmin: fp16 values; Q5_1's m as the offset
-  -m); the K-quants' sub-block scales sc (Q6_K's int8 per 16, Q5_K's six bits per 32) and
-  Q5_K's mins m stay integers;
-- Q8_0, Q5_0, Q5_1 (gguf_jit_quant's `quantize_rows`, `_lanes_body`): each block of 32 of x[m] becomes xs =
-  max|x| / 127 and xq = rint(x * (1 / xs)), int8 values (held in int16); 16 fp32 lanes c[l];
-  for each block b in order, lane l adds s * p, where p is the exact integer w[2l] xq[2l] +
-  w[2l + 1] xq[2l + 1] of that block and s = d * xs[b]; y = c[0] + c[1] + ... + c[15], left
-  to right; Q5_1 then subtracts its min term, summed in block order: sum over b of (-m *
-  xs[b]) * (sum of block b's xq);
-- Q6_K, Q5_K (gguf_jit_quant's `quantize_rows_k`, `_super_body`; llama.cpp's Q8_K activations): each
-  super-block u of 256 of x[m] becomes inv = 127 / max|x|, xq = rint(x * inv), xs = 1 / inv;
-  isum = sum over u's elements of (w * sc) * xq, an exact int32; y = sum over u in order of
-  (d * xs[u]) * float(isum); Q5_K then subtracts (dmin * xs[u]) * float(sum over its
-  sub-blocks j of m[j] * (sum of block j's xq)), summed in order.
+- weights: the file's integers (Q6_K q - 32, Q5_K q) and fp32 scales formed from the file's
+  fields exactly (d, dmin: fp16 values); the sub-block scales sc (Q6_K's int8 per 16, Q5_K's
+  six bits per 32) and Q5_K's mins m stay integers;
+- activations (gguf_jit_quant's `quantize_rows_k`; llama.cpp's Q8_K): each super-block u of
+  256 of x[m] becomes inv = 127 / max|x|, xq = rint(x * inv), xs = 1 / inv;
+- isum = sum over u's elements of (w * sc) * xq, 16 exact int32 lanes (lane l: the pairs 2l,
+  2l + 1 of each of u's blocks of 32); 16 fp32 lanes c += (d * xs[u]) * float(lanes), in
+  super-block order; y = c[0] + c[1] + ... + c[15], left to right; Q5_K then subtracts
+  (dmin * xs[u]) * float(sum over its sub-blocks j of m[j] * (sum of block j's xq)), summed
+  in order.
 Integer sums are exact and no float operation is reordered or fused (numba compiles without
 fastmath), so y[m, n] depends only on x[m] and row n: not on M, nor on the thread count
 (threads share out chunks of rows n; each output's reduction runs whole on one thread).
 
 Layout: the kernels are LLVM vector IR built here with llvmlite (`_dot`), inlined into numba's
-loops. For one weight row they read each unit of blocks once into registers (`_Unit`: the
+loops. For one weight row they read each super-block once into registers (`_Unit`: the
 bytes loaded as vectors, widened, masked and shifted into the file's integers as int16) and
-run one activation row or DOT_ROWS of them at a time (verification, prompts); at one
-activation row (decode), the small-block kinds take WEIGHT_ROWS weight rows a pass, whose
-independent chains overlap and whose final lane sums share vector adds (`_lane_sums`). Each
-pass prefetches the bytes a few passes (or rows) ahead (`llvm.prefetch`, a hint). Pair
-products that LLVM lowers to vpmaddwd (AVX2, AVX-512; NEON on arm64), then per lane one fp32
-multiply by the block's scale and one add (small blocks), or integer adds until the
-super-block's end (K-quants, whose w * sc is formed once per pass for all its rows). Q5_K's
-six-bit scales and the min terms (Q5_K, Q5_1) are decoded and summed in the same loop: as a
-separate scalar pass they cost Q5_K 2-3x Q6_K's time per row. Only plain integer and float
-vector operations (no arithmetic intrinsics, no fusion), so the CPU changes the speed, not
-the bits.
+run one activation row or DOT_ROWS of them at a time. Each pass prefetches the bytes a few
+rows ahead (`llvm.prefetch`, a hint). Pair products that LLVM lowers to vpmaddwd (AVX2,
+AVX-512, where VNNI fuses the adds into vpdpwssd; NEON on arm64), then integer adds until the
+super-block's end (w * sc is formed once per pass for all its rows). Q5_K's six-bit scales
+and the min terms are decoded and summed in the same loop: as a separate scalar pass they
+cost Q5_K 2-3x Q6_K's time per row. Only plain integer and float vector operations (no
+arithmetic intrinsics, no fusion), so the CPU changes the speed, not the bits.
 Written as numba scalar code (a row buffer of unpacked integers, then generated scalar lanes
 packed by LLVM's SLP vectoriser) the same arithmetic ran 2-7x slower at one row.
 The IR helpers are not cached themselves; the cached kernels contain them, so they live in
-this file: numba re-validates a cached kernel by its own file's time stamp only.
+this file: numba re-validates a cached kernel by its own file's time stamp only
+(gguf_jit_small.py imports some of them: a change here needs its cache cleared too).
 """
 
 from __future__ import annotations
@@ -62,11 +54,7 @@ def _raw(dtype):
 LANES = 16
 CHUNK = 16  # output rows per parallel work item (scratch buffers are allocated per chunk)
 DOT_ROWS = 4  # activation rows per pass over a weight row (at most; 1 or 2 for the last ones)
-WEIGHT_ROWS = 4  # weight rows per pass at one activation row (small-block kinds); divides CHUNK
-# a pass asks for the bytes this many passes ahead: streaming several rows at once, the
-# hardware prefetchers alone left a decode pass slower from memory than one row at a time
-PREFETCH_PASSES = 2
-PREFETCH_ROWS = 8  # the same for the one-weight-row passes
+PREFETCH_ROWS = 8  # a pass asks for the bytes of the row this many rows ahead
 
 
 _i8, _i16, _i32, _i64, _f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -87,10 +75,8 @@ def _splat_value(b, x, count: int):  # a run-time scalar in every lane of <count
 
 
 class _Unit:
-    """Vector IR over one unit of a row: a block of 32 (Q8_0, Q5_0, Q5_1) or a super-block of
-    256 (Q6_K, Q5_K) at byte `src`. The kinds below read it into, per block of 32, the file's
-    integers as <32 x i16>, and their scales: small blocks a callable (as unpacking needs
-    none) giving the fp32 scale per lane as <16 x float>; K-quants each element's integer
+    """Vector IR over one super-block of 256 of a row at byte `src`. The kinds below read it
+    into, per block of 32, the file's integers as <32 x i16> and each element's integer
     sub-block scale as <32 x i16>, and d. Plain integer and float vector operations (no
     intrinsics, nothing fused or reordered), which LLVM lowers for the CPU at hand (AVX2,
     AVX-512, NEON)."""
@@ -104,11 +90,6 @@ class _Unit:
         raw = b.load(ptr, align=1)
         return raw if element is _i8 else (b.sext if signed else b.zext)(raw, ir.VectorType(element, count))
 
-    def word_bits(self, offset: int):  # the little-endian uint32 at byte offset -> <32 x i16>: 16 where bit j is set
-        b = self.b
-        qh = b.load(b.bitcast(b.gep(self.src, [ir.Constant(_i64, offset)]), _i32.as_pointer()), align=1)
-        return b.select(b.bitcast(qh, ir.VectorType(ir.IntType(1), 32)), _splat(16, 32), _splat(0, 32))
-
     def nibbles(self, v, high: bool):
         return self.b.lshr(v, _splat(4, v.type.count)) if high else self.b.and_(v, _splat(15, v.type.count))
 
@@ -119,32 +100,6 @@ class _Unit:
     def table_value(self, position):  # wscale[position]
         return self.b.load(self.b.gep(self.wscale, [position]))
 
-    def table_scale(self, position):  # wscale[position], the same in all 16 lanes
-        return _splat_value(self.b, self.table_value(position), 16)
-
-    def block_scales(self, blocks: int, stride: int = 1):  # a table with one scale per block of 32
-        first = self.b.mul(self.index, ir.Constant(_i64, blocks))
-        return [self.table_scale(self.b.mul(self.b.add(first, ir.Constant(_i64, j)), ir.Constant(_i64, stride)))
-                for j in range(blocks)]  # fmt: skip
-
-
-def _q8_0(u):  # 34 bytes: fp16 d, 32 int8 q; wscale: d per block
-    return [u.load(2, 32, signed=True)], lambda: u.block_scales(1), None
-
-
-def _q5(qh_at: int, qs_at: int, zero: int, stride: int):  # Q5_0 (22 bytes, zero 16) / Q5_1 (24, zero 0):
-    def kind(u):  # element j < 16 is qs[j]'s low nibble, j + 16 its high one; bit j of qh adds 16
-        qs = u.load(qs_at, 16)
-        w = u.b.or_(u.b.shuffle_vector(u.nibbles(qs, False), u.nibbles(qs, True), _vector(list(range(32)), _i32)),
-                    u.word_bits(qh_at))  # fmt: skip
-        weights = [u.b.sub(w, _splat(zero, 32)) if zero else w]
-        if stride == 1:  # Q5_0, wscale: d per block
-            return weights, lambda: u.block_scales(1), None
-        # Q5_1, wscale: d, m per block; m enters as the min term with offset -m
-        return weights, lambda: u.block_scales(1, 2), lambda: [u.b.fneg(u.table_value(u.b.add(u.b.mul(
-            u.index, ir.Constant(_i64, 2)), ir.Constant(_i64, 1))))]  # fmt: skip
-
-    return kind
 
 
 def _q6_k(u):  # 210 bytes: ql[128], qh[64], int8 sc[16], fp16 d; wscale: d per super-block
@@ -186,11 +141,8 @@ def _q5_k_scale_bytes(u):
     return sc, mn
 
 
-MIN_KINDS = ("q5_k", "q5_1")  # the readers that give offsets: a min term
-SUPER_KINDS = ("q6_k", "q5_k")  # integer sums over a super-block of 256, one fp32 scale each
-# kind: (unit bytes, blocks of 32 per unit, reader)
-_KINDS = {"q8_0": (34, 1, _q8_0), "q6_k": (210, 8, _q6_k), "q5_k": (176, 8, _q5_k),
-          "q5_0": (22, 1, _q5(2, 6, 16, 1)), "q5_1": (24, 1, _q5(4, 8, 0, 2))}  # fmt: skip
+# kind: (super-block bytes, blocks of 32 per super-block, reader)
+_KINDS = {"q6_k": (210, 8, _q6_k), "q5_k": (176, 8, _q5_k)}
 
 
 def _data(context, builder, signature, args, k: int):
@@ -239,43 +191,6 @@ def _prefetch(b, ptr):  # a hint to fetch the cache line at ptr: no effect on re
     fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(ir.VoidType(), [_i8.as_pointer(), _i32, _i32, _i32]),
                                         "llvm.prefetch.p0i8")
     b.call(fn, [ptr, ir.Constant(_i32, 0), ir.Constant(_i32, 3), ir.Constant(_i32, 1)])
-
-
-def _lanes_body(b, rows: _Rows, kind: str, weight_rows, units, ahead=None):
-    """Q8_0, Q5_0, Q5_1: 16 fp32 lanes per output, c += (wscale * xs[b]) * float(pairs) per
-    block; returns c[0] + ... + c[15] (minus the min term) for each weight row (rp, wp) of
-    `weight_rows` and each activation row, weight row first."""
-    width, blocks, reader = _KINDS[kind]
-    zero = ir.Constant(ir.VectorType(_f32, 16), [ir.Constant(_f32, 0.0)] * 16)
-    outputs = [(w, r) for w in range(len(weight_rows)) for r in range(len(rows.picks))]
-    accs = [cgutils.alloca_once_value(b, zero) for _ in outputs]
-    mins = [cgutils.alloca_once_value(b, ir.Constant(_f32, 0.0)) for _ in outputs]
-    with cgutils.for_range(b, units) as loop:
-        cs, ms = [b.load(acc) for acc in accs], [b.load(v) for v in mins]
-        for w_at, (rp, wp) in enumerate(weight_rows):
-            unit = _Unit(b, b.gep(rp, [b.mul(loop.index, ir.Constant(_i64, width))]), loop.index, wp)
-            if ahead is not None:
-                _prefetch(b, b.gep(unit.src, [ahead]))
-            weights, scales, offsets = reader(unit)
-            offs = offsets() if offsets else [None] * len(weights)
-            for j, (w, ws, off) in enumerate(zip(weights, scales(), offs, strict=True)):
-                block = b.add(b.mul(loop.index, ir.Constant(_i64, blocks)), ir.Constant(_i64, j))
-                for r, pick in enumerate(rows.picks):
-                    at, slot = outputs.index((w_at, r)), rows.slot(pick, block, 32)
-                    x_scale = b.load(b.gep(rows.sp, [slot]))
-                    scale = b.fmul(ws, _splat_value(b, x_scale, 16))
-                    pairs = b.sitofp(_pairs(b, w, rows.block(pick, block)), ir.VectorType(_f32, 16))
-                    cs[at] = b.fadd(cs[at], b.fmul(scale, pairs))
-                    if off is not None:  # (offset * xs[b]) * sum of block b's xq
-                        xsum = b.sitofp(b.load(b.gep(rows.np, [slot])), _f32)
-                        ms[at] = b.fadd(ms[at], b.fmul(b.fmul(off, x_scale), xsum))
-        for acc, c, v, mn in zip(accs, cs, mins, ms, strict=True):
-            b.store(c, acc)
-            b.store(mn, v)
-    totals = _lane_sums(b, [b.load(acc) for acc in accs])
-    if kind not in MIN_KINDS:
-        return totals
-    return [b.fsub(total, b.load(v)) for total, v in zip(totals, mins, strict=True)]
 
 
 def _lane_sums(b, cs):
@@ -334,7 +249,7 @@ def _super_body(b, rows: _Rows, kind: str, rp, wp, units, ahead=None):
                 imin = b.sitofp(_int_sum(b, b.mul(mn, sums)), _f32)
                 b.store(b.fadd(b.load(mins[r]), b.fmul(b.fmul(dmin, x_scale), imin)), mins[r])
     totals = _lane_sums(b, [b.load(acc) for acc in accs])
-    if kind not in MIN_KINDS:
+    if kind != "q5_k":
         return totals
     return [b.fsub(total, b.load(v)) for total, v in zip(totals, mins, strict=True)]
 
@@ -343,8 +258,8 @@ def _dot(kind: str, rows: int):
     """An intrinsic `dot(row, xq, xs, xsum, wscale, units, first, out)`: the outputs of
     activation rows first .. first + rows - 1 (those below M) for one weight row, into
     out[first:], with the row's integers read in registers once for all of them; the
-    arithmetic of the module docstring (`_lanes_body`, `_super_body`). xq [M, K] int16, xs
-    [M, K // 32] fp32 (Q6_K, Q5_K: [M, K // 256]), xsum [M, K // 32] int32, out [M] fp32."""
+    arithmetic of the module docstring (`_super_body`). xq [M, K] int16, xs [M, K // 256]
+    fp32, xsum [M, K // 32] int32, out [M] fp32."""
 
     @intrinsic
     def dot(typingctx, row, xq, xs, xsum, wscale, units, first, out):
@@ -355,10 +270,7 @@ def _dot(kind: str, rows: int):
             shape = context.make_array(signature.args[1])(context, builder, args[1]).shape
             m, k = builder.extract_value(shape, 0), builder.extract_value(shape, 1)
             passing = _Rows(builder, qp, sp, np_, m, k, args[6], rows)
-            if kind in SUPER_KINDS:
-                totals = _super_body(builder, passing, kind, rp, wp, args[5], ahead)
-            else:
-                totals = _lanes_body(builder, passing, kind, [(rp, wp)], args[5], ahead)
+            totals = _super_body(builder, passing, kind, rp, wp, args[5], ahead)
             passing.store(totals, op)
             return context.get_dummy_value()
 
@@ -367,40 +279,11 @@ def _dot(kind: str, rows: int):
     return dot
 
 
-def _dot_weight_rows(kind: str, count: int):
-    """An intrinsic `dot_rows(raw, table, n, units, xq, xs, xsum, out)` for the small-block
-    kinds and one activation row (decode): the outputs of weight rows n .. n + count - 1 into
-    out[0:count]. Each output's arithmetic is `_dot`'s; the rows' independent chains run
-    side by side, and their final lane sums share vector adds (`_lane_sums`)."""
-
-    @intrinsic
-    def dot_rows(typingctx, raw, table, n, units, xq, xs, xsum, out):
-        def codegen(context, builder, signature, args):
-            raw_a, table_a, xq_a = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 4))
-            qp, sp, np_, op = (_data(context, builder, signature, args, k) for k in (4, 5, 6, 7))
-            raw_cols, table_cols = (builder.extract_value(a.shape, 1) for a in (raw_a, table_a))
-            at = [builder.add(args[2], ir.Constant(_i64, w)) for w in range(count)]
-            weight_rows = [(builder.gep(raw_a.data, [builder.mul(row, raw_cols)]),
-                            builder.gep(table_a.data, [builder.mul(row, table_cols)])) for row in at]  # fmt: skip
-            one = ir.Constant(_i64, 1)
-            passing = _Rows(builder, qp, sp, np_, one, builder.extract_value(xq_a.shape, 1), ir.Constant(_i64, 0), 1)
-            ahead = builder.mul(raw_cols, ir.Constant(_i64, PREFETCH_PASSES * count))
-            for w, total in enumerate(_lanes_body(builder, passing, kind, weight_rows, args[3], ahead)):
-                builder.store(total, builder.gep(op, [ir.Constant(_i64, w)]))
-            return context.get_dummy_value()
-
-        return types.void(raw, table, n, units, xq, xs, xsum, out), codegen
-
-    return dot_rows
-
-
 # one, two or DOT_ROWS activation rows per pass over a weight row (a pass computes all its
 # rows, so the last ones take the narrowest pass that holds them)
-_one_q8_0, _one_q6_k, _one_q5_k, _one_q5_0, _one_q5_1 = (_dot(kind, 1) for kind in _KINDS)
-_two_q8_0, _two_q6_k, _two_q5_k, _two_q5_0, _two_q5_1 = (_dot(kind, 2) for kind in _KINDS)
-_many_q8_0, _many_q6_k, _many_q5_k, _many_q5_0, _many_q5_1 = (_dot(kind, DOT_ROWS) for kind in _KINDS)
-# WEIGHT_ROWS weight rows per pass at one activation row, small-block kinds
-_rows_q8_0, _rows_q5_0, _rows_q5_1 = (_dot_weight_rows(kind, WEIGHT_ROWS) for kind in ("q8_0", "q5_0", "q5_1"))
+_one_q6_k, _one_q5_k = (_dot(kind, 1) for kind in _KINDS)
+_two_q6_k, _two_q5_k = (_dot(kind, 2) for kind in _KINDS)
+_many_q6_k, _many_q5_k = (_dot(kind, DOT_ROWS) for kind in _KINDS)
 
 
 KIND_CODES = {name: code for code, name in enumerate(_KINDS)}  # matmul's `kind`
@@ -411,72 +294,32 @@ def _pass(kind, row, xq, xs, xsum, table, units, first, width, out):  # pragma: 
     """One pass of `width` (1, 2 or DOT_ROWS) activation rows from `first` over one weight row."""
     if kind == 0:
         if width == 1:
-            _one_q8_0(row, xq, xs, xsum, table, units, first, out)
-        elif width == 2:
-            _two_q8_0(row, xq, xs, xsum, table, units, first, out)
-        else:
-            _many_q8_0(row, xq, xs, xsum, table, units, first, out)
-    elif kind == 1:
-        if width == 1:
             _one_q6_k(row, xq, xs, xsum, table, units, first, out)
         elif width == 2:
             _two_q6_k(row, xq, xs, xsum, table, units, first, out)
         else:
             _many_q6_k(row, xq, xs, xsum, table, units, first, out)
-    elif kind == 2:
-        if width == 1:
-            _one_q5_k(row, xq, xs, xsum, table, units, first, out)
-        elif width == 2:
-            _two_q5_k(row, xq, xs, xsum, table, units, first, out)
-        else:
-            _many_q5_k(row, xq, xs, xsum, table, units, first, out)
-    elif kind == 3:
-        if width == 1:
-            _one_q5_0(row, xq, xs, xsum, table, units, first, out)
-        elif width == 2:
-            _two_q5_0(row, xq, xs, xsum, table, units, first, out)
-        else:
-            _many_q5_0(row, xq, xs, xsum, table, units, first, out)
     elif width == 1:
-        _one_q5_1(row, xq, xs, xsum, table, units, first, out)
+        _one_q5_k(row, xq, xs, xsum, table, units, first, out)
     elif width == 2:
-        _two_q5_1(row, xq, xs, xsum, table, units, first, out)
+        _two_q5_k(row, xq, xs, xsum, table, units, first, out)
     else:
-        _many_q5_1(row, xq, xs, xsum, table, units, first, out)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _weight_rows_pass(kind, raw, table, n, units, xq, xs, xsum, out):  # pragma: no cover - compiled
-    """Weight rows n .. n + WEIGHT_ROWS - 1 at activation row 0 (Q8_0, Q5_0, Q5_1 only)."""
-    if kind == 0:
-        _rows_q8_0(raw, table, n, units, xq, xs, xsum, out)
-    elif kind == 3:
-        _rows_q5_0(raw, table, n, units, xq, xs, xsum, out)
-    else:
-        _rows_q5_1(raw, table, n, units, xq, xs, xsum, out)
+        _many_q5_k(row, xq, xs, xsum, table, units, first, out)
 
 
 @njit(types.void(types.int64, _raw(types.uint8), _f32_2d, types.int64, _i16_2d, _f32_2d, types.int32[:, ::1], _f32_2d,
                  types.int64), cache=True, nogil=True, parallel=True)  # fmt: skip
 def matmul(kind, raw, table, units, xq, xs, xsum, y, column):  # pragma: no cover - compiled
-    """raw [N, bytes per row] (the file's blocks of KIND_CODES' type `kind`), table [N, T] fp32:
-    per row the fp16 fields as fp32 (Q8_0, Q5_0: d per block; Q5_1: d, m per block; Q6_K: d
-    per super-block; Q5_K: d, dmin per super-block), units: blocks (or super-blocks) per row
-    -> y[:, column : column + N] (several matrices of one input write one output side by
-    side). Rows of activations in passes of DOT_ROWS, the last ones narrower; at M = 1
-    the small-block kinds take WEIGHT_ROWS weight rows a pass (the K-quants' unpacked
-    super-blocks of four rows do not fit the registers: measured slower)."""
+    """raw [N, bytes per row] (the file's super-blocks of KIND_CODES' type `kind`), table [N, T]
+    fp32: per row the fp16 fields as fp32 (Q6_K: d per super-block; Q5_K: d, dmin per
+    super-block), units: super-blocks per row -> y[:, column : column + N] (several matrices
+    of one input write one output side by side). Rows of activations in passes of DOT_ROWS,
+    the last ones narrower (several weight rows a pass, as the small-block kinds decode,
+    did not fit the K-quants' unpacked super-blocks in the registers: measured slower)."""
     rows, m = raw.shape[0], xq.shape[0]
     for chunk in prange((rows + CHUNK - 1) // CHUNK):
-        out = np.empty(max(m, WEIGHT_ROWS), np.float32)
-        start, stop = chunk * CHUNK, min(rows, chunk * CHUNK + CHUNK)
-        if m == 1 and kind != 1 and kind != 2:  # decode, not Q6_K / Q5_K: several weight rows a pass
-            while start + WEIGHT_ROWS <= stop:
-                _weight_rows_pass(kind, raw, table, start, units, xq, xs, xsum, out)
-                for w in range(WEIGHT_ROWS):
-                    y[0, column + start + w] = out[w]
-                start += WEIGHT_ROWS
-        for n in range(start, stop):
+        out = np.empty(m, np.float32)
+        for n in range(chunk * CHUNK, min(rows, chunk * CHUNK + CHUNK)):
             first = 0
             while first < m:
                 width = DOT_ROWS if m - first > 2 else m - first

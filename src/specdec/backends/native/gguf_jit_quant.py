@@ -28,15 +28,32 @@ def _quantize_block(x, xq, m, start, inv):  # pragma: no cover - compiled
     return total
 
 
-@njit("void(float32[:, ::1], int16[:, ::1], float32[:, ::1], int32[:, ::1])", cache=True, nogil=True)
-def quantize_rows(x, xq, xs, xsum):  # pragma: no cover - compiled
-    """x [M, K] -> xq [M, K] (int8 values), xs [M, K // 32], xsum [M, K // 32] (sum of xq)."""
+@njit(cache=True, nogil=True, inline="always")
+def _quantize_block8(x, xq, xsum4, m, start, inv):  # pragma: no cover - compiled
+    """xq[m, start : start + 32] = rint(x * inv) as int8, xsum4 the sums of each 4; returns
+    the block's sum."""
+    total = 0
+    for g in range(start // 4, start // 4 + 8):
+        part = 0
+        for i in range(4 * g, 4 * g + 4):
+            q = np.int8(np.rint(x[m, i] * inv))
+            xq[m, i] = q
+            part += q
+        xsum4[m, g] = part
+        total += part
+    return total
+
+
+@njit("void(float32[:, ::1], int8[:, ::1], float32[:, ::1], int32[:, ::1], int32[:, ::1])", cache=True, nogil=True)
+def quantize_rows(x, xq, xs, xsum, xsum4):  # pragma: no cover - compiled
+    """For Q8_0, Q5_0 and Q5_1 (llama.cpp's Q8_0 activations): x [M, K] -> xq [M, K] int8,
+    xs [M, K // 32], xsum [M, K // 32] (each block's sum of xq), xsum4 [M, K // 4] (each 4's)."""
     rows, blocks = xs.shape
     for m in range(rows):
         for b in range(blocks):
             d = _abs_max(x, m, b * 32, 32) / np.float32(127)
             xs[m, b] = d
-            xsum[m, b] = _quantize_block(x, xq, m, b * 32, np.float32(1) / d if d > 0 else np.float32(0))
+            xsum[m, b] = _quantize_block8(x, xq, xsum4, m, b * 32, np.float32(1) / d if d > 0 else np.float32(0))
 
 
 @njit("void(float32[:, ::1], int16[:, ::1], float32[:, ::1], int32[:, ::1])", cache=True, nogil=True)

@@ -5,16 +5,17 @@ blocks.
 types to it). The layer keeps the file's bytes (memory-mapped, not copied) plus small
 fp32 tables of the blocks' fp16 scales: no dense float copy of the matrix.
 
-Arithmetic (gguf_jit_8bit.py states it exactly): int8 activations times the file's integers,
-as llama.cpp does. Q8_0, Q5_0 and Q5_1 quantize each row per block of 32 (scale max|x| / 127,
+Arithmetic (gguf_jit_small.py and gguf_jit_8bit.py state it exactly): int8 activations times
+the file's integers, as llama.cpp does. Q8_0, Q5_0 and Q5_1 quantize each row per block of 32 (scale max|x| / 127,
 llama.cpp's Q8_0 activations); Q6_K and Q5_K per super-block of 256 (scale 1 / (127 /
 max|x|), llama.cpp's Q8_K). The weights' scales are the file's, exact in fp32 (d, dmin, Q5_1's
 m; the K-quants' sub-block scales stay integers), so the weights used equal the gguf package's
 reference dequantization as real numbers. The only roundings are the activations'
 quantization and the fp32 accumulation. Reduction order, for each output:
-- Q8_0, Q5_0, Q5_1: 16 fp32 lanes over the blocks in order (lane l takes the pairs of elements
-  2l, 2l + 1 of every block), then the lanes summed left to right; Q5_1's min term is summed
-  in block order and subtracted last;
+- Q8_0, Q5_0, Q5_1: the blocks in pairs; 16 fp32 lanes over the pairs in order (lanes 0-7
+  take the exact integer sums of four products of the pair's first block, 8-15 of its
+  second, each times its block's scale), then the lanes summed left to right; Q5_1's min
+  term is summed over the even and the odd blocks in order and subtracted last;
 - Q6_K, Q5_K: per super-block one exact integer sum of (w * sc) * xq, then one fp32 term (d *
   xs) * isum added in super-block order; Q5_K's min term likewise, subtracted last. Fewer float
   operations than the lanes (one per 256 weights and row), and the integer products of a
@@ -24,8 +25,9 @@ count: rows share no arithmetic, threads split the output rows, never a reductio
 split-K). Prompts (any M) run the same kernel, so a row's bits do not depend on the path.
 
 Kernels, chosen per process (`kernel_name`):
-- "numba": gguf_jit_8bit.py, compiled by LLVM for this CPU (vpmaddwd on AVX2/AVX-512; NEON
-  on arm64), output rows on numba's threads (as many as torch's);
+- "numba": gguf_jit_small.py (vpdpbusd with AVX-512 VNNI, pmaddubsw on AVX2, plain IR
+  elsewhere: the same integers) and gguf_jit_8bit.py (vpmaddwd; NEON on arm64), compiled by
+  LLVM for this CPU, output rows on numba's threads (as many as torch's);
 - `OrtBlockLinear8`: Q8_0, Q6_K and Q5_0 on ONNX Runtime's 8-bit MatMulNBits, exact weights,
   for the LM head on request (`lm_head=ort8`, gguf_kernels.head_from_quant): flat in rows,
   but it holds about twice the matrix's bytes;
@@ -120,7 +122,7 @@ class BlockLinear8(torch.nn.Module):
     def matmul_into(self, activations: tuple, y: np.ndarray, column: int) -> None:
         """The numba kernel on `quantized` activations of this layer's kind, into y[:, column :
         column + N]."""
-        jit = _jit()
+        jit = _jit(self.small_blocks)
         jit.matmul(jit.KIND_CODES[self.kind], self.raw, self.table, self.units, *activations, y, column)
 
     def _torch(self, x: torch.Tensor) -> torch.Tensor:
@@ -130,9 +132,9 @@ class BlockLinear8(torch.nn.Module):
         for start in range(0, self.out_features, TORCH_TILE):
             raw, scales = self.raw[start : start + TORCH_TILE], self.scales[start : start + TORCH_TILE]
             if small:
-                w, lo, hi, offset = decode_integers(self.qtype, raw, scales)
-                tiles.append(lanes_matmul(xq, xs, xsum, *(torch.from_numpy(t) for t in (w, lo, hi)),
-                                          None if offset is None else torch.from_numpy(offset)))  # fmt: skip
+                w, d, _, offset = decode_integers(self.qtype, raw, scales)
+                tiles.append(pair_lanes_matmul(xq, xs, xsum, torch.from_numpy(w), torch.from_numpy(d),
+                                               None if offset is None else torch.from_numpy(offset)))  # fmt: skip
             else:
                 tiles.append(superblock_matmul(xq, xs, xsum, *decode_superblocks(self.qtype, raw, scales)))
         return torch.cat(tiles, dim=1)
@@ -182,15 +184,19 @@ def float_rows(x: torch.Tensor) -> np.ndarray:
     return x.numpy()
 
 
-def quantized(x: np.ndarray, small_blocks: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """x [M, K] fp32 -> (xq [M, K] int16, xs [M, K // span] fp32, xsum [M, K // 32] int32), the
-    activations the numba kernels read: per block of 32 (small-block kinds) or per
-    super-block of 256 (K-quants), gguf_jit_quant's rounding."""
+def quantized(x: np.ndarray, small_blocks: bool) -> tuple[np.ndarray, ...]:
+    """x [M, K] fp32 -> the activations the numba kernels read, gguf_jit_quant's rounding:
+    small-block kinds (per block of 32) xq [M, K] int8, xs [M, K // 32] fp32, xsum [M, K //
+    32] and xsum4 [M, K // 4] int32; K-quants (per super-block of 256) xq [M, K] int16, xs
+    [M, K // 256], xsum [M, K // 32]."""
     m, k = x.shape
-    span = BLOCK if small_blocks else SUPER
-    xq, xs, xsum = np.empty((m, k), np.int16), np.empty((m, k // span), np.float32), np.empty((m, k // BLOCK), np.int32)
-    quant = _quantizer()
-    (quant.quantize_rows if small_blocks else quant.quantize_rows_k)(x, xq, xs, xsum)
+    xsum = np.empty((m, k // BLOCK), np.int32)
+    if small_blocks:
+        xq, xs, xsum4 = np.empty((m, k), np.int8), np.empty((m, k // BLOCK), np.float32), np.empty((m, k // 4), np.int32)
+        _quantizer().quantize_rows(x, xq, xs, xsum, xsum4)
+        return xq, xs, xsum, xsum4
+    xq, xs = np.empty((m, k), np.int16), np.empty((m, k // SUPER), np.float32)
+    _quantizer().quantize_rows_k(x, xq, xs, xsum)
     return xq, xs, xsum
 
 
@@ -314,27 +320,33 @@ def _q5_k_values(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return q, sc.astype(np.float32), mn.astype(np.float32)
 
 
-def lanes_matmul(xq: torch.Tensor, xs: torch.Tensor, xsum: torch.Tensor, w: torch.Tensor, lo: torch.Tensor,
-                 hi: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
-    """The kernels' reduction in PyTorch ops: xq [M, B, 32], w [n, B, 32] -> y [M, n] fp32.
-    Every operation is elementwise (one rounding per element, whatever the shapes), and the
-    sums over blocks and lanes run in Python loops in the kernels' order."""
-    pairs = xq[:, None] * w[None]  # [M, n, B, 32], exact integers
-    p = pairs[..., 0::2] + pairs[..., 1::2]  # [M, n, B, 16], exact
-    s_lo, s_hi = lo[None] * xs[:, None], hi[None] * xs[:, None]  # [M, n, B]
-    c = torch.zeros(p.shape[0], p.shape[1], LANES)
-    for b in range(p.shape[2]):
-        scale = torch.cat([s_lo[:, :, b, None].expand(-1, -1, 8), s_hi[:, :, b, None].expand(-1, -1, 8)], -1)
-        c = c + scale * p[:, :, b]
+def pair_lanes_matmul(xq: torch.Tensor, xs: torch.Tensor, xsum: torch.Tensor, w: torch.Tensor, d: torch.Tensor,
+                      offset: torch.Tensor | None) -> torch.Tensor:
+    """The small-block kernels' arithmetic (gguf_jit_small.py) in PyTorch ops: xq [M, B, 32],
+    w [n, B, 32] the file's integers, d [n, B], offset [n, B] (Q5_1's -m) or None -> y [M, n]
+    fp32. Products and sums of four are exact integers in fp32 (below 2^24); every other
+    operation is elementwise, and the sums over pairs of blocks and lanes run in Python loops
+    in the kernels' order."""
+    if xq.shape[1] % 2:  # an odd last block pairs with zeros
+        pad = lambda t: torch.cat([t, torch.zeros_like(t[:, :1])], 1)  # noqa: E731
+        xq, xs, xsum, w, d = (pad(t) for t in (xq, xs, xsum, w, d))
+        offset = None if offset is None else pad(offset)
+    m, n, pairs = xq.shape[0], w.shape[0], xq.shape[1] // 2
+    lanes = (xq[:, None] * w[None]).reshape(m, n, pairs, LANES, 4).sum(-1)  # [M, n, P, 16]
+    scale = (d[None] * xs[:, None]).reshape(m, n, pairs, 2).repeat_interleave(8, -1)  # [M, n, P, 16]
+    c = torch.zeros(m, n, LANES)
+    for p in range(pairs):
+        c = c + scale[:, :, p] * lanes[:, :, p]
     y = c[..., 0]
     for lane in range(1, LANES):
         y = y + c[..., lane]
-    if offset is not None:
-        mins = torch.zeros_like(y)
-        for b in range(p.shape[2]):
-            mins = mins + (offset[None, :, b] * xs[:, None, b]) * xsum[:, None, b]
-        y = y - mins
-    return y
+    if offset is None:
+        return y
+    terms = (offset[None] * xs[:, None]) * xsum[:, None]  # [M, n, B]
+    even, odd = torch.zeros_like(y), torch.zeros_like(y)
+    for p in range(pairs):
+        even, odd = even + terms[..., 2 * p], odd + terms[..., 2 * p + 1]
+    return y - (even + odd)
 
 
 ORT_TYPES = ("Q8_0", "Q6_K", "Q5_0")  # symmetric blocks: exactly (u - 128) * fp32 scale
@@ -401,9 +413,12 @@ def linear_for(tensor: QuantTensor, bias: torch.Tensor | None = None) -> BlockLi
 
 
 @functools.cache
-def _jit():
+def _jit(small_blocks: bool):
     numba_threads()  # the threading layer and count, before the first parallel launch
-    import specdec.backends.native.gguf_jit_8bit as jit  # compiles, or loads from disk
+    if small_blocks:
+        import specdec.backends.native.gguf_jit_small as jit  # compiles, or loads from disk
+    else:
+        import specdec.backends.native.gguf_jit_8bit as jit
 
     return jit
 
