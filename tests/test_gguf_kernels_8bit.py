@@ -154,8 +154,8 @@ import numpy as np, torch
 from specdec.backends.native import gguf_jit_small, gguf_kernels_8bit as k8
 from tests.test_gguf_kernels_8bit import activations, make_tensor
 assert gguf_jit_small.DOT == {dot!r}
-for qtype in ("Q8_0", "Q5_0", "Q5_1"):
-    tensor, x = make_tensor(qtype, n=24, k=288), activations(5, 288)
+for qtype, k in (("Q8_0", 288), ("Q5_0", 288), ("Q5_1", 288), ("Q6_K", 512), ("Q5_K", 512)):
+    tensor, x = make_tensor(qtype, n=24, k=k), activations(5, k)
     for m in (1, 2, 5):
         got = k8.BlockLinear8(tensor, kernel="numba")(x[:m])
         assert torch.equal(got, k8.BlockLinear8(tensor, kernel="torch")(x[:m])), (qtype, m)
@@ -163,7 +163,7 @@ for qtype in ("Q8_0", "Q5_0", "Q5_1"):
 
 
 @pytest.mark.slow
-def test_every_instruction_path_of_the_small_block_kernels_gives_the_replicas_bits():
+def test_every_instruction_path_of_the_kernels_gives_the_replicas_bits():
     """vpdpbusd (VNNI), pmaddubsw (AVX2) and plain IR each compute the lanes' integers; each
     path this CPU can run, compiled in a process of its own, writes the replica's bits."""
     if not jit_ops.importable():

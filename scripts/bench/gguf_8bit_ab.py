@@ -6,7 +6,8 @@ one process, in turns.
 
 Each case is KIND:N:K:M (Q6_K or Q5_K; N x K weights, M activation rows) on random blocks.
 Both modules compile (or load) their own cached kernels; per case the two `matmul` calls
-alternate, and both must write the same bits. The default cases are 1.5B-sized matrices from
+alternate, and both must write the same bits (both trees from the K-quants' move to
+`vpdpbusd` on: the activations and the call are this tree's). The default cases are 1.5B-sized matrices from
 memory. Prints each case's medians and ends with a JSON line. (Q8_0, Q5_0 and Q5_1 moved to
 gguf_jit_small.py with another arithmetic: `gguf_matrix_time.py` times them per tree.)
 """
@@ -46,14 +47,13 @@ def run_case(mods: dict, case: str, seconds: float) -> dict:
     x = rng.standard_normal((m, k), dtype=np.float32)
     from specdec.backends.native import gguf_jit_quant as quant
 
-    xq, xs, xsum = np.empty((m, k), np.int16), np.empty((m, k // span), np.float32), np.empty((m, k // 32), np.int32)
-    quant.quantize_rows_k(x, xq, xs, xsum)
+    xq, xs = np.empty((m, k), np.int8), np.empty((m, k // span), np.float32)
+    xsum, xsum4 = np.empty((m, k // 32), np.int32), np.empty((m, k // 4), np.int32)
+    quant.quantize_rows_k(x, xq, xs, xsum, xsum4)
     outs = {name: np.empty((m, n), np.float32) for name in mods}
-    # trees from before the output column argument take one argument less
-    extra = {name: (0,) if mod.matmul.py_func.__code__.co_argcount == 9 else () for name, mod in mods.items()}
     kinds = {name: mod.KIND_CODES[qtype.lower()] for name, mod in mods.items()}  # each tree's own codes
-    calls = {name: (lambda mod=mod, y=outs[name], more=extra[name], kind=kinds[name]:
-                    mod.matmul(kind, raw, table, k // span, xq, xs, xsum, y, *more)) for name, mod in mods.items()}  # fmt: skip
+    calls = {name: (lambda mod=mod, y=outs[name], kind=kinds[name]:
+                    mod.matmul(kind, raw, table, k // span, xq, xs, xsum, xsum4, y, 0)) for name, mod in mods.items()}  # fmt: skip
     times = {name: [] for name in mods}
     rounds = max(20, min(400, int(seconds * 4e8 // raw.nbytes)))
     for i in range(rounds):

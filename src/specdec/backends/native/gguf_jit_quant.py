@@ -18,17 +18,6 @@ def _abs_max(x, m, start, count):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _quantize_block(x, xq, m, start, inv):  # pragma: no cover - compiled
-    """xq[m, start : start + 32] = rint(x * inv); returns their sum."""
-    total = 0
-    for i in range(start, start + 32):
-        q = np.int16(np.rint(x[m, i] * inv))
-        xq[m, i] = q
-        total += q
-    return total
-
-
-@njit(cache=True, nogil=True, inline="always")
 def _quantize_block8(x, xq, xsum4, m, start, inv):  # pragma: no cover - compiled
     """xq[m, start : start + 32] = rint(x * inv) as int8, xsum4 the sums of each 4; returns
     the block's sum."""
@@ -56,11 +45,11 @@ def quantize_rows(x, xq, xs, xsum, xsum4):  # pragma: no cover - compiled
             xsum[m, b] = _quantize_block8(x, xq, xsum4, m, b * 32, np.float32(1) / d if d > 0 else np.float32(0))
 
 
-@njit("void(float32[:, ::1], int16[:, ::1], float32[:, ::1], int32[:, ::1])", cache=True, nogil=True)
-def quantize_rows_k(x, xq, xs, xsum):  # pragma: no cover - compiled
-    """For Q6_K and Q5_K (llama.cpp's Q8_K): x [M, K] -> xq [M, K] (int8 values), xs
-    [M, K // 256] and xsum [M, K // 32]; per super-block inv = 127 / max|x|, xq = rint(x *
-    inv), xs = 1 / inv."""
+@njit("void(float32[:, ::1], int8[:, ::1], float32[:, ::1], int32[:, ::1], int32[:, ::1])", cache=True, nogil=True)
+def quantize_rows_k(x, xq, xs, xsum, xsum4):  # pragma: no cover - compiled
+    """For Q6_K and Q5_K (llama.cpp's Q8_K): x [M, K] -> xq [M, K] int8, xs [M, K // 256],
+    xsum [M, K // 32] and xsum4 [M, K // 4]; per super-block inv = 127 / max|x|, xq = rint(x
+    * inv), xs = 1 / inv."""
     rows, units = xs.shape
     for m in range(rows):
         for u in range(units):
@@ -68,4 +57,4 @@ def quantize_rows_k(x, xq, xs, xsum):  # pragma: no cover - compiled
             inv = np.float32(127) / amax if amax > 0 else np.float32(0)
             xs[m, u] = np.float32(1) / inv if amax > 0 else np.float32(0)
             for b in range(8):
-                xsum[m, u * 8 + b] = _quantize_block(x, xq, m, u * 256 + b * 32, inv)
+                xsum[m, u * 8 + b] = _quantize_block8(x, xq, xsum4, m, u * 256 + b * 32, inv)

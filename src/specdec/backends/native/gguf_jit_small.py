@@ -37,112 +37,39 @@ contain them (numba re-validates a cached kernel by its own file's time stamp on
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.core import cgutils, config
+from numba.core import cgutils
 from numba.extending import intrinsic
 
-from specdec.backends.native.gguf_jit_8bit import (
+from specdec.backends.native.gguf_jit_8bit import (  # noqa: F401 - DOT, DOTS, dot_for: this module's too
+    _CACHE,
     CHUNK,
+    DOT,
     DOT_ROWS,
+    DOTS,
     PREFETCH_ROWS,
+    _const,
     _data,
+    _dot4,
     _lane_sums,
+    _load,
     _prefetch,
     _raw,
     _splat,
+    _vec,
     _vector,
+    _widen,
+    dot_for,
 )
 
 _i1, _i8, _i16, _i32, _i64, _f32 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _f32_2d, _i8_2d, _i32_2d = types.float32[:, ::1], types.int8[:, ::1], types.int32[:, ::1]
-DOTS = ("vnni", "avx2", "generic")
 WEIGHT_ROWS = 4  # weight rows per pass at one activation row (decode); divides CHUNK
 # a decode pass asks for the bytes this many passes ahead: streaming several rows at once,
 # the hardware prefetchers alone left a pass slower from memory than one row at a time
 PREFETCH_PASSES = 2
-
-
-def _vec(element, count: int) -> ir.VectorType:
-    return ir.VectorType(element, count)
-
-
-def _const(value: int) -> ir.Constant:
-    return ir.Constant(_i64, value)
-
-
-def dot_for(features: str) -> str:
-    """The lanes' instructions for an LLVM feature string ("+avx2,+avx512vnni,-sse4a,...")."""
-    have = {f[1:] for f in features.split(",") if f.startswith("+")}
-    if {"avx512vnni", "avx512bw"} <= have:
-        return "vnni"
-    return "avx2" if "avx2" in have else "generic"
-
-
-def _target_dot() -> str:
-    forced = os.environ.get("SPECDEC_INT8_DOT")  # tests compile each path (uncached)
-    if forced:
-        if forced not in DOTS:
-            raise ValueError(f"SPECDEC_INT8_DOT={forced!r}: expected one of {', '.join(DOTS)}")
-        return forced
-    if config.CPU_FEATURES is not None:  # numba compiles for these, not the host's
-        return dot_for(config.CPU_FEATURES)
-    if config.CPU_NAME is not None:
-        return "generic"
-    from llvmlite import binding
-
-    return dot_for(binding.get_host_cpu_features().flatten())
-
-
-DOT = _target_dot()
-_CACHE = "SPECDEC_INT8_DOT" not in os.environ  # a forced path must not land in the shared cache
-
-
-def _load(b, ptr, offset, vector_type):
-    return b.load(b.bitcast(b.gep(ptr, [offset]), vector_type.as_pointer()), align=1)
-
-
-def _widen(b, v, count: int):  # <n x T> -> <count x T>, zeros above n
-    n = v.type.count
-    zeros = ir.Constant(v.type, None)
-    return b.shuffle_vector(v, zeros, _vector(list(range(n)) + [n] * (count - n), _i32))
-
-
-def _intrinsic(b, name: str, result, operands):
-    fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(result, [o.type for o in operands]), name)
-    return b.call(fn, operands)
-
-
-def _dot4(b, w, signed: bool, offset: int, x, xsum4):
-    """<64 x i8> weights and activations -> <16 x i32>: lane j = the sum over elements 4j ..
-    4j + 3 of w * x, exact. Signed weights are themselves; unsigned ones u stand for u +
-    offset (Q5_0: q - 16), with xsum4 the activations' sums of four."""
-    zero = ir.Constant(_vec(_i32, 16), None)
-    if DOT == "vnni":
-        if signed:  # vpdpbusd wants unsigned weights: w + 128, less 128 * xsum4
-            w, offset = b.xor(w, _splat(-128, 64, _i8)), -128
-        init = b.mul(xsum4, _splat(offset, 16, _i32)) if offset else zero
-        return _intrinsic(b, "llvm.x86.avx512.vpdpbusd.512", _vec(_i32, 16),
-                          [init, b.bitcast(w, _vec(_i32, 16)), b.bitcast(x, _vec(_i32, 16))])  # fmt: skip
-    if DOT == "avx2":
-        halves = []
-        for h in range(2):
-            pick = _vector(list(range(32 * h, 32 * h + 32)), _i32)
-            wh, xh = b.shuffle_vector(w, w, pick), b.shuffle_vector(x, x, pick)
-            if signed:  # |w| times x with w's sign
-                xh = _intrinsic(b, "llvm.x86.avx2.psign.b", _vec(_i8, 32), [xh, wh])
-                wh = _intrinsic(b, "llvm.x86.avx2.psign.b", _vec(_i8, 32), [wh, wh])
-            pairs = _intrinsic(b, "llvm.x86.avx2.pmadd.ub.sw", _vec(_i16, 16), [wh, xh])
-            halves.append(_intrinsic(b, "llvm.x86.avx2.pmadd.wd", _vec(_i32, 8), [pairs, _splat(1, 16)]))
-        lanes = b.shuffle_vector(halves[0], halves[1], _vector(list(range(16)), _i32))
-    else:
-        p = b.mul((b.sext if signed else b.zext)(w, _vec(_i32, 64)), b.sext(x, _vec(_i32, 64)))
-        parts = [b.shuffle_vector(p, p, _vector(list(range(j, 64, 4)), _i32)) for j in range(4)]
-        lanes = b.add(b.add(parts[0], parts[1]), b.add(parts[2], parts[3]))
-    return b.add(lanes, b.mul(xsum4, _splat(offset, 16, _i32))) if offset and not signed else lanes
 
 
 def _q5_pair(qh_at: int, qs_at: int, width: int):

@@ -16,18 +16,18 @@ quantization and the fp32 accumulation. Reduction order, for each output:
   take the exact integer sums of four products of the pair's first block, 8-15 of its
   second, each times its block's scale), then the lanes summed left to right; Q5_1's min
   term is summed over the even and the odd blocks in order and subtracted last;
-- Q6_K, Q5_K: per super-block one exact integer sum of (w * sc) * xq, then one fp32 term (d *
-  xs) * isum added in super-block order; Q5_K's min term likewise, subtracted last. Fewer float
-  operations than the lanes (one per 256 weights and row), and the integer products of a
-  super-block are shared by the rows of a pass.
+- Q6_K, Q5_K: per super-block 16 exact integer lanes of sc * (sums of four products w xq),
+  then one fp32 term (d * xs) * lanes added in super-block order; Q5_K's min term likewise,
+  subtracted last. Fewer float operations than the small blocks' (one per 256 weights and
+  row), and a super-block's unpacked integers are shared by the rows of a pass.
 Nothing depends on M or on the thread
 count: rows share no arithmetic, threads split the output rows, never a reduction (no
 split-K). Prompts (any M) run the same kernel, so a row's bits do not depend on the path.
 
 Kernels, chosen per process (`kernel_name`):
-- "numba": gguf_jit_small.py (vpdpbusd with AVX-512 VNNI, pmaddubsw on AVX2, plain IR
-  elsewhere: the same integers) and gguf_jit_8bit.py (vpmaddwd; NEON on arm64), compiled by
-  LLVM for this CPU, output rows on numba's threads (as many as torch's);
+- "numba": gguf_jit_small.py and gguf_jit_8bit.py (vpdpbusd with AVX-512 VNNI, pmaddubsw
+  on AVX2, plain IR elsewhere: the same integers), compiled by LLVM for this CPU, output
+  rows on numba's threads (as many as torch's);
 - `OrtBlockLinear8`: Q8_0, Q6_K and Q5_0 on ONNX Runtime's 8-bit MatMulNBits, exact weights,
   for the LM head on request (`lm_head=ort8`, gguf_kernels.head_from_quant): flat in rows,
   but it holds about twice the matrix's bytes;
@@ -185,19 +185,16 @@ def float_rows(x: torch.Tensor) -> np.ndarray:
 
 
 def quantized(x: np.ndarray, small_blocks: bool) -> tuple[np.ndarray, ...]:
-    """x [M, K] fp32 -> the activations the numba kernels read, gguf_jit_quant's rounding:
-    small-block kinds (per block of 32) xq [M, K] int8, xs [M, K // 32] fp32, xsum [M, K //
-    32] and xsum4 [M, K // 4] int32; K-quants (per super-block of 256) xq [M, K] int16, xs
-    [M, K // 256], xsum [M, K // 32]."""
+    """x [M, K] fp32 -> (xq [M, K] int8, xs [M, K // span] fp32, xsum [M, K // 32] and xsum4
+    [M, K // 4] int32: the sums of each block's and each four's xq), the activations the numba
+    kernels read, per block of 32 (small-block kinds) or per super-block of 256 (K-quants),
+    gguf_jit_quant's rounding."""
     m, k = x.shape
-    xsum = np.empty((m, k // BLOCK), np.int32)
-    if small_blocks:
-        xq, xs, xsum4 = np.empty((m, k), np.int8), np.empty((m, k // BLOCK), np.float32), np.empty((m, k // 4), np.int32)
-        _quantizer().quantize_rows(x, xq, xs, xsum, xsum4)
-        return xq, xs, xsum, xsum4
-    xq, xs = np.empty((m, k), np.int16), np.empty((m, k // SUPER), np.float32)
-    _quantizer().quantize_rows_k(x, xq, xs, xsum)
-    return xq, xs, xsum
+    span = BLOCK if small_blocks else SUPER
+    xq, xs = np.empty((m, k), np.int8), np.empty((m, k // span), np.float32)
+    xsum, xsum4 = np.empty((m, k // BLOCK), np.int32), np.empty((m, k // 4), np.int32)
+    (_quantizer().quantize_rows if small_blocks else _quantizer().quantize_rows_k)(x, xq, xs, xsum, xsum4)
+    return xq, xs, xsum, xsum4
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -241,11 +238,11 @@ def decode_superblocks(qtype: str, raw: np.ndarray, scales: np.ndarray) -> tuple
 def superblock_matmul(xq: torch.Tensor, xs: torch.Tensor, xsum: torch.Tensor, w: torch.Tensor, sc: torch.Tensor,
                       d: torch.Tensor, minimum: tuple | None) -> torch.Tensor:
     """The super-block kernels' arithmetic in PyTorch ops: xq [M, S, 256] -> y [M, n] fp32.
-    Each lane's integer sum (lane l: elements 2l, 2l + 1 of each block of 32) is below 2^31,
+    Each lane's integer sum (lane j: elements 4j .. 4j + 3 of each chunk of 64) is below 2^31,
     exact in float64 whatever the order, then rounded once to fp32 (as the kernels' int32 ->
     fp32); the sums over super-blocks and then lanes run in the kernels' order."""
-    lanes = torch.einsum("msbla,nsbla->mnsl", xq.double().reshape(*xq.shape[:2], 8, LANES, 2),
-                         (w * sc).double().reshape(*w.shape[:2], 8, LANES, 2)).float()  # [M, n, S, 16]
+    lanes = torch.einsum("mscla,nscla->mnsl", xq.double().reshape(*xq.shape[:2], 4, LANES, 4),
+                         (w * sc).double().reshape(*w.shape[:2], 4, LANES, 4)).float()  # [M, n, S, 16]
     scale = d[None] * xs[:, None]  # [M, n, S]
     c = torch.zeros(*lanes.shape[:2], LANES)
     for u in range(lanes.shape[2]):
