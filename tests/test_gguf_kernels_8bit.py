@@ -151,9 +151,9 @@ def test_numba_and_torch_kernels_agree_bit_for_bit(qtype, m, k):
 
 DOT_CHECK = """
 import numpy as np, torch
-from specdec.backends.native import gguf_jit_small, gguf_kernels_8bit as k8
+from specdec.backends.native import gguf_jit_8bit, gguf_kernels_8bit as k8
 from tests.test_gguf_kernels_8bit import activations, make_tensor
-assert gguf_jit_small.DOT == {dot!r}
+assert gguf_jit_8bit.DOT == {dot!r}
 for qtype, k in (("Q8_0", 288), ("Q5_0", 288), ("Q5_1", 288), ("Q6_K", 512), ("Q5_K", 512)):
     tensor, x = make_tensor(qtype, n=24, k=k), activations(5, k)
     for m in (1, 2, 5):
@@ -168,9 +168,9 @@ def test_every_instruction_path_of_the_kernels_gives_the_replicas_bits():
     path this CPU can run, compiled in a process of its own, writes the replica's bits."""
     if not jit_ops.importable():
         pytest.skip("numba is not installed")
-    from specdec.backends.native import gguf_jit_small
+    from specdec.backends.native import gguf_jit_8bit
 
-    paths = gguf_jit_small.DOTS[gguf_jit_small.DOTS.index(gguf_jit_small.DOT) + 1 :]  # the default runs above
+    paths = gguf_jit_8bit.DOTS[gguf_jit_8bit.DOTS.index(gguf_jit_8bit.DOT) + 1 :]  # the default runs above
     for dot in paths:
         env = {**os.environ, "SPECDEC_INT8_DOT": dot}
         done = subprocess.run([sys.executable, "-c", DOT_CHECK.format(dot=dot)], env=env, capture_output=True, text=True,
@@ -179,7 +179,7 @@ def test_every_instruction_path_of_the_kernels_gives_the_replicas_bits():
 
 
 def test_the_instruction_path_follows_the_cpu_features():
-    from specdec.backends.native.gguf_jit_small import dot_for
+    from specdec.backends.native.gguf_jit_8bit import dot_for
 
     assert dot_for("+avx2,+avx512bw,+avx512vnni,-amx-tile") == "vnni"
     assert dot_for("+avx2,+avx512bw,-avx512vnni") == "avx2"

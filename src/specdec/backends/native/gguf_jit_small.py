@@ -21,7 +21,8 @@ fastmath), so y[m, n] depends only on x[m] and row n: not on M, nor on the threa
 (threads share out chunks of rows n; each output's reduction runs whole on one thread).
 
 Instructions: a pair is 64 weight bytes against 64 activation bytes, one AVX-512 register
-each. The lanes' integers come from `DOT`, chosen for the CPU the kernels compile on:
+each. The lanes' integers come from gguf_jit_8bit's `_dot4`, whose instructions (`DOT`) are
+chosen for the CPU the kernels compile on:
 - "vnni" (AVX-512 VNNI): one vpdpbusd, which multiplies unsigned by signed bytes. The
   weights enter as q + offset >= 0 (Q5_0 q, Q8_0 w + 128) and the accumulator starts at
   -offset * xsum4, so each lane ends exactly at its sum of w xq;
@@ -31,8 +32,9 @@ each. The lanes' integers come from `DOT`, chosen for the CPU the kernels compil
 All three give the same integers, so the CPU changes the speed, not the bits. Against one
 block of 16 pair lanes (the previous design, vpmaddwd on int16), the pair halves the float
 work and the unpacking per block: see docs/performance-notes.md.
-The IR helpers shared with gguf_jit_8bit.py are not cached themselves; the cached kernels
-contain them (numba re-validates a cached kernel by its own file's time stamp only).
+The IR helpers, gguf_jit_8bit.py's, are not cached themselves; the cached kernels contain them,
+and numba re-validates a cached kernel by its own file's time stamp only: a change there
+needs this module's cache cleared too.
 """
 
 from __future__ import annotations
@@ -43,12 +45,10 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from specdec.backends.native.gguf_jit_8bit import (  # noqa: F401 - DOT, DOTS, dot_for: this module's too
+from specdec.backends.native.gguf_jit_8bit import (
     _CACHE,
     CHUNK,
-    DOT,
     DOT_ROWS,
-    DOTS,
     PREFETCH_ROWS,
     _const,
     _data,
@@ -61,7 +61,6 @@ from specdec.backends.native.gguf_jit_8bit import (  # noqa: F401 - DOT, DOTS, d
     _vec,
     _vector,
     _widen,
-    dot_for,
 )
 
 _i1, _i8, _i16, _i32, _i64, _f32 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
