@@ -57,6 +57,7 @@ from specdec.backends.native.gguf_jit_8bit import (
     _load,
     _prefetch,
     _raw,
+    _Rows,
     _splat,
     _vec,
     _vector,
@@ -134,6 +135,8 @@ def _pair_step(b, kind, weight_rows, pointers, k, picks, p, accs, mins, ahead, t
         if tail:
             table = _widen(b, table, 2 * floats)
         d = b.shuffle_vector(table, table, _vector([0, floats], _i32))
+        if floats == 2:  # Q5_1's -m of both blocks
+            m = b.fneg(b.shuffle_vector(table, table, _vector([1, 3], _i32)))
         for r, a in enumerate(acts):
             at = w_at * len(acts) + r
             lanes = b.sitofp(_dot4(b, q, signed, offset, a.x, a.xsum4), _vec(_f32, 16))
@@ -141,7 +144,6 @@ def _pair_step(b, kind, weight_rows, pointers, k, picks, p, accs, mins, ahead, t
             scale = b.shuffle_vector(s, s, _vector([0] * 8 + [1] * 8, _i32))
             b.store(b.fadd(b.load(accs[at]), b.fmul(scale, lanes)), accs[at])
             if floats == 2:  # Q5_1: (-m * xs) * xsum, even and odd blocks apart
-                m = b.fneg(b.shuffle_vector(table, table, _vector([1, 3], _i32)))
                 b.store(b.fadd(b.load(mins[at]), b.fmul(b.fmul(m, a.xs), a.xsum)), mins[at])
 
 
@@ -182,15 +184,10 @@ def _dot_rows(kind: str, rows: int):
             shape = context.make_array(signature.args[3])(context, b, args[3]).shape
             m, k = b.extract_value(shape, 0), b.extract_value(shape, 1)
             row_bytes = b.extract_value(context.make_array(signature.args[0])(context, b, args[0]).shape, 0)
-            last = b.sub(m, _const(1))
-            wanted = [b.add(args[7], _const(r)) for r in range(rows)]
-            picks = [b.select(b.icmp_signed("<", v, m), v, last) for v in wanted]
             pointers = _activation_pointers(context, b, signature, args, 3)
+            passing = _Rows(b, *pointers, m, k, args[7], rows)
             ahead = b.mul(row_bytes, _const(PREFETCH_ROWS))
-            totals = _pairs_body(b, kind, [(rp, tp)], pointers, k, picks, args[2], ahead)
-            for v, pick, total in zip(wanted, picks, totals, strict=True):
-                with b.if_then(b.icmp_signed("<", v, m)):
-                    b.store(total, b.gep(op, [pick]))
+            passing.store(_pairs_body(b, kind, [(rp, tp)], pointers, k, passing.picks, args[2], ahead), op)
             return context.get_dummy_value()
 
         return types.void(row, table, blocks, xq, xs, xsum, xsum4, first, out), codegen
