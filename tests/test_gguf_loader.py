@@ -251,22 +251,33 @@ def test_a_short_chunk_takes_the_decode_kernels_and_a_warm_prefill_keeps_its_bit
     assert torch.equal(warm, cold[128:])
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "qwen2"])
-def test_a_lone_chain_row_attends_in_one_call_with_the_bits_of_a_batch(tmp_path_factory, arch, monkeypatch):
-    """fp32 q|k|v (the 8-bit kinds): a forward of one chain row norms, rotates and attends in
-    one numba call (jit.norm_rotate_attend); the same rows in a batch of two take the separate
-    calls. Bit for bit the same, with q/k norms and sliding windows (gemma3) and a qkv bias
-    (qwen2), one token and a chain of four."""
-    path, _ = _write(tmp_path_factory, arch, "Q8_0")
+@pytest.mark.parametrize(("arch", "qtype", "whole_layer"),
+                         [("gemma3", "Q8_0", False), ("qwen2", "Q8_0", True), ("qwen3", "Q5_1", True),
+                          ("mistral", "Q6_K", True), ("phi3", "Q5_K", True), ("llama", "Q4_0", False)])  # fmt: skip
+def test_a_lone_chain_row_runs_in_one_call_with_the_bits_of_a_batch(tmp_path_factory, arch, qtype, whole_layer,
+                                                                    monkeypatch):  # fmt: skip
+    """A forward of one chain row takes one numba call: the whole layer where every linear is
+    a numba 8-bit kernel and the layer has no output norms or GELU (layer_step.py: a qkv bias
+    (qwen2), q/k norms (qwen3), a sliding window (mistral), phi3's fused matrices, the small
+    blocks and the K-quants), else the norm, rotation and attention (jit.norm_rotate_attend,
+    gemma3). The same rows in a batch of two take the separate calls. Bit for bit the same,
+    one token and a chain of four."""
+    path, _ = _write(tmp_path_factory, arch, qtype)
+    model = NativeModel.from_gguf(path)
+    assert all((layer.step is not None) == whole_layer for layer in model.layers)
     calls = []
     one_call = native_layer.norm_rotate_attend
-    monkeypatch.setattr(native_layer, "norm_rotate_attend", lambda *a: calls.append(1) or one_call(*a))
-    pool = NativeModel.from_gguf(path).new_pool(slots=2, max_length=256)
+    monkeypatch.setattr(native_layer, "norm_rotate_attend", lambda *a: calls.append("attend") or one_call(*a))
+    for layer in model.layers if whole_layer else ():
+        monkeypatch.setattr(layer, "step", lambda *a, step=layer.step: calls.append("layer") or step(*a))
+    pool = model.new_pool(slots=2, max_length=256)
     a, b = pool.new_sequence(), pool.new_sequence()
     for seq, start in ((a, 0), (b, 7)):
         seq.prefill(TOKENS[start : start + 30])
+    calls.clear()
     alone = [a.forward(TOKENS[30:31]), a.forward(TOKENS[31:35])]
-    assert calls, "the one-call path did not run"
+    if qtype != "Q4_0":  # bf16 layers rotate and attend in their own one call (rotate_attend)
+        assert set(calls) == {"layer" if whole_layer else "attend"}, "the one-call path did not run"
     calls.clear()
     a.rollback(30)
     batched = [pool.forward_batch([a, b], [chunk, TOKENS[:1]])[0] for chunk in (TOKENS[30:31], TOKENS[31:35])]

@@ -125,6 +125,19 @@ class BlockLinear8(torch.nn.Module):
         jit = _jit(self.small_blocks)
         jit.matmul(jit.KIND_CODES[self.kind], self.raw, self.table, self.units, *activations, y, column)
 
+    def numba_part(self) -> tuple:
+        """(kind, raw, table, units): this matrix as the numba matmuls take it (gguf_jit_layer)."""
+        raw = self.raw.view()
+        raw.flags.writeable = False  # one type for every part: the file's mapping is read-only
+        return _jit(self.small_blocks).KIND_CODES[self.kind], raw, self.table, self.units
+
+    def numba_group(self) -> tuple | None:
+        """This layer as gguf_jit_layer's linear group (small, parts, bias, width), or None where
+        it does not run the numba kernel."""
+        if self.kernel != "numba":
+            return None
+        return self.small_blocks, (self.numba_part(),), _bias_array(self.bias), self.out_features
+
     def _torch(self, x: torch.Tensor) -> torch.Tensor:
         small = self.qtype in SMALL_BLOCK_TYPES
         xq, xs, xsum = quantize_activations(x) if small else quantize_activations_k(x)
@@ -164,6 +177,14 @@ class MixedBlockLinear8(torch.nn.Module):
         """Whether the parts can run as one MixedBlockLinear8."""
         return len({(p.in_features, p.small_blocks, p.kernel) for p in parts}) == 1
 
+    def numba_group(self) -> tuple | None:
+        """The parts as gguf_jit_layer's linear group (small, parts, bias, width), or None where
+        they do not run the numba kernel."""
+        if self.kernel != "numba":
+            return None
+        parts = tuple(part.numba_part() for part in self.parts)
+        return self.parts[0].small_blocks, parts, _bias_array(self.bias), self.out_features
+
     @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, sum N]
         if self.kernel != "numba":
@@ -174,6 +195,10 @@ class MixedBlockLinear8(torch.nn.Module):
             part.matmul_into(activations, y, column)
         out = torch.from_numpy(y) if self.bias is None else torch.from_numpy(y) + self.bias
         return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def _bias_array(bias: torch.Tensor | None) -> np.ndarray:
+    return np.empty(0, np.float32) if bias is None else np.ascontiguousarray(bias.numpy(), np.float32)
 
 
 def float_rows(x: torch.Tensor) -> np.ndarray:

@@ -27,6 +27,8 @@ from specdec.backends.native.jit_ops import (
     split_norm_rotate,
     split_rotate,
 )
+from specdec.backends.native.layer_step import LayerStep
+from specdec.backends.native.layer_step import silu_mul as silu_mul_f32
 from specdec.backends.native.quant import FusedLinear, Linear
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")  # HF model types
@@ -135,6 +137,12 @@ class DecoderLayer(torch.nn.Module):
                             extra)  # fmt: skip
         self.fused_gate_up = gate_up.fused is not None and self.act_dtype == torch.bfloat16 and not self.gelu
         self.split_gate_up = len(gate_up.sizes) == 1  # one [gate | up] part
+        # a layer of numba 8-bit kernels runs a lone chain row as one call (layer_step.py)
+        self.step = None
+        if not self.gelu and post_attn_norm is None and post_mlp_norm is None:
+            q_k_norms = None if q_norm is None else (q_norm, k_norm)
+            self.step = LayerStep.build((attn_norm, mlp_norm), q_k_norms, (qkv, o, gate_up, down), self.eps, self.heads,
+                                        self.kv_heads, self.scale or self.dim**-0.5)  # fmt: skip
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, rows: list[KVRow]) -> torch.Tensor:
@@ -158,6 +166,9 @@ class DecoderLayer(torch.nn.Module):
         else:
             parts = self.eager_parts
         attn_norm, qkv_linear, o_linear, mlp_norm, gate_up_linear, down_linear, gate_up_joined, extra = parts
+        step = None if compiling else self.step
+        if step is not None and (row := kernel_chain_row(rows, heads // kv_heads, x.device, k_cache.dtype)) is not None:
+            return step(x, pending, cos, sin, k_cache, v_cache, row)
         q_norm, k_norm, post_attn_norm, post_mlp_norm = extra
         x, h = self._add_norm(x, pending, attn_norm, fast, fast_norms)
         qkv = qkv_linear(h)
@@ -180,6 +191,8 @@ class DecoderLayer(torch.nn.Module):
                               fast_norms)  # fmt: skip
         if fast and self.fused_gate_up:  # one numba call from the fused gate|up output
             return x, self._post_norm(down_linear(silu_mul_bf16(gate_up_joined(h))), post_mlp_norm, fast_norms)
+        if step is not None:  # the one-call path's SwiGLU, so that both paths give a row the same bits
+            return x, down_linear(silu_mul_f32(gate_up_joined(h)))
         gate, up = gate_up_joined(h).chunk(2, dim=-1) if self.split_gate_up else gate_up_linear(h)
         mixed = gelu_mul(gate, up, act) if self.gelu else silu_mul(gate, up, act)
         return x, self._post_norm(down_linear(mixed), post_mlp_norm, fast_norms)

@@ -1,0 +1,115 @@
+"""A decoder layer whose linears are all GGUF 8-bit matrices (Q8_0, Q5_0, Q5_1, Q6_K, Q5_K),
+run for one chain row as one numba call (layer_step.py wraps it and says when it runs).
+
+At decode widths a layer's kernels take a few tens of microseconds each, and the Python
+around them (tensor conversions, dispatches, one allocation per output) cost about as much
+again. Here the same kernels run back to back in compiled code: `decode_layer` calls the
+functions the separate path calls (gguf_jit_quant's quantizers, the matmuls of
+gguf_jit_small and gguf_jit_8bit, jit's norms and attention, `silu_mul_f32`) on the same
+inputs in the same order, and adds biases and residuals as the separate path's fp32 tensor
+adds do, so a row gets the same bits either way. Imported on first use; compiled once,
+cached on disk.
+
+A linear is a `group`: (small, parts, bias, width). `small` says whether the parts read
+blocks of 32 (Q8_0, Q5_0, Q5_1) or the K-quants' super-blocks; every part of a group reads
+that one quantization of the input, as MixedBlockLinear8 does. parts: a tuple of (kind,
+raw, table, units), each writing its columns side by side (KIND_CODES of its module); bias:
+[width] fp32, or empty.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from specdec.backends.native.gguf_jit_8bit import matmul as superblock_matmul
+from specdec.backends.native.gguf_jit_quant import quantize_rows, quantize_rows_k
+from specdec.backends.native.gguf_jit_small import matmul as pair_matmul
+from specdec.backends.native.jit import (
+    exp_nonpositive,
+    norm_rotate_attend,
+    norm_rotate_attend_parallel,
+    rms_norm_f32,
+)
+
+
+@njit("float32[:, ::1](float32[:, ::1])", cache=True, nogil=True)
+def silu_mul_f32(gate_up):  # pragma: no cover - compiled
+    """SwiGLU from the gate|up projection side by side, fp32 [N, 2 I] -> silu(gate) * up [N, I]
+    fp32: jit.silu_mul_bf16's arithmetic without the rounding to bf16."""
+    rows, inner = gate_up.shape[0], gate_up.shape[1] // 2
+    out = np.empty((rows, inner), np.float32)
+    a = np.empty(inner, np.float32)
+    e = np.empty(inner, np.float32)
+    e_bits = np.empty(inner, np.int32)
+    for r in range(rows):
+        for i in range(inner):
+            a[i] = -abs(gate_up[r, i])
+        exp_nonpositive(a, inner, e, e_bits)  # exp(-|g|)
+        for i in range(inner):  # sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) below
+            g = gate_up[r, i]
+            numerator = np.float32(1) if g >= 0 else e[i]
+            out[r, i] = (g * (numerator / (np.float32(1) + e[i]))) * gate_up[r, inner + i]
+    return out
+
+
+@njit(cache=True, nogil=True)
+def linear(group, x):  # pragma: no cover - compiled
+    """x [M, K] fp32 -> [M, width] fp32 through one group (the module docstring)."""
+    small, parts, bias, width = group
+    m, k = x.shape
+    span = 32 if small else 256
+    xq, xs = np.empty((m, k), np.int8), np.empty((m, k // span), np.float32)
+    xsum, xsum4 = np.empty((m, k // 32), np.int32), np.empty((m, k // 4), np.int32)
+    if small:
+        quantize_rows(x, xq, xs, xsum, xsum4)
+    else:
+        quantize_rows_k(x, xq, xs, xsum, xsum4)
+    y = np.empty((m, width), np.float32)
+    column = 0
+    for kind, raw, table, units in parts:
+        if small:
+            pair_matmul(kind, raw, table, units, xq, xs, xsum, xsum4, y, column)
+        else:
+            superblock_matmul(kind, raw, table, units, xq, xs, xsum, xsum4, y, column)
+        column += raw.shape[0]
+    if bias.shape[0]:
+        for r in range(m):
+            for j in range(width):
+                y[r, j] = y[r, j] + bias[j]
+    return y
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _add(x, delta):  # pragma: no cover - compiled
+    out = np.empty_like(x)
+    for r in range(x.shape[0]):
+        for j in range(x.shape[1]):
+            out[r, j] = x[r, j] + delta[r, j]
+    return out
+
+
+@njit(cache=True, nogil=True)
+def decode_layer(x, pending, norms, eps, qkv, o, gate_up, down, rope, heads, kv_heads, cache, row,
+                 scale, parallel):  # fmt: skip  # pragma: no cover - compiled
+    """One layer on x [T, hidden] + pending (the previous layer's output not yet added; [0,
+    hidden]: none) for one chain row -> (its input with pending added, its output): the
+    separate path's `DecoderLayer.forward_open`. norms: (attn_norm, mlp_norm, q_norm,
+    k_norm), the last two empty where the layer has none; rope: (cos, signed_sin) [T, 1,
+    dim]; cache: (k_cache, v_cache); row: (slot, store, limits, paths, starts) as
+    jit.norm_rotate_attend takes them; parallel: attend on numba's threads."""
+    attn_norm, mlp_norm, q_norm, k_norm = norms
+    cos, sin = rope
+    k_cache, v_cache = cache
+    slot, store, limits, paths, starts = row
+    if pending.shape[0]:
+        x = _add(x, pending)
+    mixed = linear(qkv, rms_norm_f32(x, attn_norm, eps))
+    if parallel:
+        attn = norm_rotate_attend_parallel(mixed, cos, sin, heads, kv_heads, q_norm, k_norm, eps, k_cache, v_cache,
+                                           slot, store, limits, paths, starts, scale)  # fmt: skip
+    else:
+        attn = norm_rotate_attend(mixed, cos, sin, heads, kv_heads, q_norm, k_norm, eps, k_cache, v_cache, slot,
+                                  store, limits, paths, starts, scale)  # fmt: skip
+    x = _add(x, linear(o, np.ascontiguousarray(attn)))
+    return x, linear(down, silu_mul_f32(linear(gate_up, rms_norm_f32(x, mlp_norm, eps))))
