@@ -17,6 +17,7 @@ from specdec.backends.native import gguf_q4, jit_ops
 from specdec.backends.native.gguf_kernels import (
     concat_rows,
     embedding_from_quant,
+    int8_activation_types,
     linear_from_quant,
     prompt_view,
     vector_from_quant,
@@ -82,7 +83,9 @@ def test_layer_matches_the_reference(kind, bound, path):
         torch.testing.assert_close(y, reference, rtol=1e-5, atol=2e-5)
     else:  # bf16 rounding (scales, activations, or the prompt tiles' weights): the documented bound
         assert top1 >= 0.95 and kl < 2e-4, (top1, kl)  # measured: top-1 >= 0.98, KL <= 1e-4
-        assert float((y - reference).norm() / reference.norm()) < 5e-3  # measured: <= 3.5e-3
+        # int8 activations (Q4_0 / Q4_1 on the pair kernel) round coarser: measured 5.3e-3
+        limit = 1e-2 if kind in int8_activation_types() else 5e-3  # measured: <= 3.5e-3
+        assert float((y - reference).norm() / reference.norm()) < limit
 
 
 @pytest.mark.parametrize("kind", Q4)
@@ -356,7 +359,8 @@ def _fused_layer(config, state: dict, i: int, kinds: dict):
 
     qkv = linear_from_quant([quant(n, "self_attn") for n in ("q_proj", "k_proj", "v_proj")], [None] * 3)
     gate_up = linear_from_quant([quant(n, "mlp") for n in ("gate_proj", "up_proj")], [None] * 2)
-    assert gate_up.fused is not None and qkv.fused is None  # v is Q4_1 beside Q4_0 q, k: separate parts
+    # v is Q4_1 beside Q4_0 q, k: one layer where both take the pair kernel's input, else separate parts
+    assert gate_up.fused is not None and (qkv.fused is not None) == ("Q4_0" in int8_activation_types())
     return DecoderLayer(config, state[p + "input_layernorm.weight"].float(), qkv,
                         linear_from_quant(quant("o_proj", "self_attn")),
                         state[p + "post_attention_layernorm.weight"].float(), gate_up,

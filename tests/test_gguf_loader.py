@@ -23,7 +23,7 @@ from specdec.backends.native import gguf as reader
 from specdec.backends.native import layer as native_layer
 from specdec.backends.native import model as native_model
 from specdec.backends.native.gguf import read_gguf
-from specdec.backends.native.gguf_kernels import EIGHT_BIT_TYPES
+from specdec.backends.native.gguf_kernels import int8_activation_types
 from specdec.backends.native.gguf_kernels_8bit import OrtBlockLinear8, ort_8bit_usable
 from specdec.backends.native.gguf_q4 import prompt_tiles
 from specdec.backends.native.gguf_tensors import ReferenceLinear
@@ -49,7 +49,7 @@ INT8_ACT_TOP1_MIN, INT8_ACT_KL_MAX, Q8_K_ACT_KL_MAX = 0.85, 0.03, 0.06
 def _bounds(qtype: str) -> tuple[float, float]:
     if qtype in ("Q6_K", "Q5_K"):
         return INT8_ACT_TOP1_MIN, Q8_K_ACT_KL_MAX
-    return (INT8_ACT_TOP1_MIN, INT8_ACT_KL_MAX) if qtype in EIGHT_BIT_TYPES else (TOP1_MIN, KL_MAX)
+    return (INT8_ACT_TOP1_MIN, INT8_ACT_KL_MAX) if qtype in int8_activation_types() else (TOP1_MIN, KL_MAX)
 
 
 def _write(tmp_path_factory, arch: str, qtype: str, **changes) -> tuple[Path, dict]:
@@ -227,9 +227,10 @@ def test_prompt_groups_give_the_bits_of_one_pass_per_chunk(tmp_path_factory, qty
 
 def test_a_short_chunk_takes_the_decode_kernels_and_a_warm_prefill_keeps_its_bits(tmp_path_factory):
     """A chunk of fewer than SHORT_CHUNK_ROWS tokens runs the decode stack (the int4 kernel, not
-    bf16 tiles): its logits differ from the prompt kernels' where those decode tiles, and a
-    prompt prefilled after a kept prefix, whose chunk is then whole, equals its cold prefill."""
-    path, _ = _write(tmp_path_factory, "llama", "Q4_1")
+    bf16 tiles): its logits differ from the prompt kernels' where those decode tiles (Q4_K;
+    Q4_0 and Q4_1 may run one kernel for both), and a prompt prefilled after a kept prefix,
+    whose chunk is then whole, equals its cold prefill."""
+    path, _ = _write(tmp_path_factory, "llama", "Q4_K")
     model = NativeModel.from_gguf(path)
     assert model.short_chunk_rows == native_model.SHORT_CHUNK_ROWS > 12
     tokens = [int(t) for t in np.random.default_rng(2).integers(3, VOCAB, 200)]
@@ -253,13 +254,14 @@ def test_a_short_chunk_takes_the_decode_kernels_and_a_warm_prefill_keeps_its_bit
 
 @pytest.mark.parametrize(("arch", "qtype", "whole_layer"),
                          [("gemma3", "Q8_0", False), ("qwen2", "Q8_0", True), ("qwen3", "Q5_1", True),
-                          ("mistral", "Q6_K", True), ("phi3", "Q5_K", True), ("llama", "Q4_0", False)])  # fmt: skip
+                          ("mistral", "Q6_K", True), ("phi3", "Q5_K", True), ("llama", "Q4_0", True),
+                          ("llama", "Q4_K", False)])  # fmt: skip
 def test_a_lone_chain_row_runs_in_one_call_with_the_bits_of_a_batch(tmp_path_factory, arch, qtype, whole_layer,
                                                                     monkeypatch):  # fmt: skip
     """A forward of one chain row takes one numba call: the whole layer where every linear is
     a numba 8-bit kernel and the layer has no output norms or GELU (layer_step.py: a qkv bias
     (qwen2), q/k norms (qwen3), a sliding window (mistral), phi3's fused matrices, the small
-    blocks and the K-quants), else the norm, rotation and attention (jit.norm_rotate_attend,
+    blocks, Q4_0 on the pair kernel and the K-quants), else the norm, rotation and attention (jit.norm_rotate_attend,
     gemma3). The same rows in a batch of two take the separate calls. Bit for bit the same,
     one token and a chain of four."""
     path, _ = _write(tmp_path_factory, arch, qtype)
@@ -276,7 +278,7 @@ def test_a_lone_chain_row_runs_in_one_call_with_the_bits_of_a_batch(tmp_path_fac
         seq.prefill(TOKENS[start : start + 30])
     calls.clear()
     alone = [a.forward(TOKENS[30:31]), a.forward(TOKENS[31:35])]
-    if qtype != "Q4_0":  # bf16 layers rotate and attend in their own one call (rotate_attend)
+    if qtype != "Q4_K":  # bf16 layers (the int4 kernel) rotate and attend in their own one call
         assert set(calls) == {"layer" if whole_layer else "attend"}, "the one-call path did not run"
     calls.clear()
     a.rollback(30)

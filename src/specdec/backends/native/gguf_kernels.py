@@ -1,8 +1,9 @@
 """The native backend's layers over GGUF tensors as the file holds them (gguf_tensors.py's seam).
 
-- `build_linear` picks a kernel per type: the 4-bit family in gguf_q4.py; F32, F16 and BF16
-  here, at the file's own precision; Q8_0, Q5_K, Q6_K, Q5_0 and Q5_1 in gguf_kernels_8bit.py
-  (another module; until it exists they run on the dequantizing ReferenceLinear).
+- `build_linear` picks a kernel per type: Q8_0, Q5_K, Q6_K, Q5_0 and Q5_1 in
+  gguf_kernels_8bit.py, and Q4_0 and Q4_1 there too where numba runs its pair kernel
+  (`int8_activation_types`); Q4_K (and Q4_0, Q4_1 without numba) in gguf_q4.py; F32, F16 and
+  BF16 here, at the file's own precision.
 - A list of tensors of one type and K (q/k/v, gate/up) becomes one kernel over their rows
   concatenated (a `FusedLinear` that splits the output). Mixed 8-bit types that read one
   activation format share its quantization and one output (`MixedBlockLinear8`); other
@@ -38,6 +39,7 @@ from specdec.backends.native.gguf_kernels_8bit import (
     OrtBlockLinear8,
     ort_8bit_usable,
 )
+from specdec.backends.native.gguf_kernels_8bit import kernel_name as eight_bit_kernel_name
 from specdec.backends.native.gguf_kernels_8bit import linear_for as eight_bit_linear
 from specdec.backends.native.gguf_q4 import Q4_TYPES, ExactQ4Linear, Int4BlockLinear
 from specdec.backends.native.gguf_tensors import QuantTensor, check_type
@@ -45,6 +47,7 @@ from specdec.backends.native.quant import DenseLinear, FP16Linear, FusedLinear
 from specdec.errors import SpecdecError
 
 EIGHT_BIT_TYPES = ("Q8_0", "Q5_K", "Q6_K", "Q5_0", "Q5_1")  # gguf_kernels_8bit.py's
+PAIR_Q4_TYPES = ("Q4_0", "Q4_1")  # on gguf_kernels_8bit's pair kernel too, where numba runs it
 FLOAT_TYPES = ("F32", "F16", "BF16")
 ROW_TILE = 512
 
@@ -65,7 +68,7 @@ def build_linear(tensors: QuantTensor | list[QuantTensor], bias=None):
                            + ", ".join(f"{t.name} {list(t.shape)}" for t in tensors), "target")  # fmt: skip
     sizes = [t.shape[0] for t in tensors]
     if len({t.qtype for t in tensors}) != 1:  # e.g. a Q4_K_M file's Q6_K attn_v beside Q4_K q, k
-        if all(t.qtype.name in EIGHT_BIT_TYPES for t in tensors):
+        if all(t.qtype.name in int8_activation_types() for t in tensors):
             parts = [eight_bit_linear(t, b) for t, b in zip(tensors, biases, strict=True)]
             if MixedBlockLinear8.shares_input(parts):  # one quantization of the input, one output
                 return FusedLinear.from_layers([PromptSame(MixedBlockLinear8(parts))], sizes)
@@ -88,12 +91,12 @@ def concat_rows(tensors: list[QuantTensor]) -> QuantTensor:
 
 def _single(tensor: QuantTensor, bias):
     kind, (n, k) = tensor.qtype.name, _matrix_shape(tensor)
+    if kind in int8_activation_types():
+        return _eight_bit(tensor, bias)
     if kind in Q4_TYPES:
         if has_int4_kernel():
             return Int4BlockLinear.from_blocks(kind, tensor.data, k, bias)
         return ExactQ4Linear(kind, tensor.data, k, bias)
-    if kind in EIGHT_BIT_TYPES:
-        return _eight_bit(tensor, bias)
     if kind == "BF16":
         weight = _shared(tensor.data, np.int16).view(torch.bfloat16)
         return PromptSame(DenseLinear(weight.reshape(n, k), None if bias is None else bias.detach().float()))
@@ -110,11 +113,18 @@ def copies_weights(tensor: QuantTensor) -> bool:
     """Whether `build_linear` keeps a copy of this tensor (the 4-bit repacking, fbgemm's fp16
     packing) rather than reading the file's mapped bytes: the loader then drops those pages."""
     kind = tensor.qtype.name
-    return kind in Q4_TYPES or (kind == "F16" and _fbgemm_usable())
+    return (kind in Q4_TYPES and kind not in int8_activation_types()) or (kind == "F16" and _fbgemm_usable())
+
+
+def int8_activation_types() -> tuple[str, ...]:
+    """The types whose layers multiply int8 activations by the file's blocks (gguf_kernels_8bit):
+    the 8-bit family always, and Q4_0 / Q4_1 where the numba pair kernel runs (elsewhere they
+    take the int4 kernel, faster than the pair kernel's PyTorch replica)."""
+    return EIGHT_BIT_TYPES + PAIR_Q4_TYPES if eight_bit_kernel_name() == "numba" else EIGHT_BIT_TYPES
 
 
 def _eight_bit(tensor: QuantTensor, bias):
-    # Q8_0 / Q5_K / Q6_K / Q5_0 / Q5_1: one kernel over the file's blocks for decode steps and prompts alike
+    # Q8_0 / Q5_K / Q6_K / Q5_0 / Q5_1 (Q4_0 / Q4_1): one kernel over the file's blocks for decode steps and prompts alike
     return PromptSame(eight_bit_linear(tensor, bias))
 
 

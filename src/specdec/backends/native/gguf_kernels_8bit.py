@@ -1,21 +1,21 @@
-"""Linear layers over GGUF Q8_0, Q6_K, Q5_K, Q5_0 and Q5_1 matrices, read from the file's own
-blocks.
+"""Linear layers over GGUF Q8_0, Q6_K, Q5_K, Q5_0 and Q5_1 matrices (and Q4_0 and Q4_1 where
+numba runs: gguf_kernels.int8_activation_types), read from the file's own blocks.
 
 `linear_for(tensor, bias)` is the entry point (gguf_kernels.linear_from_quant dispatches these
 types to it). The layer keeps the file's bytes (memory-mapped, not copied) plus small
 fp32 tables of the blocks' fp16 scales: no dense float copy of the matrix.
 
 Arithmetic (gguf_jit_small.py and gguf_jit_8bit.py state it exactly): int8 activations times
-the file's integers, as llama.cpp does. Q8_0, Q5_0 and Q5_1 quantize each row per block of 32 (scale max|x| / 127,
+the file's integers, as llama.cpp does. The small-block kinds (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1) quantize each row per block of 32 (scale max|x| / 127,
 llama.cpp's Q8_0 activations); Q6_K and Q5_K per super-block of 256 (scale 1 / (127 /
 max|x|), llama.cpp's Q8_K). The weights' scales are the file's, exact in fp32 (d, dmin, Q5_1's
 m; the K-quants' sub-block scales stay integers), so the weights used equal the gguf package's
 reference dequantization as real numbers. The only roundings are the activations'
 quantization and the fp32 accumulation. Reduction order, for each output:
-- Q8_0, Q5_0, Q5_1: the blocks in pairs; 16 fp32 lanes over the pairs in order (lanes 0-7
+- Q8_0, Q5_0, Q5_1, Q4_0, Q4_1: the blocks in pairs; 16 fp32 lanes over the pairs in order (lanes 0-7
   take the exact integer sums of four products of the pair's first block, 8-15 of its
-  second, each times its block's scale), then the lanes summed left to right; Q5_1's min
-  term is summed over the even and the odd blocks in order and subtracted last;
+  second, each times its block's scale), then the lanes summed left to right; Q5_1's and
+  Q4_1's min term is summed over the even and the odd blocks in order and subtracted last;
 - Q6_K, Q5_K: per super-block 16 exact integer lanes of sc * (sums of four products w xq),
   then one fp32 term (d * xs) * lanes added in super-block order; Q5_K's min term likewise,
   subtracted last. Fewer float operations than the small blocks' (one per 256 weights and
@@ -50,12 +50,12 @@ from specdec.backends.native.jit_ops import importable as numba_importable
 from specdec.backends.native.jit_ops import numba_threads
 from specdec.backends.native.ort_linear import OrtBlockLinear, ort_available
 
-QTYPES = ("Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q5_1")
-SMALL_BLOCK_TYPES = ("Q8_0", "Q5_0", "Q5_1")  # blocks of 32; the K-quants' are of 256
+QTYPES = ("Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q5_1", "Q4_0", "Q4_1")
+SMALL_BLOCK_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1")  # blocks of 32; the K-quants' are of 256
 BLOCK = 32  # activation block of the small-block types (and the lanes' span)
 SUPER = 256  # the K-quants' super-block: their activation block
 LANES = 16
-BLOCK_BYTES = {"Q8_0": 34, "Q6_K": 210, "Q5_K": 176, "Q5_0": 22, "Q5_1": 24}  # per block (of 32 or 256)
+BLOCK_BYTES = {"Q8_0": 34, "Q6_K": 210, "Q5_K": 176, "Q5_0": 22, "Q5_1": 24, "Q4_0": 18, "Q4_1": 20}  # per block (of 32 or 256)
 TORCH_TILE = 256  # output rows the torch kernel decodes at a time
 
 
@@ -90,9 +90,9 @@ class BlockLinear8(torch.nn.Module):
             self.scales = _fp16_at(blocks, 0)  # [N, K // 32] d
         elif qtype == "Q6_K":
             self.scales = _fp16_at(blocks, 208)  # [N, K // 256] d
-        elif qtype == "Q5_0":
+        elif qtype in ("Q5_0", "Q4_0"):
             self.scales = np.ascontiguousarray(_fp16_at(blocks, 0)[..., None])  # [N, K // 32, 1] d
-        elif qtype == "Q5_1":
+        elif qtype in ("Q5_1", "Q4_1"):
             self.scales = np.ascontiguousarray(np.stack([_fp16_at(blocks, 0), _fp16_at(blocks, 2)], axis=-1))
         else:
             self.scales = np.ascontiguousarray(np.stack([_fp16_at(blocks, 0), _fp16_at(blocks, 2)], axis=-1))
@@ -292,10 +292,11 @@ def decode_integers(qtype: str, raw: np.ndarray, scales: np.ndarray) -> tuple:
     if qtype == "Q8_0":
         q = raw.reshape(n, -1, 34)[..., 2:].view(np.int8).astype(np.float32)
         return q, scales, scales, None
-    if qtype in ("Q5_0", "Q5_1"):
-        q = _q5_values(raw.reshape(n, -1, BLOCK_BYTES[qtype]))
-        if qtype == "Q5_0":
-            return q - 16, scales[..., 0].copy(), scales[..., 0].copy(), None
+    if qtype in ("Q5_0", "Q5_1", "Q4_0", "Q4_1"):
+        blocks = raw.reshape(n, -1, BLOCK_BYTES[qtype])
+        q = _q5_values(blocks) if qtype[1] == "5" else _q4_values(blocks)
+        if qtype in ("Q5_0", "Q4_0"):
+            return q - (16 if qtype == "Q5_0" else 8), scales[..., 0].copy(), scales[..., 0].copy(), None
         return q, scales[..., 0].copy(), scales[..., 0].copy(), -scales[..., 1]
     if qtype == "Q6_K":
         b = raw.reshape(n, -1, 210)
@@ -317,6 +318,13 @@ def _q6_k_values(b: np.ndarray) -> np.ndarray:
     low = np.concatenate([ql & 15, ql >> 4], axis=-2)  # [n, S, half, t, l], t = 0..3
     high = (qh >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
     return ((low | (high << 4)).astype(np.float32) - 32).reshape(*b.shape[:2], 256)
+
+
+def _q4_values(b: np.ndarray) -> np.ndarray:
+    """Q4_0 / Q4_1 blocks [n, B, 18 or 20] -> q [n, B, 32] fp32 (0..15): element j < 16 is the
+    low nibble of qs[j] (the 16 bytes that end the block), element j + 16 its high nibble."""
+    qs = b[..., -16:]
+    return np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.float32)
 
 
 def _q5_values(b: np.ndarray) -> np.ndarray:

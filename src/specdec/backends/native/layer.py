@@ -137,9 +137,11 @@ class DecoderLayer(torch.nn.Module):
                             extra)  # fmt: skip
         self.fused_gate_up = gate_up.fused is not None and self.act_dtype == torch.bfloat16 and not self.gelu
         self.split_gate_up = len(gate_up.sizes) == 1  # one [gate | up] part
+        # fp32 layers with numba's norms take its SwiGLU too, in every stack (decode, prompts)
+        self.numba_swiglu = self.fast_norms and self.act_dtype == torch.float32 and not self.gelu
         # a layer of numba 8-bit kernels runs a lone chain row as one call (layer_step.py)
         self.step = None
-        if not self.gelu and post_attn_norm is None and post_mlp_norm is None:
+        if self.numba_swiglu and post_attn_norm is None and post_mlp_norm is None:
             q_k_norms = None if q_norm is None else (q_norm, k_norm)
             self.step = LayerStep.build((attn_norm, mlp_norm), q_k_norms, (qkv, o, gate_up, down), self.eps, self.heads,
                                         self.kv_heads, self.scale or self.dim**-0.5)  # fmt: skip
@@ -191,8 +193,8 @@ class DecoderLayer(torch.nn.Module):
                               fast_norms)  # fmt: skip
         if fast and self.fused_gate_up:  # one numba call from the fused gate|up output
             return x, self._post_norm(down_linear(silu_mul_bf16(gate_up_joined(h))), post_mlp_norm, fast_norms)
-        if step is not None:  # the one-call path's SwiGLU, so that both paths give a row the same bits
-            return x, down_linear(silu_mul_f32(gate_up_joined(h)))
+        if fast_norms and self.numba_swiglu:  # the one-call path's SwiGLU: a row's bits do not depend on the path
+            return x, self._post_norm(down_linear(silu_mul_f32(gate_up_joined(h))), post_mlp_norm, fast_norms)
         gate, up = gate_up_joined(h).chunk(2, dim=-1) if self.split_gate_up else gate_up_linear(h)
         mixed = gelu_mul(gate, up, act) if self.gelu else silu_mul(gate, up, act)
         return x, self._post_norm(down_linear(mixed), post_mlp_norm, fast_norms)
