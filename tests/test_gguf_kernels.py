@@ -281,7 +281,7 @@ def test_the_fallbacks_are_exact_and_dispatched(monkeypatch):
     assert isinstance(linear_from_quant(tensor), ExactQ4Linear)
     assert type(linear_from_quant(random_tensor("F16", 32, 256))).__name__ == "RowwiseLinear"
     monkeypatch.delenv("SPECDEC_CPU_KERNELS")
-    layer = linear_from_quant(tensor)
+    layer = Int4BlockLinear.from_blocks("Q4_K", tensor.data, 512)  # the int4 kernel (Q4_K's without numba)
     x = activations(40, 512)
     monkeypatch.setattr(gguf_q4, "packed_layout_known", lambda: False)  # another packing: the kernel itself
     assert torch.equal(layer.tile_forward(x), layer.forward(x))

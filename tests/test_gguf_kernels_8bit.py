@@ -27,13 +27,13 @@ from specdec.backends.native.gguf_kernels import head_from_quant, linear_from_qu
 from specdec.backends.native.gguf_tensors import QuantTensor, ReferenceLinear
 from specdec.errors import SpecdecError
 
-QTYPES = ["Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q5_1", "Q4_0", "Q4_1"]
+QTYPES = ["Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "Q4_K"]
 # the fp32 scale tables against the file's bytes: 4 (Q8_0, Q5_0) or 8 (Q5_1) bytes per block
-SCALE_SHARE = {"Q8_0": 4 / 34, "Q6_K": 0.13, "Q5_K": 0.13, "Q5_0": 4 / 22, "Q5_1": 8 / 24, "Q4_0": 4 / 18, "Q4_1": 8 / 20}
+SCALE_SHARE = {"Q8_0": 4 / 34, "Q6_K": 0.13, "Q5_K": 0.13, "Q5_0": 4 / 22, "Q5_1": 8 / 24, "Q4_0": 4 / 18, "Q4_1": 8 / 20, "Q4_K": 0.13}
 KERNELS = ["numba", "torch"]
-ACT_BLOCK = {"Q8_0": 32, "Q5_0": 32, "Q5_1": 32, "Q4_0": 32, "Q4_1": 32, "Q6_K": 256, "Q5_K": 256}  # llama.cpp's Q8_0 / Q8_K
+ACT_BLOCK = {"Q8_0": 32, "Q5_0": 32, "Q5_1": 32, "Q4_0": 32, "Q4_1": 32, "Q6_K": 256, "Q5_K": 256, "Q4_K": 256}  # llama.cpp's Q8_0 / Q8_K
 # the relative error of int8 activations with an outlier channel: about 1% per 32, 2% per 256
-RELATIVE_ERROR = {"Q8_0": 0.02, "Q5_0": 0.02, "Q5_1": 0.02, "Q4_0": 0.02, "Q4_1": 0.02, "Q6_K": 0.03, "Q5_K": 0.03}
+RELATIVE_ERROR = {"Q8_0": 0.02, "Q5_0": 0.02, "Q5_1": 0.02, "Q4_0": 0.02, "Q4_1": 0.02, "Q6_K": 0.03, "Q5_K": 0.03, "Q4_K": 0.03}
 
 
 def make_tensor(qtype: str, n: int = 40, k: int = 512, seed: int = 0) -> QuantTensor:
@@ -155,7 +155,7 @@ from specdec.backends.native import gguf_jit_8bit, gguf_kernels_8bit as k8
 from tests.test_gguf_kernels_8bit import activations, make_tensor
 assert gguf_jit_8bit.DOT == {dot!r}
 for qtype, k in (("Q8_0", 288), ("Q5_0", 288), ("Q5_1", 288), ("Q4_0", 288), ("Q4_1", 288), ("Q6_K", 512),
-                 ("Q5_K", 512)):
+                 ("Q5_K", 512), ("Q4_K", 512)):
     tensor, x = make_tensor(qtype, n=24, k=k), activations(5, k)
     for m in (1, 2, 5):
         got = k8.BlockLinear8(tensor, kernel="numba")(x[:m])
@@ -241,8 +241,8 @@ def test_dtype_and_bias_and_bad_shapes():
     odd = QuantTensor("blk.0.odd.weight", GGMLQuantizationType.Q6_K, (2, 288), np.zeros((2, 1), np.uint8))
     with pytest.raises(ValueError, match="blk.0.odd.weight"):
         k8.BlockLinear8(odd)
-    with pytest.raises(ValueError, match="Q4_K"):
-        k8.BlockLinear8(QuantTensor("t", GGMLQuantizationType.Q4_K, (1, 256), np.zeros((1, 144), np.uint8)))
+    with pytest.raises(ValueError, match="Q2_K"):
+        k8.BlockLinear8(QuantTensor("t", GGMLQuantizationType.Q2_K, (1, 256), np.zeros((1, 84), np.uint8)))
 
 
 def test_fallback_is_forced_by_the_environment(monkeypatch):
@@ -253,7 +253,7 @@ def test_fallback_is_forced_by_the_environment(monkeypatch):
     assert k8.kernel_name() == ("numba" if jit_ops.importable() else "torch")
 
 
-@pytest.mark.parametrize("qtype", ["Q5_K", "Q5_0", "Q5_1", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q5_K", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "Q4_K"])
 def test_reference_dequantize_matches_gguf(qtype):
     """The fixture's blocks are what the gguf package decodes (a guard on make_tensor itself)."""
     tensor = make_tensor(qtype, n=4)

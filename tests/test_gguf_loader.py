@@ -226,11 +226,11 @@ def test_prompt_groups_give_the_bits_of_one_pass_per_chunk(tmp_path_factory, qty
 
 
 def test_a_short_chunk_takes_the_decode_kernels_and_a_warm_prefill_keeps_its_bits(tmp_path_factory):
-    """A chunk of fewer than SHORT_CHUNK_ROWS tokens runs the decode stack (the int4 kernel, not
-    bf16 tiles): its logits differ from the prompt kernels' where those decode tiles (Q4_K;
-    Q4_0 and Q4_1 may run one kernel for both), and a prompt prefilled after a kept prefix,
-    whose chunk is then whole, equals its cold prefill."""
-    path, _ = _write(tmp_path_factory, "llama", "Q4_K")
+    """A chunk of fewer than SHORT_CHUNK_ROWS tokens runs the decode stack (the decode kernels,
+    not bf16 tiles): its logits differ from the prompt kernels' where those decode tiles (F32's
+    fp32 products against bf16 tiles; the quantized types may run one kernel for both), and a
+    prompt prefilled after a kept prefix, whose chunk is then whole, equals its cold prefill."""
+    path, _ = _write(tmp_path_factory, "llama", "F32")
     model = NativeModel.from_gguf(path)
     assert model.short_chunk_rows == native_model.SHORT_CHUNK_ROWS > 12
     tokens = [int(t) for t in np.random.default_rng(2).integers(3, VOCAB, 200)]
@@ -255,13 +255,13 @@ def test_a_short_chunk_takes_the_decode_kernels_and_a_warm_prefill_keeps_its_bit
 @pytest.mark.parametrize(("arch", "qtype", "whole_layer"),
                          [("gemma3", "Q8_0", False), ("qwen2", "Q8_0", True), ("qwen3", "Q5_1", True),
                           ("mistral", "Q6_K", True), ("phi3", "Q5_K", True), ("llama", "Q4_0", True),
-                          ("llama", "Q4_K", False)])  # fmt: skip
+                          ("llama", "Q4_K", True), ("llama", "F16", False)])  # fmt: skip
 def test_a_lone_chain_row_runs_in_one_call_with_the_bits_of_a_batch(tmp_path_factory, arch, qtype, whole_layer,
                                                                     monkeypatch):  # fmt: skip
     """A forward of one chain row takes one numba call: the whole layer where every linear is
     a numba 8-bit kernel and the layer has no output norms or GELU (layer_step.py: a qkv bias
     (qwen2), q/k norms (qwen3), a sliding window (mistral), phi3's fused matrices, the small
-    blocks, Q4_0 on the pair kernel and the K-quants), else the norm, rotation and attention (jit.norm_rotate_attend,
+    blocks, Q4_0 on the pair kernel and the K-quants, Q4_K among them), else the norm, rotation and attention (jit.norm_rotate_attend,
     gemma3). The same rows in a batch of two take the separate calls. Bit for bit the same,
     one token and a chain of four."""
     path, _ = _write(tmp_path_factory, arch, qtype)
@@ -278,7 +278,7 @@ def test_a_lone_chain_row_runs_in_one_call_with_the_bits_of_a_batch(tmp_path_fac
         seq.prefill(TOKENS[start : start + 30])
     calls.clear()
     alone = [a.forward(TOKENS[30:31]), a.forward(TOKENS[31:35])]
-    if qtype != "Q4_K":  # bf16 layers (the int4 kernel) rotate and attend in their own one call
+    if qtype != "F16":  # F16 layers on fbgemm rotate and attend in their own one call
         assert set(calls) == {"layer" if whole_layer else "attend"}, "the one-call path did not run"
     calls.clear()
     a.rollback(30)

@@ -1,19 +1,19 @@
-"""numba kernels for GGUF's Q6_K and Q5_K matrices on int8 activations (see
-gguf_kernels_8bit.py, which wraps them and states the contract; gguf_jit_small.py holds Q8_0,
-Q5_0 and Q5_1's), and the IR helpers both modules build them from. Imported on first use;
+"""numba kernels for GGUF's Q6_K, Q5_K and Q4_K matrices on int8 activations (see
+gguf_kernels_8bit.py, which wraps them and states the contract; gguf_jit_small.py holds the
+blocks of 32's), and the IR helpers both modules build them from. Imported on first use;
 compiled once, cached on disk.
 
 The arithmetic, for one output y[m, n] (`superblock_matmul` in gguf_kernels_8bit.py performs
 the same operations in the same order, bit for bit):
-- weights: the file's integers (Q6_K q - 32, Q5_K q) and fp32 scales formed from the file's
-  fields exactly (d, dmin: fp16 values); the sub-block scales sc (Q6_K's int8 per 16, Q5_K's
-  six bits per 32) and Q5_K's mins m stay integers;
+- weights: the file's integers (Q6_K q - 32, Q5_K and Q4_K q) and fp32 scales formed from
+  the file's fields exactly (d, dmin: fp16 values); the sub-block scales sc (Q6_K's int8 per
+  16, Q5_K's and Q4_K's six bits per 32) and their mins m stay integers;
 - activations (gguf_jit_quant's `quantize_rows_k`; llama.cpp's Q8_K): each super-block u of
   256 of x[m] becomes inv = 127 / max|x|, xq = rint(x * inv) in int8, xs = 1 / inv; with the
   sums of each block's and each four's xq;
 - 16 exact int32 lanes per super-block: lane j sums, over u's four chunks c of 64 elements,
   sc * (w xq summed over elements 64c + 4j .. 64c + 4j + 3); 16 fp32 lanes c += (d * xs[u]) *
-  float(lanes), in super-block order; y = c[0] + c[1] + ... + c[15], left to right; Q5_K then
+  float(lanes), in super-block order; y = c[0] + c[1] + ... + c[15], left to right; Q5_K and Q4_K then
   subtracts (dmin * xs[u]) * float(sum over its sub-blocks j of m[j] * (sum of block j's
   xq)), summed in order.
 Integer sums are exact and no float operation is reordered or fused (numba compiles without
@@ -212,12 +212,27 @@ def _q5_k(u):
         low = b.and_(_byte_shift(b, qs, [0, 0, 4, 4]), _splat(15, 64, _i8))
         high = b.and_(_byte_shift(b, qh, [2 * j] * 2 + [2 * j + 1] * 2), _splat(1, 64, _i8))
         chunks.append(b.or_(low, b.shl(high, _splat(4, 64, _i8))))
+    return (chunks, *_k_scales(u))
+
+
+def _q4_k(u):
+    """144 bytes: d, dmin, scales[12], qs[128]; sub-block 2j + half (of 32): the low (half 0)
+    or high nibbles of qs[j*32 + l]. Q5_K without the fifth bit."""
+    b = u.b
+    chunks = [b.and_(_byte_shift(b, _twice(b, u.load(16 + j * 32, 32, element=_i8)), [0, 0, 4, 4]), _splat(15, 64, _i8))
+              for j in range(4)]  # fmt: skip
+    return (chunks, *_k_scales(u))
+
+
+def _k_scales(u):
+    """Q5_K's and Q4_K's sub-block scales per lane of four, their offset, d, and the mins with dmin."""
+    b = u.b
     sc, mn = _q5_k_scale_bytes(u)
     two = ir.Constant(_i64, 2)
     d, dmin = u.table_value(b.mul(u.index, two)), u.table_value(b.add(b.mul(u.index, two), ir.Constant(_i64, 1)))
     scales = [b.zext(b.shuffle_vector(sc, sc, _vector([2 * j] * 8 + [2 * j + 1] * 8, _i32)), _vec(_i32, 16))
               for j in range(4)]  # fmt: skip
-    return chunks, scales, 0, d, (b.sext(mn, ir.VectorType(_i32, 8)), dmin)
+    return scales, 0, d, (b.sext(mn, ir.VectorType(_i32, 8)), dmin)
 
 
 def _q5_k_scale_bytes(u):
@@ -236,7 +251,7 @@ def _q5_k_scale_bytes(u):
 
 
 # kind: (super-block bytes, blocks of 32 per super-block, reader)
-_KINDS = {"q6_k": (210, 8, _q6_k), "q5_k": (176, 8, _q5_k)}
+_KINDS = {"q6_k": (210, 8, _q6_k), "q5_k": (176, 8, _q5_k), "q4_k": (144, 8, _q4_k)}
 
 
 def _data(context, builder, signature, args, k: int):
@@ -338,7 +353,7 @@ def _super_body(b, rows: _Rows, kind: str, rp, wp, units, ahead=None):
                 imin = b.sitofp(_int_sum(b, b.mul(mn, sums)), _f32)
                 b.store(b.fadd(b.load(mins[r]), b.fmul(b.fmul(dmin, x_scale), imin)), mins[r])
     totals = _lane_sums(b, [b.load(acc) for acc in accs])
-    if kind != "q5_k":
+    if kind == "q6_k":  # no min term
         return totals
     return [b.fsub(total, b.load(v)) for total, v in zip(totals, mins, strict=True)]
 
@@ -370,9 +385,9 @@ def _dot(kind: str, rows: int):
 
 # one, two or DOT_ROWS activation rows per pass over a weight row (a pass computes all its
 # rows, so the last ones take the narrowest pass that holds them)
-_one_q6_k, _one_q5_k = (_dot(kind, 1) for kind in _KINDS)
-_two_q6_k, _two_q5_k = (_dot(kind, 2) for kind in _KINDS)
-_many_q6_k, _many_q5_k = (_dot(kind, DOT_ROWS) for kind in _KINDS)
+_one_q6_k, _one_q5_k, _one_q4_k = (_dot(kind, 1) for kind in _KINDS)
+_two_q6_k, _two_q5_k, _two_q4_k = (_dot(kind, 2) for kind in _KINDS)
+_many_q6_k, _many_q5_k, _many_q4_k = (_dot(kind, DOT_ROWS) for kind in _KINDS)
 
 
 KIND_CODES = {name: code for code, name in enumerate(_KINDS)}  # matmul's `kind`
@@ -388,12 +403,19 @@ def _pass(kind, row, xq, xs, xsum, xsum4, table, units, first, width, out):  # p
             _two_q6_k(row, xq, xs, xsum, xsum4, table, units, first, out)
         else:
             _many_q6_k(row, xq, xs, xsum, xsum4, table, units, first, out)
+    elif kind == 1:
+        if width == 1:
+            _one_q5_k(row, xq, xs, xsum, xsum4, table, units, first, out)
+        elif width == 2:
+            _two_q5_k(row, xq, xs, xsum, xsum4, table, units, first, out)
+        else:
+            _many_q5_k(row, xq, xs, xsum, xsum4, table, units, first, out)
     elif width == 1:
-        _one_q5_k(row, xq, xs, xsum, xsum4, table, units, first, out)
+        _one_q4_k(row, xq, xs, xsum, xsum4, table, units, first, out)
     elif width == 2:
-        _two_q5_k(row, xq, xs, xsum, xsum4, table, units, first, out)
+        _two_q4_k(row, xq, xs, xsum, xsum4, table, units, first, out)
     else:
-        _many_q5_k(row, xq, xs, xsum, xsum4, table, units, first, out)
+        _many_q4_k(row, xq, xs, xsum, xsum4, table, units, first, out)
 
 
 @njit(types.void(types.int64, _raw(types.uint8), _f32_2d, types.int64, types.int8[:, ::1], _f32_2d, types.int32[:, ::1],

@@ -1,8 +1,8 @@
 """The native backend's layers over GGUF tensors as the file holds them (gguf_tensors.py's seam).
 
 - `build_linear` picks a kernel per type: Q8_0, Q5_K, Q6_K, Q5_0 and Q5_1 in
-  gguf_kernels_8bit.py, and Q4_0 and Q4_1 there too where numba runs its pair kernel
-  (`int8_activation_types`); Q4_K (and Q4_0, Q4_1 without numba) in gguf_q4.py; F32, F16 and
+  gguf_kernels_8bit.py, and Q4_0, Q4_1 and Q4_K there too where numba runs its kernels
+  (`int8_activation_types`; without numba they take gguf_q4.py's int4 kernel); F32, F16 and
   BF16 here, at the file's own precision.
 - A list of tensors of one type and K (q/k/v, gate/up) becomes one kernel over their rows
   concatenated (a `FusedLinear` that splits the output). Mixed 8-bit types that read one
@@ -47,7 +47,7 @@ from specdec.backends.native.quant import DenseLinear, FP16Linear, FusedLinear
 from specdec.errors import SpecdecError
 
 EIGHT_BIT_TYPES = ("Q8_0", "Q5_K", "Q6_K", "Q5_0", "Q5_1")  # gguf_kernels_8bit.py's
-PAIR_Q4_TYPES = ("Q4_0", "Q4_1")  # on gguf_kernels_8bit's pair kernel too, where numba runs it
+NUMBA_Q4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # on gguf_kernels_8bit's kernels too, where numba runs them
 FLOAT_TYPES = ("F32", "F16", "BF16")
 ROW_TILE = 512
 
@@ -118,9 +118,9 @@ def copies_weights(tensor: QuantTensor) -> bool:
 
 def int8_activation_types() -> tuple[str, ...]:
     """The types whose layers multiply int8 activations by the file's blocks (gguf_kernels_8bit):
-    the 8-bit family always, and Q4_0 / Q4_1 where the numba pair kernel runs (elsewhere they
-    take the int4 kernel, faster than the pair kernel's PyTorch replica)."""
-    return EIGHT_BIT_TYPES + PAIR_Q4_TYPES if eight_bit_kernel_name() == "numba" else EIGHT_BIT_TYPES
+    the 8-bit family always, and the 4-bit family where numba runs those kernels (elsewhere it
+    takes the int4 kernel, faster than the kernels' PyTorch replicas)."""
+    return EIGHT_BIT_TYPES + NUMBA_Q4_TYPES if eight_bit_kernel_name() == "numba" else EIGHT_BIT_TYPES
 
 
 def _eight_bit(tensor: QuantTensor, bias):

@@ -1,5 +1,5 @@
-"""Linear layers over GGUF Q8_0, Q6_K, Q5_K, Q5_0 and Q5_1 matrices (and Q4_0 and Q4_1 where
-numba runs: gguf_kernels.int8_activation_types), read from the file's own blocks.
+"""Linear layers over GGUF Q8_0, Q6_K, Q5_K, Q5_0 and Q5_1 matrices (and Q4_0, Q4_1 and Q4_K
+where numba runs: gguf_kernels.int8_activation_types), read from the file's own blocks.
 
 `linear_for(tensor, bias)` is the entry point (gguf_kernels.linear_from_quant dispatches these
 types to it). The layer keeps the file's bytes (memory-mapped, not copied) plus small
@@ -16,7 +16,7 @@ quantization and the fp32 accumulation. Reduction order, for each output:
   take the exact integer sums of four products of the pair's first block, 8-15 of its
   second, each times its block's scale), then the lanes summed left to right; Q5_1's and
   Q4_1's min term is summed over the even and the odd blocks in order and subtracted last;
-- Q6_K, Q5_K: per super-block 16 exact integer lanes of sc * (sums of four products w xq),
+- Q6_K, Q5_K, Q4_K: per super-block 16 exact integer lanes of sc * (sums of four products w xq),
   then one fp32 term (d * xs) * lanes added in super-block order; Q5_K's min term likewise,
   subtracted last. Fewer float operations than the small blocks' (one per 256 weights and
   row), and a super-block's unpacked integers are shared by the rows of a pass.
@@ -50,12 +50,12 @@ from specdec.backends.native.jit_ops import importable as numba_importable
 from specdec.backends.native.jit_ops import numba_threads
 from specdec.backends.native.ort_linear import OrtBlockLinear, ort_available
 
-QTYPES = ("Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q5_1", "Q4_0", "Q4_1")
+QTYPES = ("Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "Q4_K")
 SMALL_BLOCK_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1")  # blocks of 32; the K-quants' are of 256
 BLOCK = 32  # activation block of the small-block types (and the lanes' span)
 SUPER = 256  # the K-quants' super-block: their activation block
 LANES = 16
-BLOCK_BYTES = {"Q8_0": 34, "Q6_K": 210, "Q5_K": 176, "Q5_0": 22, "Q5_1": 24, "Q4_0": 18, "Q4_1": 20}  # per block (of 32 or 256)
+BLOCK_BYTES = {"Q8_0": 34, "Q6_K": 210, "Q5_K": 176, "Q5_0": 22, "Q5_1": 24, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144}  # per block (of 32 or 256)
 TORCH_TILE = 256  # output rows the torch kernel decodes at a time
 
 
@@ -254,7 +254,8 @@ def decode_superblocks(qtype: str, raw: np.ndarray, scales: np.ndarray) -> tuple
         sc = np.repeat(b[..., 192:208].view(np.int8).astype(np.float32), 16, axis=-1)  # [n, S, 256]
         tensors = (_q6_k_values(b), sc, scales)
         return (*(torch.from_numpy(np.ascontiguousarray(t)) for t in tensors), None)
-    q, sc, mn = _q5_k_values(raw.reshape(n, -1, BLOCK_BYTES[qtype]))
+    values = _q5_k_values if qtype == "Q5_K" else _q4_k_values
+    q, sc, mn = values(raw.reshape(n, -1, BLOCK_BYTES[qtype]))
     tensors = (q, np.repeat(sc, 32, axis=-1), scales[..., 0])
     return (*(torch.from_numpy(np.ascontiguousarray(t)) for t in tensors),
             (torch.from_numpy(mn), torch.from_numpy(np.ascontiguousarray(scales[..., 1]))))  # fmt: skip
@@ -304,7 +305,7 @@ def decode_integers(qtype: str, raw: np.ndarray, scales: np.ndarray) -> tuple:
         sc = b[..., 192:208].view(np.int8).astype(np.float32)  # [n, S, 16]
         scale = (scales[..., None] * sc).reshape(n, -1, 2)  # [n, K // 32, 2]: per sub-block of 16
         return q.reshape(n, -1, 32), scale[..., 0].copy(), scale[..., 1].copy(), None
-    q, sc, mn = _q5_k_values(raw.reshape(n, -1, BLOCK_BYTES[qtype]))
+    q, sc, mn = (_q5_k_values if qtype == "Q5_K" else _q4_k_values)(raw.reshape(n, -1, BLOCK_BYTES[qtype]))
     scale = (scales[..., 0:1] * sc).reshape(n, -1)
     offset = (scales[..., 1:2] * mn).reshape(n, -1)
     return q.reshape(n, -1, 32), scale, scale, offset
@@ -338,16 +339,32 @@ def _q5_values(b: np.ndarray) -> np.ndarray:
     return (low | (high << 4)).astype(np.float32)
 
 
-def _q5_k_values(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Q5_K blocks [n, S, 176] -> (q [n, S, 256], sc and m [n, S, 8]) as fp32."""
+def _k_scales_mins(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q5_K / Q4_K blocks [n, S, width] -> their six-bit sc and m [n, S, 8] as fp32."""
     s = b[..., 4:16].astype(np.uint8)
     sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], -1)
     mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
-    qs = b[..., 48:176].reshape(*b.shape[:2], 4, 1, 32)
-    low = np.concatenate([qs & 15, qs >> 4], axis=-2).reshape(*b.shape[:2], 8, 32)  # sub-block 2j, 2j+1
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _k_nibbles(qs: np.ndarray) -> np.ndarray:
+    """128 bytes of a K-quant's nibbles [n, S, 128] -> [n, S, 8, 32]: sub-block 2j the low
+    nibbles of bytes 32j .. 32j + 31, 2j + 1 their high nibbles."""
+    qs = qs.reshape(*qs.shape[:2], 4, 1, 32)
+    return np.concatenate([qs & 15, qs >> 4], axis=-2).reshape(*qs.shape[:2], 8, 32)
+
+
+def _q5_k_values(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q5_K blocks [n, S, 176] -> (q [n, S, 256], sc and m [n, S, 8]) as fp32."""
+    low = _k_nibbles(b[..., 48:176])
     high = (b[..., 16:48][..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [n, S, 8, 32]
     q = (low | (high << 4)).astype(np.float32).reshape(*b.shape[:2], 256)
-    return q, sc.astype(np.float32), mn.astype(np.float32)
+    return (q, *_k_scales_mins(b))
+
+
+def _q4_k_values(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K blocks [n, S, 144] -> (q [n, S, 256], sc and m [n, S, 8]) as fp32."""
+    return (_k_nibbles(b[..., 16:144]).astype(np.float32).reshape(*b.shape[:2], 256), *_k_scales_mins(b))
 
 
 def pair_lanes_matmul(xq: torch.Tensor, xs: torch.Tensor, xsum: torch.Tensor, w: torch.Tensor, d: torch.Tensor,

@@ -7,8 +7,9 @@ q in 0..15 and fp32 a, b decoded from the block's fp16 fields (`decode_rows`):
 - Q4_K: each super-block of 256 holds 8 sub-blocks of 32, w = q * (d * sc) - dmin * m, with
   6-bit sc and m (the gguf package's own `get_scale_min` unpacks them).
 
-Layers (the dispatch is gguf_kernels.build_linear's; where numba runs, Q4_0 and Q4_1 take
-gguf_kernels_8bit's pair kernel instead, int8 activations times the file's blocks):
+Layers (the dispatch is gguf_kernels.build_linear's; where numba runs, all three types take
+gguf_kernels_8bit's kernels instead, int8 activations times the file's blocks, and these
+layers serve the fallback and SPECDEC_CPU_KERNELS=fallback):
 - `Int4BlockLinear` (default where PyTorch's CPU int4 kernel runs): the blocks repacked, tile
   by tile, into `_weight_int4pack_mm_for_cpu`'s format, w = (q - 8) * scale + zero with bf16
   scale and zero. That kernel stores bf16, so the weights are the file's up to the bf16
