@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from specdec.backends.native import gguf_q4, jit_ops
+from specdec.backends.native.cpu import has_int4_kernel
 from specdec.backends.native.gguf_kernels import (
     concat_rows,
     embedding_from_quant,
@@ -70,22 +71,40 @@ def agreement(y: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
 @pytest.mark.parametrize("kind,bound", KINDS)
 @pytest.mark.parametrize("path", ["forward", "prompt_forward", "tile_forward"])
 def test_layer_matches_the_reference(kind, bound, path):
-    # the outputs as logits of a 512-entry vocabulary, 64 rows, scaled to an LM's spread (std 3)
     tensor = random_tensor(kind, 512, 512)
     layer, x = linear_from_quant(tensor), activations(64, 512)
     if not hasattr(layer, path):
         pytest.skip(f"{type(layer).__name__} has no {path}")
+    _check_against_the_reference(getattr(layer, path), tensor, x, bound == "exact" and path == "forward",
+                                 kind in int8_activation_types())  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", Q4)
+@pytest.mark.parametrize("path", ["forward", "prompt_forward", "tile_forward"])
+def test_the_int4_kernel_layer_matches_the_reference(kind, path):
+    """The 4-bit types' layer where numba does not run (PyTorch's int4 kernel, bf16 tiles for
+    prompts): the bf16 bound."""
+    if not has_int4_kernel():
+        pytest.skip("PyTorch's CPU int4 kernel does not run here")
+    tensor = random_tensor(kind, 512, 512)
+    layer = Int4BlockLinear.from_blocks(kind, tensor.data, 512)
+    _check_against_the_reference(getattr(layer, path), tensor, activations(64, 512), False, False)
+
+
+def _check_against_the_reference(run, tensor: QuantTensor, x: torch.Tensor, exact: bool, int8: bool) -> None:
+    # the outputs as logits of a 512-entry vocabulary, 64 rows, scaled to an LM's spread (std 3)
     reference = ReferenceLinear(tensor)(x)
     scale = 3 / float(reference.std())
-    y, reference = getattr(layer, path)(x) * scale, reference * scale
+    y, reference = run(x) * scale, reference * scale
     top1, kl = agreement(y, reference)
-    if bound == "exact" and path == "forward":
+    if exact:
         torch.testing.assert_close(y, reference, rtol=1e-5, atol=2e-5)
-    else:  # bf16 rounding (scales, activations, or the prompt tiles' weights): the documented bound
-        assert top1 >= 0.95 and kl < 2e-4, (top1, kl)  # measured: top-1 >= 0.98, KL <= 1e-4
-        # int8 activations (Q4_0 / Q4_1 on the pair kernel) round coarser: measured 5.3e-3
-        limit = 1e-2 if kind in int8_activation_types() else 5e-3  # measured: <= 3.5e-3
-        assert float((y - reference).norm() / reference.norm()) < limit
+        return
+    # bf16 rounding (scales, activations, or the prompt tiles' weights): the documented bound
+    assert top1 >= 0.95 and kl < 2e-4, (top1, kl)  # measured: top-1 >= 0.98, KL <= 1e-4
+    # int8 activations (the 4-bit types on the numba kernels) round coarser: measured 5.3e-3
+    limit = 1e-2 if int8 else 5e-3  # measured: <= 3.5e-3
+    assert float((y - reference).norm() / reference.norm()) < limit
 
 
 @pytest.mark.parametrize("kind", Q4)
