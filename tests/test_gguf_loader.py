@@ -253,17 +253,18 @@ def test_a_short_chunk_takes_the_decode_kernels_and_a_warm_prefill_keeps_its_bit
 
 
 @pytest.mark.parametrize(("arch", "qtype", "whole_layer"),
-                         [("gemma3", "Q8_0", False), ("qwen2", "Q8_0", True), ("qwen3", "Q5_1", True),
+                         [("gemma3", "Q8_0", True), ("gemma3", "Q4_K", True), ("qwen2", "Q8_0", True), ("qwen3", "Q5_1", True),
                           ("mistral", "Q6_K", True), ("phi3", "Q5_K", True), ("llama", "Q4_0", True),
                           ("llama", "Q4_K", True), ("llama", "F16", False)])  # fmt: skip
 def test_a_lone_chain_row_runs_in_one_call_with_the_bits_of_a_batch(tmp_path_factory, arch, qtype, whole_layer,
                                                                     monkeypatch):  # fmt: skip
     """A forward of one chain row takes one numba call: the whole layer where every linear is
-    a numba 8-bit kernel and the layer has no output norms or GELU (layer_step.py: a qkv bias
-    (qwen2), q/k norms (qwen3), a sliding window (mistral), phi3's fused matrices, the small
-    blocks, Q4_0 on the pair kernel and the K-quants, Q4_K among them), else the norm, rotation and attention (jit.norm_rotate_attend,
-    gemma3). The same rows in a batch of two take the separate calls. Bit for bit the same,
-    one token and a chain of four."""
+    a numba 8-bit kernel (layer_step.py: gemma3's q/k norms, sublayer output norms, GELU and
+    sliding windows, a qkv bias (qwen2), q/k norms (qwen3), a window (mistral), phi3's fused
+    matrices, the small blocks, Q4_0 on the pair kernel and the K-quants, Q4_K among them),
+    else the norm, rotation and attention (jit.norm_rotate_attend, F16 on fbgemm). The same
+    rows in a batch of two take the separate calls. Bit for bit the same, one token and a
+    chain of four."""
     path, _ = _write(tmp_path_factory, arch, qtype)
     model = NativeModel.from_gguf(path)
     assert all((layer.step is not None) == whole_layer for layer in model.layers)
@@ -278,8 +279,7 @@ def test_a_lone_chain_row_runs_in_one_call_with_the_bits_of_a_batch(tmp_path_fac
         seq.prefill(TOKENS[start : start + 30])
     calls.clear()
     alone = [a.forward(TOKENS[30:31]), a.forward(TOKENS[31:35])]
-    if qtype != "F16":  # F16 layers on fbgemm rotate and attend in their own one call
-        assert set(calls) == {"layer" if whole_layer else "attend"}, "the one-call path did not run"
+    assert set(calls) == {"layer" if whole_layer else "attend"}, "the one-call path did not run"
     calls.clear()
     a.rollback(30)
     batched = [pool.forward_batch([a, b], [chunk, TOKENS[:1]])[0] for chunk in (TOKENS[30:31], TOKENS[31:35])]

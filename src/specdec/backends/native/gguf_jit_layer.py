@@ -53,6 +53,33 @@ def silu_mul_f32(gate_up):  # pragma: no cover - compiled
     return out
 
 
+GELU_BETA = np.float32(0.7978845608028654)  # sqrt(2 / pi), as PyTorch's tanh approximation
+GELU_KAPPA = np.float32(0.044715)
+
+
+@njit("float32[:, ::1](float32[:, ::1])", cache=True, nogil=True)
+def gelu_mul_f32(gate_up):  # pragma: no cover - compiled
+    """GeGLU with the tanh approximation (gemma3's gelu_pytorch_tanh) from gate|up side by
+    side, fp32 [N, 2 I] -> 0.5 g (1 + tanh(u)) * up [N, I], u = sqrt(2 / pi) (g + 0.044715
+    g^3); tanh(|u|) = (1 - e) / (1 + e) with e = exp(-2 |u|) as in jit.exp_nonpositive."""
+    rows, inner = gate_up.shape[0], gate_up.shape[1] // 2
+    out = np.empty((rows, inner), np.float32)
+    a = np.empty(inner, np.float32)
+    e = np.empty(inner, np.float32)
+    e_bits = np.empty(inner, np.int32)
+    for r in range(rows):
+        for i in range(inner):
+            g = gate_up[r, i]
+            a[i] = np.float32(-2) * abs(GELU_BETA * (g + GELU_KAPPA * (g * g * g)))
+        exp_nonpositive(a, inner, e, e_bits)
+        for i in range(inner):
+            g = gate_up[r, i]
+            t = (np.float32(1) - e[i]) / (np.float32(1) + e[i])
+            t = t if GELU_BETA * (g + GELU_KAPPA * (g * g * g)) >= 0 else -t
+            out[r, i] = ((np.float32(0.5) * g) * (np.float32(1) + t)) * gate_up[r, inner + i]
+    return out
+
+
 @njit(cache=True, nogil=True)
 def linear(group, x):  # pragma: no cover - compiled
     """x [M, K] fp32 -> [M, width] fp32 through one group (the module docstring)."""
@@ -91,14 +118,15 @@ def _add(x, delta):  # pragma: no cover - compiled
 
 @njit(cache=True, nogil=True)
 def decode_layer(x, pending, norms, eps, qkv, o, gate_up, down, rope, heads, kv_heads, cache, row,
-                 scale, parallel):  # fmt: skip  # pragma: no cover - compiled
+                 scale, parallel, gelu):  # fmt: skip  # pragma: no cover - compiled
     """One layer on x [T, hidden] + pending (the previous layer's output not yet added; [0,
     hidden]: none) for one chain row -> (its input with pending added, its output): the
     separate path's `DecoderLayer.forward_open`. norms: (attn_norm, mlp_norm, q_norm,
-    k_norm), the last two empty where the layer has none; rope: (cos, signed_sin) [T, 1,
-    dim]; cache: (k_cache, v_cache); row: (slot, store, limits, paths, starts) as
-    jit.norm_rotate_attend takes them; parallel: attend on numba's threads."""
-    attn_norm, mlp_norm, q_norm, k_norm = norms
+    k_norm, post_attn_norm, post_mlp_norm), the last four empty where the layer has none;
+    rope: (cos, signed_sin) [T, 1, dim]; cache: (k_cache, v_cache); row: (slot, store,
+    limits, paths, starts) as jit.norm_rotate_attend takes them; parallel: attend on numba's
+    threads; gelu: GeGLU (gemma3), else SwiGLU."""
+    attn_norm, mlp_norm, q_norm, k_norm, post_attn_norm, post_mlp_norm = norms
     cos, sin = rope
     k_cache, v_cache = cache
     slot, store, limits, paths, starts = row
@@ -111,5 +139,12 @@ def decode_layer(x, pending, norms, eps, qkv, o, gate_up, down, rope, heads, kv_
     else:
         attn = norm_rotate_attend(mixed, cos, sin, heads, kv_heads, q_norm, k_norm, eps, k_cache, v_cache, slot,
                                   store, limits, paths, starts, scale)  # fmt: skip
-    x = _add(x, linear(o, np.ascontiguousarray(attn)))
-    return x, linear(down, silu_mul_f32(linear(gate_up, rms_norm_f32(x, mlp_norm, eps))))
+    delta = linear(o, np.ascontiguousarray(attn))
+    if post_attn_norm.shape[0]:
+        delta = rms_norm_f32(delta, post_attn_norm, eps)
+    x = _add(x, delta)
+    joined = linear(gate_up, rms_norm_f32(x, mlp_norm, eps))
+    delta = linear(down, gelu_mul_f32(joined) if gelu else silu_mul_f32(joined))
+    if post_mlp_norm.shape[0]:
+        delta = rms_norm_f32(delta, post_mlp_norm, eps)
+    return x, delta

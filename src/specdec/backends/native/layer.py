@@ -28,6 +28,7 @@ from specdec.backends.native.jit_ops import (
     split_rotate,
 )
 from specdec.backends.native.layer_step import LayerStep
+from specdec.backends.native.layer_step import gelu_mul as gelu_mul_f32
 from specdec.backends.native.layer_step import silu_mul as silu_mul_f32
 from specdec.backends.native.quant import FusedLinear, Linear
 
@@ -137,14 +138,13 @@ class DecoderLayer(torch.nn.Module):
                             extra)  # fmt: skip
         self.fused_gate_up = gate_up.fused is not None and self.act_dtype == torch.bfloat16 and not self.gelu
         self.split_gate_up = len(gate_up.sizes) == 1  # one [gate | up] part
-        # fp32 layers with numba's norms take its SwiGLU too, in every stack (decode, prompts)
-        self.numba_swiglu = self.fast_norms and self.act_dtype == torch.float32 and not self.gelu
+        # fp32 layers with numba's norms take its SwiGLU / GeGLU too, in every stack (decode, prompts)
+        self.numba_glu = self.fast_norms and self.act_dtype == torch.float32
         # a layer of numba 8-bit kernels runs a lone chain row as one call (layer_step.py)
         self.step = None
-        if self.numba_swiglu and post_attn_norm is None and post_mlp_norm is None:
-            q_k_norms = None if q_norm is None else (q_norm, k_norm)
-            self.step = LayerStep.build((attn_norm, mlp_norm), q_k_norms, (qkv, o, gate_up, down), self.eps, self.heads,
-                                        self.kv_heads, self.scale or self.dim**-0.5)  # fmt: skip
+        if self.numba_glu:
+            self.step = LayerStep.build((attn_norm, mlp_norm, *extra), (qkv, o, gate_up, down), self.eps, self.heads,
+                                        self.kv_heads, self.scale or self.dim**-0.5, self.gelu)  # fmt: skip
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, rows: list[KVRow]) -> torch.Tensor:
@@ -193,8 +193,9 @@ class DecoderLayer(torch.nn.Module):
                               fast_norms)  # fmt: skip
         if fast and self.fused_gate_up:  # one numba call from the fused gate|up output
             return x, self._post_norm(down_linear(silu_mul_bf16(gate_up_joined(h))), post_mlp_norm, fast_norms)
-        if fast_norms and self.numba_swiglu:  # the one-call path's SwiGLU: a row's bits do not depend on the path
-            return x, self._post_norm(down_linear(silu_mul_f32(gate_up_joined(h))), post_mlp_norm, fast_norms)
+        if fast_norms and self.numba_glu:  # the one-call path's activation: a row's bits do not depend on the path
+            mixed = (gelu_mul_f32 if self.gelu else silu_mul_f32)(gate_up_joined(h))
+            return x, self._post_norm(down_linear(mixed), post_mlp_norm, fast_norms)
         gate, up = gate_up_joined(h).chunk(2, dim=-1) if self.split_gate_up else gate_up_linear(h)
         mixed = gelu_mul(gate, up, act) if self.gelu else silu_mul(gate, up, act)
         return x, self._post_norm(down_linear(mixed), post_mlp_norm, fast_norms)

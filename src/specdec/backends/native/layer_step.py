@@ -1,12 +1,13 @@
 """A decoder layer of GGUF 8-bit matrices as one numba call (gguf_jit_layer.decode_layer).
 
 `LayerStep.build` says whether a layer qualifies: every linear runs the numba 8-bit kernels
-(BlockLinear8 or MixedBlockLinear8, one activation format per linear), the norms are fp32,
-the activation is SiLU, and there are no norms around the sublayers' outputs (gemma3's). A
-qualifying layer runs a forward of one chain row (decode steps, a speculative chain) as one
-call; batches and trees take the separate calls. Both compute the same operations on the
-same kernels, SwiGLU included (`silu_mul`: the separate path of a qualifying layer takes it
-too), so a row's bits do not depend on the path; tests/test_gguf_loader.py compares them.
+(BlockLinear8 or MixedBlockLinear8, one activation format per linear) and the norms are
+fp32 (gemma3's q/k norms and sublayer output norms included). A qualifying layer runs a
+forward of one chain row (decode steps, a speculative chain) as one call; batches and
+trees take the separate calls. Both compute the same operations on the same kernels, the
+activation included (`silu_mul`, `gelu_mul`: the separate path of an fp32 layer with numba's
+norms takes them too), so a row's bits do not depend on the path; tests/test_gguf_loader.py
+compares them.
 """
 
 from __future__ import annotations
@@ -46,26 +47,25 @@ class LayerStep:
     """One qualifying layer's arrays, formed once, and the call that runs it."""
 
     def __init__(self, norms: tuple[np.ndarray, ...], groups: tuple, eps: float, heads: int, kv_heads: int,
-                 scale: float):  # fmt: skip
+                 scale: float, gelu: bool):  # fmt: skip
         self.norms, self.groups, self.eps = norms, groups, np.float32(eps)
-        self.heads, self.kv_heads, self.scale = heads, kv_heads, np.float32(scale)
+        self.heads, self.kv_heads, self.scale, self.gelu = heads, kv_heads, np.float32(scale), gelu
         self.no_pending = np.empty((0, norms[0].shape[0]), np.float32)
 
     @classmethod
-    def build(cls, norms: tuple[torch.Tensor, ...], q_k_norms: tuple[torch.Tensor, torch.Tensor] | None,
-              linears: tuple, eps: float, heads: int, kv_heads: int, scale: float) -> LayerStep | None:  # fmt: skip
-        """norms: (attn_norm, mlp_norm); linears: (qkv, o, gate_up, down). None where the layer
-        does not qualify (the module docstring); the caller checks the activation and the
-        sublayer output norms."""
-        weights = norms + (q_k_norms or ())
+    def build(cls, norms: tuple[torch.Tensor | None, ...], linears: tuple, eps: float, heads: int, kv_heads: int,
+              scale: float, gelu: bool) -> LayerStep | None:  # fmt: skip
+        """norms: (attn_norm, mlp_norm, q_norm, k_norm, post_attn_norm, post_mlp_norm), None
+        where the layer has none; linears: (qkv, o, gate_up, down). None where the layer does
+        not qualify (the module docstring)."""
+        weights = [w for w in norms if w is not None]
         if not all(fast_norms_usable(w.device) and w.dtype == torch.float32 for w in weights):
             return None
         groups = tuple(_group(linear) for linear in linears)
         if any(group is None for group in groups):
             return None
-        no_norm = np.empty(0, np.float32)
-        arrays = tuple(np.ascontiguousarray(w.detach().numpy()) for w in weights)
-        return cls(arrays if q_k_norms else (*arrays, no_norm, no_norm), groups, eps, heads, kv_heads, scale)
+        arrays = tuple(np.empty(0, np.float32) if w is None else np.ascontiguousarray(w.detach().numpy()) for w in norms)
+        return cls(arrays, groups, eps, heads, kv_heads, scale, gelu)
 
     def __call__(self, x: torch.Tensor, pending: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, row) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -78,13 +78,18 @@ class LayerStep:
         out, delta = _jit().decode_layer(x_rows, pending_rows, self.norms, self.eps, *self.groups,
                                          (cos.numpy(), sin.numpy()), self.heads, self.kv_heads,
                                          (k_cache.numpy(), v_cache.numpy()), (row.slot, row.store, limits, paths, starts),
-                                         self.scale, parallel)  # fmt: skip
+                                         self.scale, parallel, self.gelu)  # fmt: skip
         return torch.from_numpy(out), torch.from_numpy(delta)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[N, 2 I] fp32, gate and up side by side -> silu(gate) * up [N, I] (gguf_jit_layer.silu_mul_f32)."""
     return torch.from_numpy(_jit().silu_mul_f32(gate_up.contiguous().numpy()))
+
+
+def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[N, 2 I] fp32, gate and up side by side -> gelu_tanh(gate) * up [N, I] (gguf_jit_layer.gelu_mul_f32)."""
+    return torch.from_numpy(_jit().gelu_mul_f32(gate_up.contiguous().numpy()))
 
 
 @functools.cache
