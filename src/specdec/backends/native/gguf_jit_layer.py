@@ -1,17 +1,17 @@
-"""A decoder layer whose linears are all GGUF 8-bit matrices (Q8_0, Q5_0, Q5_1, Q6_K, Q5_K),
-run for one chain row as one numba call (layer_step.py wraps it and says when it runs).
+"""A decoder layer whose linears all run on the int8-activation GGUF kernels (Q8_0, Q5_0,
+Q5_1, Q4_0, Q4_1, Q6_K, Q5_K, Q4_K), run for one chain row as one numba call (layer_step.py wraps it and says when it runs).
 
 At decode widths a layer's kernels take a few tens of microseconds each, and the Python
 around them (tensor conversions, dispatches, one allocation per output) cost about as much
 again. Here the same kernels run back to back in compiled code: `decode_layer` calls the
 functions the separate path calls (gguf_jit_quant's quantizers, the matmuls of
-gguf_jit_small and gguf_jit_8bit, jit's norms and attention, `silu_mul_f32`) on the same
+gguf_jit_small and gguf_jit_8bit, jit's norms and attention, `silu_mul_f32` or `gelu_mul_f32`) on the same
 inputs in the same order, and adds biases and residuals as the separate path's fp32 tensor
 adds do, so a row gets the same bits either way. Imported on first use; compiled once,
 cached on disk.
 
 A linear is a `group`: (small, parts, bias, width). `small` says whether the parts read
-blocks of 32 (Q8_0, Q5_0, Q5_1) or the K-quants' super-blocks; every part of a group reads
+blocks of 32 (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1) or the K-quants' super-blocks; every part of a group reads
 that one quantization of the input, as MixedBlockLinear8 does. parts: a tuple of (kind,
 raw, table, units), each writing its columns side by side (KIND_CODES of its module); bias:
 [width] fp32, or empty.
