@@ -5,7 +5,7 @@ At decode widths a layer's kernels take a few tens of microseconds each, and the
 around them (tensor conversions, dispatches, one allocation per output) cost about as much
 again. Here the same kernels run back to back in compiled code: `decode_layer` calls the
 functions the separate path calls (gguf_jit_quant's quantizers, the matmuls of
-gguf_jit_small and gguf_jit_8bit, jit's norms and attention, `silu_mul_f32` or `gelu_mul_f32`) on the same
+gguf_jit_small and gguf_jit_8bit, jit's norms and attention, `glu_mul_f32`) on the same
 inputs in the same order, and adds biases and residuals as the separate path's fp32 tensor
 adds do, so a row gets the same bits either way. Imported on first use; compiled once,
 cached on disk.
@@ -32,51 +32,40 @@ from specdec.backends.native.jit import (
     rms_norm_f32,
 )
 
-
-@njit("float32[:, ::1](float32[:, ::1])", cache=True, nogil=True)
-def silu_mul_f32(gate_up):  # pragma: no cover - compiled
-    """SwiGLU from the gate|up projection side by side, fp32 [N, 2 I] -> silu(gate) * up [N, I]
-    fp32: jit.silu_mul_bf16's arithmetic without the rounding to bf16."""
-    rows, inner = gate_up.shape[0], gate_up.shape[1] // 2
-    out = np.empty((rows, inner), np.float32)
-    a = np.empty(inner, np.float32)
-    e = np.empty(inner, np.float32)
-    e_bits = np.empty(inner, np.int32)
-    for r in range(rows):
-        for i in range(inner):
-            a[i] = -abs(gate_up[r, i])
-        exp_nonpositive(a, inner, e, e_bits)  # exp(-|g|)
-        for i in range(inner):  # sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) below
-            g = gate_up[r, i]
-            numerator = np.float32(1) if g >= 0 else e[i]
-            out[r, i] = (g * (numerator / (np.float32(1) + e[i]))) * gate_up[r, inner + i]
-    return out
-
-
 GELU_BETA = np.float32(0.7978845608028654)  # sqrt(2 / pi), as PyTorch's tanh approximation
 GELU_KAPPA = np.float32(0.044715)
 
 
-@njit("float32[:, ::1](float32[:, ::1])", cache=True, nogil=True)
-def gelu_mul_f32(gate_up):  # pragma: no cover - compiled
-    """GeGLU with the tanh approximation (gemma3's gelu_pytorch_tanh) from gate|up side by
-    side, fp32 [N, 2 I] -> 0.5 g (1 + tanh(u)) * up [N, I], u = sqrt(2 / pi) (g + 0.044715
-    g^3); tanh(|u|) = (1 - e) / (1 + e) with e = exp(-2 |u|) as in jit.exp_nonpositive."""
+@njit("float32[:, ::1](float32[:, ::1], boolean)", cache=True, nogil=True)
+def glu_mul_f32(gate_up, gelu):  # pragma: no cover - compiled
+    """The activation of gate, times up, from the gate|up projection side by side: fp32 [N, 2 I]
+    -> [N, I] fp32, each through one exp (jit.exp_nonpositive) of a non-positive argument.
+    - SwiGLU (gelu False): silu(g) = g / (1 + e) for g >= 0, g e / (1 + e) below, e =
+      exp(-|g|): jit.silu_mul_bf16's arithmetic without the rounding to bf16;
+    - GeGLU (gemma3's gelu_pytorch_tanh): 0.5 g (1 + tanh(u)), u = sqrt(2 / pi) (g + 0.044715
+      g^3), tanh(|u|) = (1 - e) / (1 + e) with e = exp(-2 |u|)."""
     rows, inner = gate_up.shape[0], gate_up.shape[1] // 2
     out = np.empty((rows, inner), np.float32)
-    a = np.empty(inner, np.float32)
-    e = np.empty(inner, np.float32)
+    u, a, e = np.empty(inner, np.float32), np.empty(inner, np.float32), np.empty(inner, np.float32)
     e_bits = np.empty(inner, np.int32)
     for r in range(rows):
         for i in range(inner):
             g = gate_up[r, i]
-            a[i] = np.float32(-2) * abs(GELU_BETA * (g + GELU_KAPPA * (g * g * g)))
-        exp_nonpositive(a, inner, e, e_bits)
+            if gelu:
+                u[i] = GELU_BETA * (g + GELU_KAPPA * (g * g * g))
+                a[i] = np.float32(-2) * abs(u[i])
+            else:
+                a[i] = -abs(g)
+        exp_nonpositive(a, inner, e, e_bits)  # (apart: an in-place call would not vectorise)
         for i in range(inner):
             g = gate_up[r, i]
-            t = (np.float32(1) - e[i]) / (np.float32(1) + e[i])
-            t = t if GELU_BETA * (g + GELU_KAPPA * (g * g * g)) >= 0 else -t
-            out[r, i] = ((np.float32(0.5) * g) * (np.float32(1) + t)) * gate_up[r, inner + i]
+            if gelu:
+                t = (np.float32(1) - e[i]) / (np.float32(1) + e[i])
+                t = t if u[i] >= 0 else -t
+                out[r, i] = ((np.float32(0.5) * g) * (np.float32(1) + t)) * gate_up[r, inner + i]
+            else:
+                numerator = np.float32(1) if g >= 0 else e[i]
+                out[r, i] = (g * (numerator / (np.float32(1) + e[i]))) * gate_up[r, inner + i]
     return out
 
 
@@ -143,8 +132,7 @@ def decode_layer(x, pending, norms, eps, qkv, o, gate_up, down, rope, heads, kv_
     if post_attn_norm.shape[0]:
         delta = rms_norm_f32(delta, post_attn_norm, eps)
     x = _add(x, delta)
-    joined = linear(gate_up, rms_norm_f32(x, mlp_norm, eps))
-    delta = linear(down, gelu_mul_f32(joined) if gelu else silu_mul_f32(joined))
+    delta = linear(down, glu_mul_f32(linear(gate_up, rms_norm_f32(x, mlp_norm, eps)), gelu))
     if post_mlp_norm.shape[0]:
         delta = rms_norm_f32(delta, post_mlp_norm, eps)
     return x, delta

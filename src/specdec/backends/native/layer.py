@@ -27,9 +27,7 @@ from specdec.backends.native.jit_ops import (
     split_norm_rotate,
     split_rotate,
 )
-from specdec.backends.native.layer_step import LayerStep
-from specdec.backends.native.layer_step import gelu_mul as gelu_mul_f32
-from specdec.backends.native.layer_step import silu_mul as silu_mul_f32
+from specdec.backends.native.layer_step import LayerStep, glu_mul
 from specdec.backends.native.quant import FusedLinear, Linear
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")  # HF model types
@@ -194,8 +192,7 @@ class DecoderLayer(torch.nn.Module):
         if fast and self.fused_gate_up:  # one numba call from the fused gate|up output
             return x, self._post_norm(down_linear(silu_mul_bf16(gate_up_joined(h))), post_mlp_norm, fast_norms)
         if fast_norms and self.numba_glu:  # the one-call path's activation: a row's bits do not depend on the path
-            mixed = (gelu_mul_f32 if self.gelu else silu_mul_f32)(gate_up_joined(h))
-            return x, self._post_norm(down_linear(mixed), post_mlp_norm, fast_norms)
+            return x, self._post_norm(down_linear(glu_mul(gate_up_joined(h), self.gelu)), post_mlp_norm, fast_norms)
         gate, up = gate_up_joined(h).chunk(2, dim=-1) if self.split_gate_up else gate_up_linear(h)
         mixed = gelu_mul(gate, up, act) if self.gelu else silu_mul(gate, up, act)
         return x, self._post_norm(down_linear(mixed), post_mlp_norm, fast_norms)

@@ -5,7 +5,7 @@
 fp32 (gemma3's q/k norms and sublayer output norms included). A qualifying layer runs a
 forward of one chain row (decode steps, a speculative chain) as one call; batches and
 trees take the separate calls. Both compute the same operations on the same kernels, the
-activation included (`silu_mul`, `gelu_mul`: the separate path of an fp32 layer with numba's
+activation included (`glu_mul`: the separate path of an fp32 layer with numba's
 norms takes them too), so a row's bits do not depend on the path; tests/test_gguf_loader.py
 compares them.
 """
@@ -82,14 +82,10 @@ class LayerStep:
         return torch.from_numpy(out), torch.from_numpy(delta)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[N, 2 I] fp32, gate and up side by side -> silu(gate) * up [N, I] (gguf_jit_layer.silu_mul_f32)."""
-    return torch.from_numpy(_jit().silu_mul_f32(gate_up.contiguous().numpy()))
-
-
-def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[N, 2 I] fp32, gate and up side by side -> gelu_tanh(gate) * up [N, I] (gguf_jit_layer.gelu_mul_f32)."""
-    return torch.from_numpy(_jit().gelu_mul_f32(gate_up.contiguous().numpy()))
+def glu_mul(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
+    """[N, 2 I] fp32, gate and up side by side -> silu(gate) * up, or gelu_tanh(gate) * up,
+    [N, I] (gguf_jit_layer.glu_mul_f32)."""
+    return torch.from_numpy(_jit().glu_mul_f32(gate_up.contiguous().numpy(), gelu))
 
 
 @functools.cache
