@@ -28,6 +28,7 @@ from specdec.backends.native.gguf_kernels_8bit import OrtBlockLinear8, ort_8bit_
 from specdec.backends.native.gguf_q4 import prompt_tiles
 from specdec.backends.native.gguf_tensors import ReferenceLinear
 from specdec.backends.native.layer import SUPPORTED_TYPES
+from specdec.backends.native.layer_step import LayerStep
 from specdec.backends.native.model import NativeModel
 from specdec.errors import SpecdecError
 from specdec.gguf_file import MODEL_TYPES
@@ -262,29 +263,38 @@ def test_a_lone_chain_row_runs_in_one_call_with_the_bits_of_a_batch(tmp_path_fac
     a numba 8-bit kernel (layer_step.py: gemma3's q/k norms, sublayer output norms, GELU and
     sliding windows, a qkv bias (qwen2), q/k norms (qwen3), a window (mistral), phi3's fused
     matrices, the small blocks, Q4_0 on the pair kernel and the K-quants, Q4_K among them),
-    else the norm, rotation and attention (jit.norm_rotate_attend, F16 on fbgemm). The same
-    rows in a batch of two take the separate calls. Bit for bit the same, one token and a
-    chain of four."""
+    else the norm, rotation and attention (jit.norm_rotate_attend, F16 on fbgemm). The whole
+    layers run back to back in the model's StepStack; without it each layer makes its own
+    call, and the same rows in a batch of two take the separate calls. Bit for bit the same,
+    one token and a chain of four."""
     path, _ = _write(tmp_path_factory, arch, qtype)
     model = NativeModel.from_gguf(path)
     assert all((layer.step is not None) == whole_layer for layer in model.layers)
+    assert (model.step_stack is not None) == whole_layer
     calls = []
-    one_call = native_layer.norm_rotate_attend
+    one_call, layer_call = native_layer.norm_rotate_attend, LayerStep.run
     monkeypatch.setattr(native_layer, "norm_rotate_attend", lambda *a: calls.append("attend") or one_call(*a))
-    for layer in model.layers if whole_layer else ():
-        monkeypatch.setattr(layer, "step", lambda *a, step=layer.step: calls.append("layer") or step(*a))
+    monkeypatch.setattr(LayerStep, "run", lambda self, *a: calls.append("layer") or layer_call(self, *a))
     pool = model.new_pool(slots=2, max_length=256)
     a, b = pool.new_sequence(), pool.new_sequence()
     for seq, start in ((a, 0), (b, 7)):
         seq.prefill(TOKENS[start : start + 30])
-    calls.clear()
-    alone = [a.forward(TOKENS[30:31]), a.forward(TOKENS[31:35])]
-    assert set(calls) == {"layer" if whole_layer else "attend"}, "the one-call path did not run"
+
+    def chain(expected: str) -> list[torch.Tensor]:
+        calls.clear()
+        a.rollback(30)
+        out = [a.forward(TOKENS[30:31]), a.forward(TOKENS[31:35])]
+        assert set(calls) == {expected}, "the one-call path did not run"
+        return out
+
+    alone = chain("layer" if whole_layer else "attend")  # every layer in one stack (model.step_stack)
+    monkeypatch.setattr(model, "step_stack", None)  # each layer's own call (DecoderLayer.forward_open)
+    per_layer = chain("layer" if whole_layer else "attend")
     calls.clear()
     a.rollback(30)
     batched = [pool.forward_batch([a, b], [chunk, TOKENS[:1]])[0] for chunk in (TOKENS[30:31], TOKENS[31:35])]
     assert not calls
-    assert all(torch.equal(x, y) for x, y in zip(alone, batched, strict=True))
+    assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(alone, per_layer, batched, strict=True))
 
 
 def test_prompts_take_one_chunk_a_forward_where_the_gemm_rows_are_not_independent(tmp_path_factory, monkeypatch):

@@ -7,7 +7,9 @@ forward of one chain row (decode steps, a speculative chain) as one call; batche
 trees take the separate calls. Both compute the same operations on the same kernels, the
 activation included (`glu_mul`: the separate path of an fp32 layer with numba's
 norms takes them too), so a row's bits do not depend on the path; tests/test_gguf_loader.py
-compares them.
+compares them. Where every layer qualifies, `StepStack` runs them back to back for the model,
+the per-forward work (the arrays of the rope tables and of the row's plan) done once, not
+once a layer.
 """
 
 from __future__ import annotations
@@ -71,15 +73,49 @@ class LayerStep:
                  k_cache: torch.Tensor, v_cache: torch.Tensor, row) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """x [T, hidden] fp32 (+ pending) for one chain row `row` (attention.kernel_chain_row)
         -> (x + pending, the layer's output), as DecoderLayer.forward_open returns them."""
-        limits, paths, starts = row.plan.arrays
-        parallel = int(limits[-1]) * x.shape[0] * self.heads >= PARALLEL_WORK  # as jit_ops picks its kernel
-        x_rows = x.contiguous().numpy()
         pending_rows = self.no_pending if pending is None else pending.contiguous().numpy()
-        out, delta = _jit().decode_layer(x_rows, pending_rows, self.norms, self.eps, *self.groups,
-                                         (cos.numpy(), sin.numpy()), self.heads, self.kv_heads,
-                                         (k_cache.numpy(), v_cache.numpy()), (row.slot, row.store, limits, paths, starts),
-                                         self.scale, parallel, self.gelu)  # fmt: skip
+        row_arrays = (row.slot, row.store, *row.plan.arrays)
+        out, delta = self.run(x.contiguous().numpy(), pending_rows, (cos.numpy(), sin.numpy()),
+                              (k_cache.numpy(), v_cache.numpy()), row_arrays)  # fmt: skip
         return torch.from_numpy(out), torch.from_numpy(delta)
+
+    def run(self, x: np.ndarray, pending: np.ndarray, rope: tuple, cache: tuple, row: tuple) -> tuple:
+        """The call on arrays: x [T, hidden], pending [T or 0, hidden], rope (cos, signed sin),
+        cache (keys, values), row (slot, store, limits, paths, starts) -> (x + pending, output)."""
+        parallel = int(row[2][-1]) * x.shape[0] * self.heads >= PARALLEL_WORK  # as jit_ops picks its kernel
+        return _jit().decode_layer(x, pending, self.norms, self.eps, *self.groups, rope, self.heads, self.kv_heads,
+                                   cache, row, self.scale, parallel, self.gelu)  # fmt: skip
+
+
+class StepStack:
+    """Every layer's LayerStep, run back to back for one chain row: the views of the rope
+    tables and of the row's plan are formed once a forward, not once a layer, and the
+    activations stay arrays between layers. The same calls on the same arrays as each layer's
+    own `LayerStep.__call__`, so the same bits."""
+
+    def __init__(self, steps: list[LayerStep], local_rope: list[bool], sliding: list[bool]):
+        self.steps, self.local_rope, self.sliding = steps, local_rope, sliding
+
+    @classmethod
+    def build(cls, steps: list[LayerStep | None], local_rope: list[bool], sliding: list[bool]) -> StepStack | None:
+        """None unless every layer has its step."""
+        if not steps or any(step is None for step in steps):
+            return None
+        return cls(list(steps), list(local_rope), list(sliding))
+
+    def __call__(self, x: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]], rows: tuple,
+                 caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:  # fmt: skip
+        """x [T, hidden] fp32 through every layer, residual included; tables: the (cos, signed
+        sin) [T, 1, dim] of each rope (global, local); rows: the chain row of each row set
+        (all layers, sliding ones)."""
+        ropes = [(cos.numpy(), sin.numpy()) for cos, sin in tables]
+        row_arrays = [(row.slot, row.store, *row.plan.arrays) for row in rows]
+        x_rows, pending = x.contiguous().numpy(), self.steps[0].no_pending
+        for step, local, sliding, (k_cache, v_cache) in zip(self.steps, self.local_rope, self.sliding, caches,
+                                                            strict=True):  # fmt: skip
+            x_rows, pending = step.run(x_rows, pending, ropes[local], (k_cache.numpy(), v_cache.numpy()),
+                                       row_arrays[sliding])  # fmt: skip
+        return torch.from_numpy(x_rows) + torch.from_numpy(pending)
 
 
 def glu_mul(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specdec.backends.native.attention import windowed
+from specdec.backends.native.attention import kernel_chain_row, windowed
 from specdec.backends.native.cache import COMPILE_BUCKETS, DEFAULT_MAX_LENGTH, CachePool, NativeSequence
 from specdec.backends.native.cpu import cpu_features, forced_fallback, gemm_rows_independent
 from specdec.backends.native.gguf import float_state, quant_state, read_gguf
@@ -37,6 +37,7 @@ from specdec.backends.native.layer import (
     default_inv_freq,
     rms_norm,
 )
+from specdec.backends.native.layer_step import StepStack
 from specdec.backends.native.quant import LM_HEADS, PRECISIONS, FusedLinear, Linear, make_linear, make_lm_head
 from specdec.errors import SpecdecError
 
@@ -104,6 +105,8 @@ class NativeModel:
         self.short_chunk_rows = SHORT_CHUNK_ROWS if precision == GGUF_PRECISION else 0  # see forward_prompt
         self.sliding = [config.sliding(i) for i in range(config.num_layers)]  # which layers take windowed rows
         self.local_rope = [config.local_rope(i) for i in range(config.num_layers)]
+        # a lone chain row through every layer's one-call step, its per-forward work done once
+        self.step_stack = StepStack.build([layer.step for layer in self.layers], self.local_rope, self.sliding)
         self.inv_freq = rope_inv_freq(config).to(self.device)  # [head_dim / 2]
         self.attention_scaling = config.rope_attention_scaling
         local = config.rope_local_theta
@@ -225,6 +228,19 @@ class NativeModel:
         if self.local_inv_freq is not None:
             tables.append((pool.local_cos[positions].unsqueeze(1), pool.local_sin[positions].unsqueeze(1)))
         row_sets = (rows, windowed(rows, cfg.sliding_window, pool.group, self.device, pool.kernel) if any(self.sliding) else rows)
+        chain = self._chain_rows(pool, row_sets) if not compiled and layers is self.layers else None
+        if chain is not None:
+            x = self.step_stack(x, tables, chain, pool.layer_caches)
+        else:
+            x = self._layers(layers, x, tables, row_sets, pool, compiled)
+        x = rms_norm(x, self.norm, cfg.rms_eps, torch.float32)
+        if logits_at is not None and logits_at.numel() == 0:  # every row unscored: no LM head at all
+            return x, x.new_zeros(0, cfg.vocab_size)
+        return x, self.head_logits(x if logits_at is None else x[logits_at], lm_head)
+
+    def _layers(self, layers: list, x: torch.Tensor, tables: list, row_sets: tuple, pool: CachePool,
+                compiled: bool) -> torch.Tensor:  # fmt: skip
+        """x [N, hidden] through the decoder layers one call each, residuals included."""
         pending = None
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, pool.layer_caches, strict=True)):
             (cos, sin), layer_rows = tables[self.local_rope[i]], row_sets[self.sliding[i]]
@@ -232,12 +248,14 @@ class NativeModel:
                 x = compiled_layer(layer, x, cos, sin, k_cache, v_cache, layer_rows)
             else:  # each residual add joins the norm after it (forward_open)
                 x, pending = layer.forward_open(x, pending, cos, sin, k_cache, v_cache, layer_rows)
-        if pending is not None:
-            x = x + pending
-        x = rms_norm(x, self.norm, cfg.rms_eps, torch.float32)
-        if logits_at is not None and logits_at.numel() == 0:  # every row unscored: no LM head at all
-            return x, x.new_zeros(0, cfg.vocab_size)
-        return x, self.head_logits(x if logits_at is None else x[logits_at], lm_head)
+        return x if pending is None else x + pending
+
+    def _chain_rows(self, pool: CachePool, row_sets: tuple) -> tuple | None:
+        """The kernel chain row of each row set where every layer runs as one call (StepStack), else None."""
+        if self.step_stack is None:
+            return None
+        chain = tuple(kernel_chain_row(rows, pool.group, self.device, pool.k.dtype) for rows in row_sets)
+        return None if any(row is None for row in chain) else chain
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Token ids [N] -> the first layer's inputs [N, hidden] fp32 (scaled where the architecture scales them)."""
