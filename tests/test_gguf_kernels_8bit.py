@@ -21,9 +21,11 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from specdec.backends.native import gguf_kernels_8bit as k8
+from specdec.backends.native import gguf_kernels_ort8 as k8_ort
 from specdec.backends.native import jit_ops
 from specdec.backends.native.gguf_encode import quantize_blocks
 from specdec.backends.native.gguf_kernels import head_from_quant, linear_from_quant
+from specdec.backends.native.gguf_rows16 import ROWS16_KIND, repack, unpack
 from specdec.backends.native.gguf_tensors import QuantTensor, ReferenceLinear
 from specdec.errors import SpecdecError
 
@@ -76,6 +78,10 @@ def within_bound(layer, tensor: QuantTensor, x: torch.Tensor) -> bool:
 def test_decoded_integers_are_the_reference_weights(qtype):
     tensor = make_tensor(qtype)
     layer = k8.BlockLinear8(tensor, kernel="torch")
+    if qtype == "Q4_0":  # in tiles of 16 rows (gguf_rows16.py)
+        q, d = unpack(layer.tiles, *tensor.shape)
+        np.testing.assert_array_equal(((q.astype(np.float32) - 8) * d[..., None]).reshape(tensor.shape), tensor.dequantize())
+        return
     w, lo, hi, offset = k8.decode_integers(qtype, layer.raw, layer.scales)
     lanes = np.concatenate([np.repeat(lo[..., None], 16, -1), np.repeat(hi[..., None], 16, -1)], -1)  # [N, B, 32]
     weights = lanes * w if offset is None else lanes * w - offset[..., None]
@@ -226,8 +232,11 @@ def test_rows_do_not_depend_on_the_thread_count(qtype, kernel):
 def test_keeps_the_file_bytes_without_a_dense_copy(qtype):
     tensor = make_tensor(qtype, n=64, k=1024)
     layer = k8.linear_for(tensor)
-    assert np.shares_memory(layer.raw, tensor.data)
-    assert layer.nbytes() <= SCALE_SHARE[qtype] * tensor.data.nbytes  # fp32 copies of the fp16 scales only
+    if layer.tiles is not None:  # Q4_0 in tiles of 16 rows: the blocks' bytes reordered, nothing more
+        assert layer.raw is None and layer.nbytes() == tensor.data.nbytes
+    else:
+        assert np.shares_memory(layer.raw, tensor.data)
+        assert layer.nbytes() <= SCALE_SHARE[qtype] * tensor.data.nbytes  # fp32 copies of the fp16 scales only
     assert layer.out_features == 64 and layer.act_dtype == torch.float32
 
 
@@ -253,6 +262,30 @@ def test_fallback_is_forced_by_the_environment(monkeypatch):
     assert k8.kernel_name() == ("numba" if jit_ops.importable() else "torch")
 
 
+@pytest.mark.parametrize("n, k", [(16, 32), (70, 288), (5, 512)])
+def test_q4_0_tiles_hold_the_blocks_of_16_rows(n, k):
+    """Tile t, block b, vector v, lane r: row 16 t + r's qs[4 v .. 4 v + 3]; then the rows'
+    d; rows past N zero. Unpacking gives the file's integers and scales back."""
+    tensor = make_tensor("Q4_0", n=n, k=k)
+    tiles = repack(tensor.data, n, k)
+    assert tiles.shape == (-(-n // 16), k // 32 * 288) and not tiles.flags.writeable
+    blocks = np.asarray(tensor.data).reshape(n, k // 32, 18)
+    first = tiles[0, :288]
+    assert bytes(first[64 + 4 * 3 : 64 + 4 * 3 + 4]) == bytes(blocks[3, 0, 2 + 4 : 2 + 8])  # v 1, lane 3
+    assert bytes(first[256 + 2 * 2 : 256 + 2 * 3]) == bytes(blocks[2, 0, :2])  # row 2's d
+    q, d = unpack(tiles, n, k)
+    np.testing.assert_array_equal(((q.astype(np.float32) - 8) * d[..., None]).reshape(n, k), tensor.dequantize())
+    assert ROWS16_KIND not in gguf_jit_small_kinds()  # one code per layout in a layer's groups
+
+
+def gguf_jit_small_kinds() -> set[int]:
+    if not jit_ops.importable():
+        return set(range(5))
+    from specdec.backends.native.gguf_jit_small import KIND_CODES
+
+    return set(KIND_CODES.values())
+
+
 @pytest.mark.parametrize("qtype", ["Q5_K", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "Q4_K"])
 def test_reference_dequantize_matches_gguf(qtype):
     """The fixture's blocks are what the gguf package decodes (a guard on make_tensor itself)."""
@@ -274,11 +307,11 @@ def test_reads_a_read_only_mapping(qtype, kernel):
 
 @pytest.fixture
 def ort8():
-    if not k8.ort_8bit_usable():
+    if not k8_ort.ort_8bit_usable():
         pytest.skip("onnxruntime is not installed, or its 8-bit kernel is not batch-invariant here")
 
 
-@pytest.mark.parametrize("qtype", k8.ORT_TYPES)
+@pytest.mark.parametrize("qtype", k8_ort.ORT_TYPES)
 def test_an_ort8_head_holds_the_files_weights_with_rows_independent(ort8, qtype):
     tensor = make_tensor(qtype, n=64, k=512)
     layer = head_from_quant(tensor, "ort8")

@@ -24,7 +24,7 @@ from specdec.backends.native import layer as native_layer
 from specdec.backends.native import model as native_model
 from specdec.backends.native.gguf import read_gguf
 from specdec.backends.native.gguf_kernels import int8_activation_types
-from specdec.backends.native.gguf_kernels_8bit import OrtBlockLinear8, ort_8bit_usable
+from specdec.backends.native.gguf_kernels_ort8 import OrtBlockLinear8, ort_8bit_usable
 from specdec.backends.native.gguf_q4 import prompt_tiles
 from specdec.backends.native.gguf_tensors import ReferenceLinear
 from specdec.backends.native.layer import SUPPORTED_TYPES

@@ -24,7 +24,9 @@ from numba import njit
 
 from specdec.backends.native.gguf_jit_8bit import matmul as superblock_matmul
 from specdec.backends.native.gguf_jit_quant import quantize_rows, quantize_rows_k
+from specdec.backends.native.gguf_jit_rows16 import matmul as rows16_matmul
 from specdec.backends.native.gguf_jit_small import matmul as pair_matmul
+from specdec.backends.native.gguf_rows16 import ROWS16_KIND
 from specdec.backends.native.jit import (
     exp_nonpositive,
     norm_rotate_attend,
@@ -83,12 +85,14 @@ def linear(group, x):  # pragma: no cover - compiled
         quantize_rows_k(x, xq, xs, xsum, xsum4)
     y = np.empty((m, width), np.float32)
     column = 0
-    for kind, raw, table, units in parts:
-        if small:
+    for kind, raw, table, units in parts:  # table [N, T]: N rows whatever the layout
+        if small and kind == ROWS16_KIND:  # Q4_0 in tiles of 16 rows
+            rows16_matmul(raw, table.shape[0], units, xq, xs, xsum, y, column)
+        elif small:
             pair_matmul(kind, raw, table, units, xq, xs, xsum, xsum4, y, column)
         else:
             superblock_matmul(kind, raw, table, units, xq, xs, xsum, xsum4, y, column)
-        column += raw.shape[0]
+        column += table.shape[0]
     if bias.shape[0]:
         for r in range(m):
             for j in range(width):

@@ -33,14 +33,10 @@ import torch
 from gguf import GGML_QUANT_SIZES
 
 from specdec.backends.native.cpu import forced_fallback, has_int4_kernel, one_thread_mm
-from specdec.backends.native.gguf_kernels_8bit import (
-    ORT_TYPES,
-    MixedBlockLinear8,
-    OrtBlockLinear8,
-    ort_8bit_usable,
-)
+from specdec.backends.native.gguf_kernels_8bit import MixedBlockLinear8
 from specdec.backends.native.gguf_kernels_8bit import kernel_name as eight_bit_kernel_name
 from specdec.backends.native.gguf_kernels_8bit import linear_for as eight_bit_linear
+from specdec.backends.native.gguf_kernels_ort8 import ORT_TYPES, OrtBlockLinear8, ort_8bit_usable
 from specdec.backends.native.gguf_q4 import Q4_TYPES, ExactQ4Linear, Int4BlockLinear
 from specdec.backends.native.gguf_tensors import QuantTensor, check_type
 from specdec.backends.native.quant import DenseLinear, FP16Linear, FusedLinear
@@ -113,6 +109,8 @@ def copies_weights(tensor: QuantTensor) -> bool:
     """Whether `build_linear` keeps a copy of this tensor (the 4-bit repacking, fbgemm's fp16
     packing) rather than reading the file's mapped bytes: the loader then drops those pages."""
     kind = tensor.qtype.name
+    if kind == "Q4_0" and kind in int8_activation_types():  # BlockLinear8 repacks it in tiles of 16 rows
+        return True
     return (kind in Q4_TYPES and kind not in int8_activation_types()) or (kind == "F16" and _fbgemm_usable())
 
 

@@ -3,7 +3,9 @@ where numba runs: gguf_kernels.int8_activation_types), read from the file's own 
 
 `linear_for(tensor, bias)` is the entry point (gguf_kernels.linear_from_quant dispatches these
 types to it). The layer keeps the file's bytes (memory-mapped, not copied) plus small
-fp32 tables of the blocks' fp16 scales: no dense float copy of the matrix.
+fp32 tables of the blocks' fp16 scales: no dense float copy of the matrix. Q4_0 is the
+exception: its blocks are repacked in tiles of 16 rows (gguf_rows16.py, the same bytes in
+another order, scales inside), and the loader drops the file's pages of it.
 
 Arithmetic (gguf_jit_small.py and gguf_jit_8bit.py state it exactly): int8 activations times
 the file's integers, as llama.cpp does. The small-block kinds (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1) quantize each row per block of 32 (scale max|x| / 127,
@@ -12,7 +14,9 @@ max|x|), llama.cpp's Q8_K). The weights' scales are the file's, exact in fp32 (d
 m; the K-quants' sub-block scales stay integers), so the weights used equal the gguf package's
 reference dequantization as real numbers. The only roundings are the activations'
 quantization and the fp32 accumulation. Reduction order, for each output:
-- Q8_0, Q5_0, Q5_1, Q4_0, Q4_1: the blocks in pairs; 16 fp32 lanes over the pairs in order (lanes 0-7
+- Q4_0: per block the exact integer sum times (d * xs), added block after block
+  (gguf_jit_rows16.py: a vector's lanes are 16 rows);
+- Q8_0, Q5_0, Q5_1, Q4_1: the blocks in pairs; 16 fp32 lanes over the pairs in order (lanes 0-7
   take the exact integer sums of four products of the pair's first block, 8-15 of its
   second, each times its block's scale), then the lanes summed left to right; Q5_1's and
   Q4_1's min term is summed over the even and the odd blocks in order and subtracted last;
@@ -25,11 +29,11 @@ count: rows share no arithmetic, threads split the output rows, never a reductio
 split-K). Prompts (any M) run the same kernel, so a row's bits do not depend on the path.
 
 Kernels, chosen per process (`kernel_name`):
-- "numba": gguf_jit_small.py and gguf_jit_8bit.py (vpdpbusd with AVX-512 VNNI, pmaddubsw
+- "numba": gguf_jit_small.py, gguf_jit_rows16.py and gguf_jit_8bit.py (vpdpbusd with AVX-512 VNNI, pmaddubsw
   on AVX2, plain IR elsewhere: the same integers), compiled by LLVM for this CPU, output
   rows on numba's threads (as many as torch's);
-- `OrtBlockLinear8`: Q8_0, Q6_K and Q5_0 on ONNX Runtime's 8-bit MatMulNBits, exact weights,
-  for the LM head on request (`lm_head=ort8`, gguf_kernels.head_from_quant): flat in rows,
+- `OrtBlockLinear8` (gguf_kernels_ort8.py): Q8_0, Q6_K and Q5_0 on ONNX Runtime's 8-bit
+  MatMulNBits, exact weights, for the LM head on request (`lm_head=ort8`, gguf_kernels.head_from_quant): flat in rows,
   but it holds about twice the matrix's bytes;
 - "torch": the same operations in the same order on PyTorch tensors, tile by tile of output
   rows (transient memory only); bit-identical to "numba", and much slower. Runs where numba
@@ -42,13 +46,12 @@ import functools
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
 
 from specdec.backends.native.cpu import forced_fallback
+from specdec.backends.native.gguf_rows16 import ROWS16_KIND, repack, rows16_matmul, unpack
 from specdec.backends.native.gguf_tensors import QuantTensor
 from specdec.backends.native.jit_ops import importable as numba_importable
 from specdec.backends.native.jit_ops import numba_threads
-from specdec.backends.native.ort_linear import OrtBlockLinear, ort_available
 
 QTYPES = ("Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "Q4_K")
 SMALL_BLOCK_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1")  # blocks of 32; the K-quants' are of 256
@@ -85,6 +88,16 @@ class BlockLinear8(torch.nn.Module):
         self.qtype, self.in_features, self.out_features = qtype, k, n
         self.act_dtype = torch.float32
         self.raw = np.ascontiguousarray(tensor.data).reshape(n, -1)  # [N, bytes per row]: the file's own
+        self.bias = None if bias is None else bias.detach().float().cpu()  # [N]
+        self.kernel = kernel or kernel_name()
+        # what the numba kernel takes, formed once: a call's fixed costs weigh at decode widths
+        self.kind, self.small_blocks, self.units = qtype.lower(), span == BLOCK, k // span
+        self.tiles = None
+        if qtype == "Q4_0":  # in tiles of 16 rows (gguf_rows16.py), d inside: a copy of the blocks
+            self.tiles, self.kind = repack(self.raw, n, k), "q4_0x16"
+            self.scales = self.table = np.empty((n, 0), np.float32)
+            self.raw = self.raw if self.kernel == "torch" else None  # a joined q/k/v copy is not kept
+            return
         blocks = self.raw.reshape(n, k // span, BLOCK_BYTES[qtype])
         if qtype == "Q8_0":
             self.scales = _fp16_at(blocks, 0)  # [N, K // 32] d
@@ -96,15 +109,12 @@ class BlockLinear8(torch.nn.Module):
             self.scales = np.ascontiguousarray(np.stack([_fp16_at(blocks, 0), _fp16_at(blocks, 2)], axis=-1))
         else:
             self.scales = np.ascontiguousarray(np.stack([_fp16_at(blocks, 0), _fp16_at(blocks, 2)], axis=-1))
-        self.bias = None if bias is None else bias.detach().float().cpu()  # [N]
-        self.kernel = kernel or kernel_name()
-        # what the numba kernel takes, formed once: a call's fixed costs weigh at decode widths
-        self.kind, self.small_blocks, self.units = qtype.lower(), span == BLOCK, k // span
         self.table = self.scales.reshape(n, -1)  # [N, T]: a view
 
     def nbytes(self) -> int:
-        """Bytes this layer holds besides the file's mapping (the scale tables and the bias)."""
-        return self.scales.nbytes + (0 if self.bias is None else self.bias.nbytes)
+        """Bytes this layer holds besides the file's mapping (the scale tables, Q4_0's tiles, the bias)."""
+        held = self.scales.nbytes + (0 if self.tiles is None else self.tiles.nbytes)
+        return held + (0 if self.bias is None else self.bias.nbytes)
 
     @torch.compiler.disable  # numba and numpy: compiled graphs call it eagerly
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
@@ -122,11 +132,17 @@ class BlockLinear8(torch.nn.Module):
     def matmul_into(self, activations: tuple, y: np.ndarray, column: int) -> None:
         """The numba kernel on `quantized` activations of this layer's kind, into y[:, column :
         column + N]."""
+        if self.tiles is not None:
+            xq, xs, xsum, _ = activations
+            _rows16_jit().matmul(self.tiles, self.out_features, self.units, xq, xs, xsum, y, column)
+            return
         jit = _jit(self.small_blocks)
         jit.matmul(jit.KIND_CODES[self.kind], self.raw, self.table, self.units, *activations, y, column)
 
     def numba_part(self) -> tuple:
         """(kind, raw, table, units): this matrix as the numba matmuls take it (gguf_jit_layer)."""
+        if self.tiles is not None:  # the tiles' own code (gguf_jit_layer.linear)
+            return ROWS16_KIND, self.tiles, self.table, self.units
         raw = self.raw.view()
         raw.flags.writeable = False  # one type for every part: the file's mapping is read-only
         return _jit(self.small_blocks).KIND_CODES[self.kind], raw, self.table, self.units
@@ -139,6 +155,9 @@ class BlockLinear8(torch.nn.Module):
         return self.small_blocks, (self.numba_part(),), _bias_array(self.bias), self.out_features
 
     def _torch(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tiles is not None:
+            q, d = unpack(self.tiles, self.out_features, self.in_features)
+            return rows16_matmul(*quantize_activations(x), torch.from_numpy(q), torch.from_numpy(d))
         small = self.qtype in SMALL_BLOCK_TYPES
         xq, xs, xsum = quantize_activations(x) if small else quantize_activations_k(x)
         tiles = []
@@ -396,64 +415,6 @@ def pair_lanes_matmul(xq: torch.Tensor, xs: torch.Tensor, xsum: torch.Tensor, w:
     return y - (even + odd)
 
 
-ORT_TYPES = ("Q8_0", "Q6_K", "Q5_0")  # symmetric blocks: exactly (u - 128) * fp32 scale
-ORT_BLOCK = {"Q8_0": 32, "Q6_K": 16, "Q5_0": 32}  # MatMulNBits' block: Q6_K's sub-blocks of 16
-DECODE_ROWS = 2048  # rows decoded to ONNX Runtime's layout at a time (fp32 transients)
-
-
-class OrtBlockLinear8(torch.nn.Module):
-    """A Q8_0, Q6_K or Q5_0 matrix on ONNX Runtime's 8-bit `MatMulNBits`: the file's integers
-    (Q8_0 q, Q6_K q - 32, Q5_0 q - 16) as u = q + 128 with the default zero point 128, and the
-    blocks' scales as fp32 (d; Q6_K's d * sc per sub-block of 16, exact), so the weights are
-    exactly the file's. Activations are quantized to int8 per block and multiplied with int8
-    dot products (accuracy_level 4: VNNI or AMX kernels where the CPU has them), as llama.cpp
-    does. Used where `ort_8bit_usable` (a row's bits independent of the batch here): its GEMM
-    keeps several rows near one row's cost, which the numba lanes do not
-    (docs/performance-notes.md). Each output is one reduction over K in block order; MLAS
-    splits the work over rows and columns, never over K. Holds 1 byte a weight plus the
-    scales (Q6_K and Q5_0 files hold 0.82 and 0.69)."""
-
-    def __init__(self, tensor: QuantTensor, bias: torch.Tensor | None = None, threads: int | None = None):
-        super().__init__()
-        qtype, (n, k) = tensor.qtype.name, tensor.shape
-        if qtype not in ORT_TYPES:
-            raise ValueError(f"OrtBlockLinear8 reads {', '.join(ORT_TYPES)}, not {qtype} (tensor {tensor.name!r})")
-        reader = BlockLinear8(tensor, kernel="torch")  # the file's blocks and fp32 scale tables
-        u, scale = np.empty((n, k), np.uint8), np.empty((n, k // ORT_BLOCK[qtype]), np.float32)
-        for start in range(0, n, DECODE_ROWS):
-            stop = min(start + DECODE_ROWS, n)
-            w, lo, hi, _ = decode_integers(qtype, reader.raw[start:stop], reader.scales[start:stop])
-            u[start:stop] = (w.reshape(stop - start, k) + 128).astype(np.uint8)
-            scale[start:stop] = np.stack([lo, hi], -1).reshape(stop - start, -1) if qtype == "Q6_K" else lo
-        self.kernel = OrtBlockLinear(torch.from_numpy(u), torch.from_numpy(scale), bits=8, threads=threads,
-                                     block=ORT_BLOCK[qtype])  # fmt: skip
-        self.bias = None if bias is None else bias.detach().float().cpu()  # [N]
-        self.qtype, self.in_features, self.out_features, self.act_dtype = qtype, k, n, torch.float32
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
-        y = self.kernel.forward(x)
-        y = y if self.bias is None else y + self.bias
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
-
-
-@functools.cache
-def ort_8bit_usable() -> bool:
-    """ONNX Runtime is installed, the fallback is not forced, and its 8-bit kernel computes a
-    row the same alone as among 8, at blocks of 32 and of 16 (checked once per process on
-    random blocks)."""
-    if forced_fallback() or not ort_available():
-        return False
-    rng = np.random.default_rng(0)
-    for qtype, scale_at in (("Q8_0", 0), ("Q6_K", 208)):
-        width, per_row = BLOCK_BYTES[qtype], 8 if qtype == "Q8_0" else 1
-        raw = rng.integers(0, 256, (64, per_row, width), dtype=np.uint8)
-        raw[..., scale_at : scale_at + 2] = rng.uniform(1e-3, 1e-2, (64, per_row, 1)).astype(np.float16).view(np.uint8)
-        tensor = QuantTensor("probe", GGMLQuantizationType[qtype], (64, 256), raw.reshape(64, -1))
-        if not OrtBlockLinear8(tensor).kernel.batch_invariant():
-            return False
-    return True
-
-
 def linear_for(tensor: QuantTensor, bias: torch.Tensor | None = None) -> BlockLinear8:
     """The layer for a matrix [N, K] of one of QTYPES, on this process's kernel."""
     return BlockLinear8(tensor, bias)
@@ -466,6 +427,14 @@ def _jit(small_blocks: bool):
         import specdec.backends.native.gguf_jit_small as jit  # compiles, or loads from disk
     else:
         import specdec.backends.native.gguf_jit_8bit as jit
+
+    return jit
+
+
+@functools.cache
+def _rows16_jit():
+    numba_threads()
+    import specdec.backends.native.gguf_jit_rows16 as jit  # compiles, or loads from disk
 
     return jit
 

@@ -1,0 +1,73 @@
+"""GGUF Q8_0, Q6_K and Q5_0 matrices on ONNX Runtime's 8-bit `MatMulNBits` (exact weights), for
+the LM head on request (`lm_head=ort8`, gguf_kernels.head_from_quant); gguf_kernels_8bit.py
+holds the file's own kernels."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+from specdec.backends.native.cpu import forced_fallback
+from specdec.backends.native.gguf_kernels_8bit import BLOCK_BYTES, BlockLinear8, decode_integers
+from specdec.backends.native.gguf_tensors import QuantTensor
+from specdec.backends.native.ort_linear import OrtBlockLinear, ort_available
+
+ORT_TYPES = ("Q8_0", "Q6_K", "Q5_0")  # symmetric blocks: exactly (u - 128) * fp32 scale
+ORT_BLOCK = {"Q8_0": 32, "Q6_K": 16, "Q5_0": 32}  # MatMulNBits' block: Q6_K's sub-blocks of 16
+DECODE_ROWS = 2048  # rows decoded to ONNX Runtime's layout at a time (fp32 transients)
+
+
+class OrtBlockLinear8(torch.nn.Module):
+    """A Q8_0, Q6_K or Q5_0 matrix on ONNX Runtime's 8-bit `MatMulNBits`: the file's integers
+    (Q8_0 q, Q6_K q - 32, Q5_0 q - 16) as u = q + 128 with the default zero point 128, and the
+    blocks' scales as fp32 (d; Q6_K's d * sc per sub-block of 16, exact), so the weights are
+    exactly the file's. Activations are quantized to int8 per block and multiplied with int8
+    dot products (accuracy_level 4: VNNI or AMX kernels where the CPU has them), as llama.cpp
+    does. Used where `ort_8bit_usable` (a row's bits independent of the batch here): its GEMM
+    keeps several rows near one row's cost, which the numba lanes do not
+    (docs/performance-notes.md). Each output is one reduction over K in block order; MLAS
+    splits the work over rows and columns, never over K. Holds 1 byte a weight plus the
+    scales (Q6_K and Q5_0 files hold 0.82 and 0.69)."""
+
+    def __init__(self, tensor: QuantTensor, bias: torch.Tensor | None = None, threads: int | None = None):
+        super().__init__()
+        qtype, (n, k) = tensor.qtype.name, tensor.shape
+        if qtype not in ORT_TYPES:
+            raise ValueError(f"OrtBlockLinear8 reads {', '.join(ORT_TYPES)}, not {qtype} (tensor {tensor.name!r})")
+        reader = BlockLinear8(tensor, kernel="torch")  # the file's blocks and fp32 scale tables
+        u, scale = np.empty((n, k), np.uint8), np.empty((n, k // ORT_BLOCK[qtype]), np.float32)
+        for start in range(0, n, DECODE_ROWS):
+            stop = min(start + DECODE_ROWS, n)
+            w, lo, hi, _ = decode_integers(qtype, reader.raw[start:stop], reader.scales[start:stop])
+            u[start:stop] = (w.reshape(stop - start, k) + 128).astype(np.uint8)
+            scale[start:stop] = np.stack([lo, hi], -1).reshape(stop - start, -1) if qtype == "Q6_K" else lo
+        self.kernel = OrtBlockLinear(torch.from_numpy(u), torch.from_numpy(scale), bits=8, threads=threads,
+                                     block=ORT_BLOCK[qtype])  # fmt: skip
+        self.bias = None if bias is None else bias.detach().float().cpu()  # [N]
+        self.qtype, self.in_features, self.out_features, self.act_dtype = qtype, k, n, torch.float32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+        y = self.kernel.forward(x)
+        y = y if self.bias is None else y + self.bias
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+@functools.cache
+def ort_8bit_usable() -> bool:
+    """ONNX Runtime is installed, the fallback is not forced, and its 8-bit kernel computes a
+    row the same alone as among 8, at blocks of 32 and of 16 (checked once per process on
+    random blocks)."""
+    if forced_fallback() or not ort_available():
+        return False
+    rng = np.random.default_rng(0)
+    for qtype, scale_at in (("Q8_0", 0), ("Q6_K", 208)):
+        width, per_row = BLOCK_BYTES[qtype], 8 if qtype == "Q8_0" else 1
+        raw = rng.integers(0, 256, (64, per_row, width), dtype=np.uint8)
+        raw[..., scale_at : scale_at + 2] = rng.uniform(1e-3, 1e-2, (64, per_row, 1)).astype(np.float16).view(np.uint8)
+        tensor = QuantTensor("probe", GGMLQuantizationType[qtype], (64, 256), raw.reshape(64, -1))
+        if not OrtBlockLinear8(tensor).kernel.batch_invariant():
+            return False
+    return True
