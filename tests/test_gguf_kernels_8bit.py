@@ -78,9 +78,8 @@ def within_bound(layer, tensor: QuantTensor, x: torch.Tensor) -> bool:
 def test_decoded_integers_are_the_reference_weights(qtype):
     tensor = make_tensor(qtype)
     layer = k8.BlockLinear8(tensor, kernel="torch")
-    if qtype == "Q4_0":  # in tiles of 16 rows (gguf_rows16.py)
-        q, d = unpack(layer.tiles, *tensor.shape)
-        np.testing.assert_array_equal(((q.astype(np.float32) - 8) * d[..., None]).reshape(tensor.shape), tensor.dequantize())
+    if layer.tiles is not None:  # Q4_0, Q4_1 in tiles of 16 rows (gguf_rows16.py)
+        np.testing.assert_array_equal(tile_weights(layer.tiles, qtype, *tensor.shape), tensor.dequantize())
         return
     w, lo, hi, offset = k8.decode_integers(qtype, layer.raw, layer.scales)
     lanes = np.concatenate([np.repeat(lo[..., None], 16, -1), np.repeat(hi[..., None], 16, -1)], -1)  # [N, B, 32]
@@ -262,20 +261,29 @@ def test_fallback_is_forced_by_the_environment(monkeypatch):
     assert k8.kernel_name() == ("numba" if jit_ops.importable() else "torch")
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
 @pytest.mark.parametrize("n, k", [(16, 32), (70, 288), (5, 512)])
-def test_q4_0_tiles_hold_the_blocks_of_16_rows(n, k):
+def test_4bit_tiles_hold_the_blocks_of_16_rows(qtype, n, k):
     """Tile t, block b, vector v, lane r: row 16 t + r's qs[4 v .. 4 v + 3]; then the rows'
-    d; rows past N zero. Unpacking gives the file's integers and scales back."""
-    tensor = make_tensor("Q4_0", n=n, k=k)
-    tiles = repack(tensor.data, n, k)
-    assert tiles.shape == (-(-n // 16), k // 32 * 288) and not tiles.flags.writeable
-    blocks = np.asarray(tensor.data).reshape(n, k // 32, 18)
-    first = tiles[0, :288]
-    assert bytes(first[64 + 4 * 3 : 64 + 4 * 3 + 4]) == bytes(blocks[3, 0, 2 + 4 : 2 + 8])  # v 1, lane 3
+    d (and Q4_1's m); rows past N zero. Unpacking gives the file's weights back."""
+    tensor = make_tensor(qtype, n=n, k=k)
+    tiles = repack(tensor.data, qtype, n, k)
+    width, fields = (288, 2) if qtype == "Q4_0" else (320, 4)
+    assert tiles.shape == (-(-n // 16), k // 32 * width) and not tiles.flags.writeable
+    blocks = np.asarray(tensor.data).reshape(n, k // 32, fields + 16)
+    first = tiles[0, :width]
+    assert bytes(first[64 + 4 * 3 : 64 + 4 * 3 + 4]) == bytes(blocks[3, 0, fields + 4 : fields + 8])  # v 1, lane 3
     assert bytes(first[256 + 2 * 2 : 256 + 2 * 3]) == bytes(blocks[2, 0, :2])  # row 2's d
-    q, d = unpack(tiles, n, k)
-    np.testing.assert_array_equal(((q.astype(np.float32) - 8) * d[..., None]).reshape(n, k), tensor.dequantize())
-    assert ROWS16_KIND not in gguf_jit_small_kinds()  # one code per layout in a layer's groups
+    np.testing.assert_array_equal(tile_weights(tiles, qtype, n, k), tensor.dequantize())
+    assert not {ROWS16_KIND, ROWS16_KIND + 1} & gguf_jit_small_kinds()  # one code per layout in a layer's groups
+
+
+def tile_weights(tiles: np.ndarray, qtype: str, n: int, k: int) -> np.ndarray:
+    """The weights tiles hold [N, K]: (q - 8) d, or q d + m, as gguf dequantizes them."""
+    q, d, m = unpack(tiles, qtype, n, k)
+    q = q.astype(np.float32)
+    w = (q - 8) * d[..., None] if m is None else d[..., None] * q + m[..., None]
+    return w.reshape(n, k)
 
 
 def gguf_jit_small_kinds() -> set[int]:

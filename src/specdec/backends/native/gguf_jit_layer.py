@@ -86,8 +86,8 @@ def linear(group, x):  # pragma: no cover - compiled
     y = np.empty((m, width), np.float32)
     column = 0
     for kind, raw, table, units in parts:  # table [N, T]: N rows whatever the layout
-        if small and kind == ROWS16_KIND:  # Q4_0 in tiles of 16 rows
-            rows16_matmul(raw, table.shape[0], units, xq, xs, xsum, y, column)
+        if small and kind >= ROWS16_KIND:  # Q4_0, Q4_1 in tiles of 16 rows
+            rows16_matmul(kind - ROWS16_KIND, raw, table.shape[0], units, xq, xs, xsum, y, column)
         elif small:
             pair_matmul(kind, raw, table, units, xq, xs, xsum, xsum4, y, column)
         else:

@@ -38,6 +38,7 @@ from specdec.backends.native.gguf_kernels_8bit import kernel_name as eight_bit_k
 from specdec.backends.native.gguf_kernels_8bit import linear_for as eight_bit_linear
 from specdec.backends.native.gguf_kernels_ort8 import ORT_TYPES, OrtBlockLinear8, ort_8bit_usable
 from specdec.backends.native.gguf_q4 import Q4_TYPES, ExactQ4Linear, Int4BlockLinear
+from specdec.backends.native.gguf_rows16 import ROWS16_TYPES
 from specdec.backends.native.gguf_tensors import QuantTensor, check_type
 from specdec.backends.native.quant import DenseLinear, FP16Linear, FusedLinear
 from specdec.errors import SpecdecError
@@ -109,7 +110,7 @@ def copies_weights(tensor: QuantTensor) -> bool:
     """Whether `build_linear` keeps a copy of this tensor (the 4-bit repacking, fbgemm's fp16
     packing) rather than reading the file's mapped bytes: the loader then drops those pages."""
     kind = tensor.qtype.name
-    if kind == "Q4_0" and kind in int8_activation_types():  # BlockLinear8 repacks it in tiles of 16 rows
+    if kind in ROWS16_TYPES and kind in int8_activation_types():  # BlockLinear8 repacks them in tiles of 16 rows
         return True
     return (kind in Q4_TYPES and kind not in int8_activation_types()) or (kind == "F16" and _fbgemm_usable())
 

@@ -3,9 +3,9 @@ where numba runs: gguf_kernels.int8_activation_types), read from the file's own 
 
 `linear_for(tensor, bias)` is the entry point (gguf_kernels.linear_from_quant dispatches these
 types to it). The layer keeps the file's bytes (memory-mapped, not copied) plus small
-fp32 tables of the blocks' fp16 scales: no dense float copy of the matrix. Q4_0 is the
-exception: its blocks are repacked in tiles of 16 rows (gguf_rows16.py, the same bytes in
-another order, scales inside), and the loader drops the file's pages of it.
+fp32 tables of the blocks' fp16 scales: no dense float copy of the matrix. Q4_0 and Q4_1
+are the exception: their blocks are repacked in tiles of 16 rows (gguf_rows16.py, the same
+bytes in another order, scales inside), and the loader drops the file's pages of them.
 
 Arithmetic (gguf_jit_small.py and gguf_jit_8bit.py state it exactly): int8 activations times
 the file's integers, as llama.cpp does. The small-block kinds (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1) quantize each row per block of 32 (scale max|x| / 127,
@@ -14,12 +14,13 @@ max|x|), llama.cpp's Q8_K). The weights' scales are the file's, exact in fp32 (d
 m; the K-quants' sub-block scales stay integers), so the weights used equal the gguf package's
 reference dequantization as real numbers. The only roundings are the activations'
 quantization and the fp32 accumulation. Reduction order, for each output:
-- Q4_0: per block the exact integer sum times (d * xs), added block after block
-  (gguf_jit_rows16.py: a vector's lanes are 16 rows);
-- Q8_0, Q5_0, Q5_1, Q4_1: the blocks in pairs; 16 fp32 lanes over the pairs in order (lanes 0-7
+- Q4_0, Q4_1: per block the exact integer sum times (d * xs), added block after block;
+  Q4_1's min term (m * xs) * xsum summed apart and added last (gguf_jit_rows16.py: a
+  vector's lanes are 16 rows);
+- Q8_0, Q5_0, Q5_1: the blocks in pairs; 16 fp32 lanes over the pairs in order (lanes 0-7
   take the exact integer sums of four products of the pair's first block, 8-15 of its
-  second, each times its block's scale), then the lanes summed left to right; Q5_1's and
-  Q4_1's min term is summed over the even and the odd blocks in order and subtracted last;
+  second, each times its block's scale), then the lanes summed left to right; Q5_1's min
+  term is summed over the even and the odd blocks in order and subtracted last;
 - Q6_K, Q5_K, Q4_K: per super-block 16 exact integer lanes of sc * (sums of four products w xq),
   then one fp32 term (d * xs) * lanes added in super-block order; Q5_K's min term likewise,
   subtracted last. Fewer float operations than the small blocks' (one per 256 weights and
@@ -48,7 +49,7 @@ import numpy as np
 import torch
 
 from specdec.backends.native.cpu import forced_fallback
-from specdec.backends.native.gguf_rows16 import ROWS16_KIND, repack, rows16_matmul, unpack
+from specdec.backends.native.gguf_rows16 import ROWS16_KIND, ROWS16_TYPES, repack, rows16_matmul, unpack
 from specdec.backends.native.gguf_tensors import QuantTensor
 from specdec.backends.native.jit_ops import importable as numba_importable
 from specdec.backends.native.jit_ops import numba_threads
@@ -93,8 +94,8 @@ class BlockLinear8(torch.nn.Module):
         # what the numba kernel takes, formed once: a call's fixed costs weigh at decode widths
         self.kind, self.small_blocks, self.units = qtype.lower(), span == BLOCK, k // span
         self.tiles = None
-        if qtype == "Q4_0":  # in tiles of 16 rows (gguf_rows16.py), d inside: a copy of the blocks
-            self.tiles, self.kind = repack(self.raw, n, k), "q4_0x16"
+        if qtype in ROWS16_TYPES:  # in tiles of 16 rows (gguf_rows16.py), d (m) inside: a copy of the blocks
+            self.tiles, self.kind = repack(self.raw, qtype, n, k), qtype.lower() + "x16"
             self.scales = self.table = np.empty((n, 0), np.float32)
             self.raw = self.raw if self.kernel == "torch" else None  # a joined q/k/v copy is not kept
             return
@@ -134,7 +135,8 @@ class BlockLinear8(torch.nn.Module):
         column + N]."""
         if self.tiles is not None:
             xq, xs, xsum, _ = activations
-            _rows16_jit().matmul(self.tiles, self.out_features, self.units, xq, xs, xsum, y, column)
+            kind = ROWS16_TYPES.index(self.qtype)
+            _rows16_jit().matmul(kind, self.tiles, self.out_features, self.units, xq, xs, xsum, y, column)
             return
         jit = _jit(self.small_blocks)
         jit.matmul(jit.KIND_CODES[self.kind], self.raw, self.table, self.units, *activations, y, column)
@@ -142,7 +144,7 @@ class BlockLinear8(torch.nn.Module):
     def numba_part(self) -> tuple:
         """(kind, raw, table, units): this matrix as the numba matmuls take it (gguf_jit_layer)."""
         if self.tiles is not None:  # the tiles' own code (gguf_jit_layer.linear)
-            return ROWS16_KIND, self.tiles, self.table, self.units
+            return ROWS16_KIND + ROWS16_TYPES.index(self.qtype), self.tiles, self.table, self.units
         raw = self.raw.view()
         raw.flags.writeable = False  # one type for every part: the file's mapping is read-only
         return _jit(self.small_blocks).KIND_CODES[self.kind], raw, self.table, self.units
@@ -156,8 +158,9 @@ class BlockLinear8(torch.nn.Module):
 
     def _torch(self, x: torch.Tensor) -> torch.Tensor:
         if self.tiles is not None:
-            q, d = unpack(self.tiles, self.out_features, self.in_features)
-            return rows16_matmul(*quantize_activations(x), torch.from_numpy(q), torch.from_numpy(d))
+            q, d, m = unpack(self.tiles, self.qtype, self.out_features, self.in_features)
+            m = None if m is None else torch.from_numpy(m)
+            return rows16_matmul(*quantize_activations(x), torch.from_numpy(q), torch.from_numpy(d), m)
         small = self.qtype in SMALL_BLOCK_TYPES
         xq, xs, xsum = quantize_activations(x) if small else quantize_activations_k(x)
         tiles = []
