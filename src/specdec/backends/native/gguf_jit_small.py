@@ -1,20 +1,20 @@
-"""numba kernels for GGUF's Q8_0, Q5_0, Q5_1, Q4_0 and Q4_1 matrices on int8 activations, the blocks of 32
+"""numba kernels for GGUF's Q8_0, Q5_0 and Q5_1 matrices on int8 activations, the blocks of 32
 taken in pairs (gguf_kernels_8bit.py wraps them and states the contract; gguf_jit_8bit.py
-holds the K-quants'). Imported on first use; compiled once, cached on disk.
+holds the K-quants', gguf_jit_rows16.py Q4_0's and Q4_1's). Imported on first use; compiled once, cached on disk.
 
 The arithmetic, for one output y[m, n] (`pair_lanes_matmul` in gguf_kernels_8bit.py performs
 the same operations in the same order, bit for bit):
 - activations (gguf_jit_quant's `quantize_rows`): each block b of 32 of x[m] becomes xs[b] =
   max|x| / 127 and xq = rint(x * (1 / xs[b])), int8; with xsum[b], the block's sum of xq,
   and xsum4, the sums of each 4 consecutive xq;
-- weights: the file's integers w (Q8_0 q, Q5_0 q - 16, Q5_1 q, Q4_0 q - 8, Q4_1 q) and its
-  fp16 fields as fp32 (d; Q5_1's and Q4_1's m);
+- weights: the file's integers w (Q8_0 q, Q5_0 q - 16, Q5_1 q) and its fp16 fields as fp32
+  (d; Q5_1's m);
 - the blocks go in pairs (2p, 2p + 1), an odd last block paired with zeros. 16 int32 lanes
   per pair: lane j < 8 holds w xq summed over elements 4j .. 4j + 3 of block 2p, lane 8 + j
   the same of block 2p + 1 (exact integers). 16 fp32 lanes c (zero at first) take, pair
   after pair, c += s * float(lanes), where s is d[2p] * xs[2p] in lanes 0-7 and d[2p + 1] *
   xs[2p + 1] in lanes 8-15; y = c[0] + c[1] + ... + c[15], left to right;
-- Q5_1 and Q4_1 then subtract their min term: two fp32 sums, of the even and of the odd blocks in
+- Q5_1 then subtracts its min term: two fp32 sums, of the even and of the odd blocks in
   order, of (-m[b] * xs[b]) * float(xsum[b]), added even + odd.
 Integer sums are exact and no float operation is reordered or fused (numba compiles without
 fastmath), so y[m, n] depends only on x[m] and row n: not on M, nor on the thread count
@@ -24,7 +24,7 @@ Instructions: a pair is 64 weight bytes against 64 activation bytes, one AVX-512
 each. The lanes' integers come from gguf_jit_8bit's `_dot4`, whose instructions (`DOT`) are
 chosen for the CPU the kernels compile on:
 - "vnni" (AVX-512 VNNI): one vpdpbusd, which multiplies unsigned by signed bytes. The
-  weights enter as q + offset >= 0 (Q5_0 and Q4_0 q, Q8_0 w + 128) and the accumulator starts at
+  weights enter as q + offset >= 0 (Q5_0 q, Q8_0 w + 128) and the accumulator starts at
   -offset * xsum4, so each lane ends exactly at its sum of w xq;
 - "avx2": pmaddubsw then pmaddwd by ones, per half (Q8_0's signed weights by their sign, as
   llama.cpp does; no pair sum reaches the int16 saturation: |w| <= 128, |xq| <= 127);
@@ -73,7 +73,7 @@ PREFETCH_PASSES = 2
 
 
 def _nibble_pair(qs_at: int, width: int, qh_at: int | None = None):
-    """Q4_0 (18 bytes: fp16 d, qs) / Q4_1 (20: d, m, qs) / Q5_0 (22: d, qh, qs) / Q5_1 (24: d,
+    """Q5_0 (22 bytes: fp16 d, qh, qs) / Q5_1 (24: d,
     m, qh, qs): element j < 16 of a block is the low nibble of qs[j], j + 16 its high nibble,
     plus 16 where bit j of qh is set (the 5-bit kinds)."""
 
@@ -101,8 +101,7 @@ def _q8_pair(b, src, tail: bool):  # 34 bytes: fp16 d, 32 int8 q -> <64 x i8>, s
 
 # kind: (block bytes, table floats per block, reader, signed weights, offset of unsigned ones)
 _KINDS = {"q8_0": (34, 1, _q8_pair, True, 0), "q5_0": (22, 1, _nibble_pair(6, 22, qh_at=2), False, -16),
-          "q5_1": (24, 2, _nibble_pair(8, 24, qh_at=4), False, 0), "q4_0": (18, 1, _nibble_pair(2, 18), False, -8),
-          "q4_1": (20, 2, _nibble_pair(4, 20), False, 0)}  # fmt: skip
+          "q5_1": (24, 2, _nibble_pair(8, 24, qh_at=4), False, 0)}  # fmt: skip
 KIND_CODES = {name: code for code, name in enumerate(_KINDS)}  # matmul's `kind`
 
 
@@ -139,7 +138,7 @@ def _pair_step(b, kind, weight_rows, pointers, k, picks, p, accs, mins, ahead, t
         if tail:
             table = _widen(b, table, 2 * floats)
         d = b.shuffle_vector(table, table, _vector([0, floats], _i32))
-        if floats == 2:  # Q5_1's and Q4_1's -m of both blocks
+        if floats == 2:  # Q5_1's -m of both blocks
             m = b.fneg(b.shuffle_vector(table, table, _vector([1, 3], _i32)))
         for r, a in enumerate(acts):
             at = w_at * len(acts) + r
@@ -147,7 +146,7 @@ def _pair_step(b, kind, weight_rows, pointers, k, picks, p, accs, mins, ahead, t
             s = b.fmul(d, a.xs)
             scale = b.shuffle_vector(s, s, _vector([0] * 8 + [1] * 8, _i32))
             b.store(b.fadd(b.load(accs[at]), b.fmul(scale, lanes)), accs[at])
-            if floats == 2:  # Q5_1, Q4_1: (-m * xs) * xsum, even and odd blocks apart
+            if floats == 2:  # Q5_1: (-m * xs) * xsum, even and odd blocks apart
                 b.store(b.fadd(b.load(mins[at]), b.fmul(b.fmul(m, a.xs), a.xsum)), mins[at])
 
 
@@ -226,13 +225,12 @@ def _dot_weight_rows(kind: str, count: int, acts: int):
     return dot_rows
 
 
-_one_q8_0, _one_q5_0, _one_q5_1, _one_q4_0, _one_q4_1 = (_dot_rows(kind, 1) for kind in _KINDS)
-_two_q8_0, _two_q5_0, _two_q5_1, _two_q4_0, _two_q4_1 = (_dot_rows(kind, 2) for kind in _KINDS)
-_many_q8_0, _many_q5_0, _many_q5_1, _many_q4_0, _many_q4_1 = (_dot_rows(kind, DOT_ROWS) for kind in _KINDS)
+_one_q8_0, _one_q5_0, _one_q5_1 = (_dot_rows(kind, 1) for kind in _KINDS)
+_two_q8_0, _two_q5_0, _two_q5_1 = (_dot_rows(kind, 2) for kind in _KINDS)
+_many_q8_0, _many_q5_0, _many_q5_1 = (_dot_rows(kind, DOT_ROWS) for kind in _KINDS)
 # WEIGHT_ROWS weight rows at one activation row; half as many at two
-_rows_q8_0, _rows_q5_0, _rows_q5_1, _rows_q4_0, _rows_q4_1 = (_dot_weight_rows(kind, WEIGHT_ROWS, 1) for kind in _KINDS)
-_rows2_q8_0, _rows2_q5_0, _rows2_q5_1, _rows2_q4_0, _rows2_q4_1 = (_dot_weight_rows(kind, WEIGHT_ROWS // 2, 2)
-                                                                   for kind in _KINDS)  # fmt: skip
+_rows_q8_0, _rows_q5_0, _rows_q5_1 = (_dot_weight_rows(kind, WEIGHT_ROWS, 1) for kind in _KINDS)
+_rows2_q8_0, _rows2_q5_0, _rows2_q5_1 = (_dot_weight_rows(kind, WEIGHT_ROWS // 2, 2) for kind in _KINDS)
 
 
 @njit(cache=_CACHE, nogil=True, inline="always")
@@ -252,26 +250,12 @@ def _pass(kind, row, table, blocks, xq, xs, xsum, xsum4, first, width, out):  # 
             _two_q5_0(row, table, blocks, xq, xs, xsum, xsum4, first, out)
         else:
             _many_q5_0(row, table, blocks, xq, xs, xsum, xsum4, first, out)
-    elif kind == 2:
-        if width == 1:
-            _one_q5_1(row, table, blocks, xq, xs, xsum, xsum4, first, out)
-        elif width == 2:
-            _two_q5_1(row, table, blocks, xq, xs, xsum, xsum4, first, out)
-        else:
-            _many_q5_1(row, table, blocks, xq, xs, xsum, xsum4, first, out)
-    elif kind == 3:
-        if width == 1:
-            _one_q4_0(row, table, blocks, xq, xs, xsum, xsum4, first, out)
-        elif width == 2:
-            _two_q4_0(row, table, blocks, xq, xs, xsum, xsum4, first, out)
-        else:
-            _many_q4_0(row, table, blocks, xq, xs, xsum, xsum4, first, out)
     elif width == 1:
-        _one_q4_1(row, table, blocks, xq, xs, xsum, xsum4, first, out)
+        _one_q5_1(row, table, blocks, xq, xs, xsum, xsum4, first, out)
     elif width == 2:
-        _two_q4_1(row, table, blocks, xq, xs, xsum, xsum4, first, out)
+        _two_q5_1(row, table, blocks, xq, xs, xsum, xsum4, first, out)
     else:
-        _many_q4_1(row, table, blocks, xq, xs, xsum, xsum4, first, out)
+        _many_q5_1(row, table, blocks, xq, xs, xsum, xsum4, first, out)
 
 
 @njit(cache=_CACHE, nogil=True, inline="always")
@@ -282,22 +266,14 @@ def _weight_rows_pass(kind, m, raw, table, n, blocks, xq, xs, xsum, xsum4, out):
             _rows_q8_0(raw, table, n, blocks, xq, xs, xsum, xsum4, out)
         elif kind == 1:
             _rows_q5_0(raw, table, n, blocks, xq, xs, xsum, xsum4, out)
-        elif kind == 2:
-            _rows_q5_1(raw, table, n, blocks, xq, xs, xsum, xsum4, out)
-        elif kind == 3:
-            _rows_q4_0(raw, table, n, blocks, xq, xs, xsum, xsum4, out)
         else:
-            _rows_q4_1(raw, table, n, blocks, xq, xs, xsum, xsum4, out)
+            _rows_q5_1(raw, table, n, blocks, xq, xs, xsum, xsum4, out)
     elif kind == 0:
         _rows2_q8_0(raw, table, n, blocks, xq, xs, xsum, xsum4, out)
     elif kind == 1:
         _rows2_q5_0(raw, table, n, blocks, xq, xs, xsum, xsum4, out)
-    elif kind == 2:
-        _rows2_q5_1(raw, table, n, blocks, xq, xs, xsum, xsum4, out)
-    elif kind == 3:
-        _rows2_q4_0(raw, table, n, blocks, xq, xs, xsum, xsum4, out)
     else:
-        _rows2_q4_1(raw, table, n, blocks, xq, xs, xsum, xsum4, out)
+        _rows2_q5_1(raw, table, n, blocks, xq, xs, xsum, xsum4, out)
 
 
 @njit(types.void(types.int64, _raw(types.uint8), _f32_2d, types.int64, _i8_2d, _f32_2d, _i32_2d, _i32_2d, _f32_2d,

@@ -104,16 +104,16 @@ class BlockLinear8(torch.nn.Module):
             self.scales = _fp16_at(blocks, 0)  # [N, K // 32] d
         elif qtype == "Q6_K":
             self.scales = _fp16_at(blocks, 208)  # [N, K // 256] d
-        elif qtype in ("Q5_0", "Q4_0"):
+        elif qtype == "Q5_0":
             self.scales = np.ascontiguousarray(_fp16_at(blocks, 0)[..., None])  # [N, K // 32, 1] d
-        elif qtype in ("Q5_1", "Q4_1"):
+        elif qtype == "Q5_1":
             self.scales = np.ascontiguousarray(np.stack([_fp16_at(blocks, 0), _fp16_at(blocks, 2)], axis=-1))
         else:
             self.scales = np.ascontiguousarray(np.stack([_fp16_at(blocks, 0), _fp16_at(blocks, 2)], axis=-1))
         self.table = self.scales.reshape(n, -1)  # [N, T]: a view
 
     def nbytes(self) -> int:
-        """Bytes this layer holds besides the file's mapping (the scale tables, Q4_0's tiles, the bias)."""
+        """Bytes this layer holds besides the file's mapping (the scale tables, Q4_0's and Q4_1's tiles, the bias)."""
         held = self.scales.nbytes + (0 if self.tiles is None else self.tiles.nbytes)
         return held + (0 if self.bias is None else self.bias.nbytes)
 
@@ -315,11 +315,10 @@ def decode_integers(qtype: str, raw: np.ndarray, scales: np.ndarray) -> tuple:
     if qtype == "Q8_0":
         q = raw.reshape(n, -1, 34)[..., 2:].view(np.int8).astype(np.float32)
         return q, scales, scales, None
-    if qtype in ("Q5_0", "Q5_1", "Q4_0", "Q4_1"):
-        blocks = raw.reshape(n, -1, BLOCK_BYTES[qtype])
-        q = _q5_values(blocks) if qtype[1] == "5" else _q4_values(blocks)
-        if qtype in ("Q5_0", "Q4_0"):
-            return q - (16 if qtype == "Q5_0" else 8), scales[..., 0].copy(), scales[..., 0].copy(), None
+    if qtype in ("Q5_0", "Q5_1"):
+        q = _q5_values(raw.reshape(n, -1, BLOCK_BYTES[qtype]))
+        if qtype == "Q5_0":
+            return q - 16, scales[..., 0].copy(), scales[..., 0].copy(), None
         return q, scales[..., 0].copy(), scales[..., 0].copy(), -scales[..., 1]
     if qtype == "Q6_K":
         b = raw.reshape(n, -1, 210)
@@ -341,13 +340,6 @@ def _q6_k_values(b: np.ndarray) -> np.ndarray:
     low = np.concatenate([ql & 15, ql >> 4], axis=-2)  # [n, S, half, t, l], t = 0..3
     high = (qh >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
     return ((low | (high << 4)).astype(np.float32) - 32).reshape(*b.shape[:2], 256)
-
-
-def _q4_values(b: np.ndarray) -> np.ndarray:
-    """Q4_0 / Q4_1 blocks [n, B, 18 or 20] -> q [n, B, 32] fp32 (0..15): element j < 16 is the
-    low nibble of qs[j] (the 16 bytes that end the block), element j + 16 its high nibble."""
-    qs = b[..., -16:]
-    return np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.float32)
 
 
 def _q5_values(b: np.ndarray) -> np.ndarray:
