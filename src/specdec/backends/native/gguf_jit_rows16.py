@@ -47,8 +47,8 @@ from specdec.backends.native.gguf_jit_8bit import (
     _raw,
     _Rows,
     _splat,
+    _splat_value,
     _vec,
-    _vector,
 )
 
 _i1, _i8, _i16, _i32, _i64, _f32 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -81,9 +81,7 @@ def _block_dot(b, weights, qrow, at):
     for v, (low, high) in enumerate(weights):
         for w, offset in ((low, 4 * v), (high, 16 + 4 * v)):
             four = b.load(b.bitcast(b.gep(qrow, [b.add(at, _const(offset))]), _i32.as_pointer()), align=1)
-            x = b.bitcast(b.insert_element(ir.Constant(_vec(_i32, TILE), None), four, ir.Constant(_i32, 0)),
-                          _vec(_i32, TILE))  # fmt: skip
-            x = b.bitcast(b.shuffle_vector(x, x, _vector([0] * TILE, _i32)), _vec(_i8, 64))
+            x = b.bitcast(_splat_value(b, four, TILE), _vec(_i8, 64))
             acc = _dot_add(b, acc, w, x)
     return acc
 
@@ -120,13 +118,13 @@ def _tile_rows(rows: int, with_min: bool):
                     total = _block_dot(b, weights, b.gep(qp, [b.mul(pick, k)]), b.mul(index, _const(32)))
                     at = b.add(b.mul(pick, per_row), index)
                     xsum = b.load(b.gep(np_, [at]))
-                    xs = _splat_f32(b, b.load(b.gep(sp, [at])))
+                    xs = _splat_value(b, b.load(b.gep(sp, [at])), TILE)
                     if not with_min:  # Q4_0's weights are q - 8
-                        total = b.sub(total, b.shl(_splat_i32(b, xsum), _splat(3, TILE, _i32)))
+                        total = b.sub(total, b.shl(_splat_value(b, xsum, TILE), _splat(3, TILE, _i32)))
                     scaled = b.fmul(b.sitofp(total, _vec(_f32, TILE)), b.fmul(d, xs))
                     b.store(b.fadd(b.load(accs[r]), scaled), accs[r])
                     if with_min:  # (m * xs) * float(xsum)
-                        term = b.fmul(b.fmul(mn, xs), _splat_f32(b, b.sitofp(xsum, _f32)))
+                        term = b.fmul(b.fmul(mn, xs), _splat_value(b, b.sitofp(xsum, _f32), TILE))
                         b.store(b.fadd(b.load(mins[r]), term), mins[r])
             for r in range(rows):
                 with b.if_then(b.icmp_signed("<", b.add(args[5], _const(r)), m)):
@@ -138,16 +136,6 @@ def _tile_rows(rows: int, with_min: bool):
         return types.void(tile, blocks, xq, xs, xsum, first, out), codegen
 
     return dot
-
-
-def _splat_i32(b, value):
-    v = b.insert_element(ir.Constant(_vec(_i32, TILE), None), value, ir.Constant(_i32, 0))
-    return b.shuffle_vector(v, v, _vector([0] * TILE, _i32))
-
-
-def _splat_f32(b, value):
-    v = b.insert_element(ir.Constant(_vec(_f32, TILE), None), value, ir.Constant(_i32, 0))
-    return b.shuffle_vector(v, v, _vector([0] * TILE, _i32))
 
 
 _one_q4_0, _two_q4_0, _many_q4_0 = (_tile_rows(rows, False) for rows in (1, 2, DOT_ROWS))

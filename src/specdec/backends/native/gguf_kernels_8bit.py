@@ -97,7 +97,7 @@ class BlockLinear8(torch.nn.Module):
         if qtype in ROWS16_TYPES:  # in tiles of 16 rows (gguf_rows16.py), d (m) inside: a copy of the blocks
             self.tiles, self.kind = repack(self.raw, qtype, n, k), qtype.lower() + "x16"
             self.scales = self.table = np.empty((n, 0), np.float32)
-            self.raw = self.raw if self.kernel == "torch" else None  # a joined q/k/v copy is not kept
+            self.raw = None  # the tiles hold the blocks (a joined q/k/v copy is not kept)
             return
         blocks = self.raw.reshape(n, k // span, BLOCK_BYTES[qtype])
         if qtype == "Q8_0":
