@@ -1,4 +1,4 @@
-"""The Q8_0 / Q6_K / Q5_K / Q5_0 / Q5_1 weight kernels (gguf_kernels_8bit.py) on synthetic blocks, each
+"""The Q8_0 / Q6_K / Q5_K / Q4_K / Q5_0 / Q5_1 / Q4_0 / Q4_1 weight kernels (gguf_kernels_8bit.py) on synthetic blocks, each
 test for every type and both kernels (numba, and the PyTorch replica):
 - the integers and scales the kernels read reproduce the gguf package's reference weights
   bit for bit, and the outputs stay within the int8 activations' error bound of the exact
@@ -22,10 +22,10 @@ from gguf.quants import dequantize
 
 from specdec.backends.native import gguf_kernels_8bit as k8
 from specdec.backends.native import gguf_kernels_ort8 as k8_ort
-from specdec.backends.native import jit_ops
+from specdec.backends.native import gguf_rows16, jit_ops
 from specdec.backends.native.gguf_encode import quantize_blocks
 from specdec.backends.native.gguf_kernels import head_from_quant, linear_from_quant
-from specdec.backends.native.gguf_rows16 import ROWS16_KIND, repack, unpack
+from specdec.backends.native.gguf_rows16 import OFFSET, ROWS16_TYPES, TILE_BYTES, repack, unpack
 from specdec.backends.native.gguf_tensors import QuantTensor, ReferenceLinear
 from specdec.errors import SpecdecError
 
@@ -78,7 +78,7 @@ def within_bound(layer, tensor: QuantTensor, x: torch.Tensor) -> bool:
 def test_decoded_integers_are_the_reference_weights(qtype):
     tensor = make_tensor(qtype)
     layer = k8.BlockLinear8(tensor, kernel="torch")
-    if layer.tiles is not None:  # Q4_0, Q4_1 in tiles of 16 rows (gguf_rows16.py)
+    if layer.tiles is not None:  # Q4_0, Q4_1, Q5_0, Q5_1 in tiles of 16 rows (gguf_rows16.py)
         np.testing.assert_array_equal(tile_weights(layer.tiles, qtype, *tensor.shape), tensor.dequantize())
         return
     w, lo, hi, offset = k8.decode_integers(qtype, layer.raw, layer.scales)
@@ -107,22 +107,18 @@ def misplaced_q6_k_values(b: np.ndarray) -> np.ndarray:
     return ((low | (high << 4)).astype(np.float32) - 32).reshape(*b.shape[:2], 256)
 
 
-def misplaced_q5_values(b: np.ndarray) -> np.ndarray:
-    """A wrong Q5_0 / Q5_1 decoder: qh read as big-endian bits (bit 31 - j for element j)."""
-    qs, qh = b[..., -16:], b[..., -20:-16]
-    low = np.concatenate([qs & 15, qs >> 4], axis=-1)
-    high = (qh[..., 3 - np.arange(32) // 8] >> (7 - np.arange(32) % 8).astype(np.uint8)) & 1
-    return (low | (high << 4)).astype(np.float32)
+def unspread_high_bits(qh: np.ndarray) -> np.ndarray:
+    """A wrong Q5 repacking: the fifth bits left in the file's order (bit j for element j)."""
+    return qh.copy()
 
 
-@pytest.mark.parametrize(("qtype", "decoder", "wrong"), [("Q6_K", "_q6_k_values", misplaced_q6_k_values),
-                                                         ("Q5_0", "_q5_values", misplaced_q5_values),
-                                                         ("Q5_1", "_q5_values", misplaced_q5_values)])  # fmt: skip
-def test_a_misplaced_decoder_breaks_the_bound(monkeypatch, qtype, decoder, wrong):
+@pytest.mark.parametrize(("qtype", "module", "name", "wrong"), [(t, k8, "_q6_k_values", misplaced_q6_k_values) for t in ["Q6_K"]]
+                         + [(t, gguf_rows16, "spread_high_bits", unspread_high_bits) for t in ["Q5_0", "Q5_1"]])  # fmt: skip
+def test_a_misplaced_decoder_breaks_the_bound(monkeypatch, qtype, module, name, wrong):
     tensor = make_tensor(qtype)
     x = activations(4, tensor.shape[1])
     assert within_bound(k8.BlockLinear8(tensor, kernel="torch"), tensor, x)
-    monkeypatch.setattr(k8, decoder, wrong)
+    monkeypatch.setattr(module, name, wrong)
     assert not within_bound(k8.BlockLinear8(tensor, kernel="torch"), tensor, x)
 
 
@@ -215,7 +211,7 @@ def test_rows_do_not_depend_on_the_thread_count(qtype, kernel):
             if kernel == "numba":
                 import numba
 
-                k8._jit(True)  # sets the threading layer first
+                k8._rows16_jit()  # sets the threading layer first
                 numba.set_num_threads(min(count, numba.config.NUMBA_NUM_THREADS))
             outputs.append(layer(x))
     finally:
@@ -231,7 +227,7 @@ def test_rows_do_not_depend_on_the_thread_count(qtype, kernel):
 def test_keeps_the_file_bytes_without_a_dense_copy(qtype):
     tensor = make_tensor(qtype, n=64, k=1024)
     layer = k8.linear_for(tensor)
-    if layer.tiles is not None:  # Q4_0 in tiles of 16 rows: the blocks' bytes reordered, nothing more
+    if layer.tiles is not None:  # in tiles of 16 rows: the blocks' bytes reordered, nothing more
         assert layer.raw is None and layer.nbytes() == tensor.data.nbytes
     else:
         assert np.shares_memory(layer.raw, tensor.data)
@@ -261,37 +257,34 @@ def test_fallback_is_forced_by_the_environment(monkeypatch):
     assert k8.kernel_name() == ("numba" if jit_ops.importable() else "torch")
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ROWS16_TYPES)
 @pytest.mark.parametrize("n, k", [(16, 32), (70, 288), (5, 512)])
-def test_4bit_tiles_hold_the_blocks_of_16_rows(qtype, n, k):
-    """Tile t, block b, vector v, lane r: row 16 t + r's qs[4 v .. 4 v + 3]; then the rows'
-    d (and Q4_1's m); rows past N zero. Unpacking gives the file's weights back."""
+def test_tiles_hold_the_blocks_of_16_rows(qtype, n, k):
+    """Tile t, block b, vector v, lane r: row 16 t + r's qs[4 v .. 4 v + 3] (nibbles, or Q8_0's
+    int8); for Q5 a vector of the rows' fifth bits; then the rows' d (and m); rows past N zero. Unpacking gives the
+    file's weights back."""
     tensor = make_tensor(qtype, n=n, k=k)
     tiles = repack(tensor.data, qtype, n, k)
-    width, fields = (288, 2) if qtype == "Q4_0" else (320, 4)
+    width, file_width = TILE_BYTES[qtype], gguf_rows16.FILE_BYTES[qtype]
     assert tiles.shape == (-(-n // 16), k // 32 * width) and not tiles.flags.writeable
-    blocks = np.asarray(tensor.data).reshape(n, k // 32, fields + 16)
-    first = tiles[0, :width]
-    assert bytes(first[64 + 4 * 3 : 64 + 4 * 3 + 4]) == bytes(blocks[3, 0, fields + 4 : fields + 8])  # v 1, lane 3
-    assert bytes(first[256 + 2 * 2 : 256 + 2 * 3]) == bytes(blocks[2, 0, :2])  # row 2's d
+    blocks = np.asarray(tensor.data).reshape(n, k // 32, file_width)
+    first, qs_at = tiles[0, :width], file_width - gguf_rows16.QS_BYTES[qtype]
+    assert bytes(first[64 + 4 * 3 : 64 + 4 * 3 + 4]) == bytes(blocks[3, 0, qs_at + 4 : qs_at + 8])  # v 1, lane 3
+    at = gguf_rows16.fields_at(qtype)
+    assert bytes(first[at + 2 * 2 : at + 2 * 3]) == bytes(blocks[2, 0, :2])  # row 2's d
+    if qtype in gguf_rows16.HIGH_BITS:  # lane 1 of the fifth bits: bit g of byte c is element 4 g + c's
+        spread = int.from_bytes(bytes(first[256 + 4 : 256 + 8]), "little")
+        qh = int.from_bytes(bytes(blocks[1, 0, qs_at - 4 : qs_at]), "little")
+        assert all((spread >> (8 * c + g) & 1) == (qh >> (4 * g + c) & 1) for g in range(8) for c in range(4))
     np.testing.assert_array_equal(tile_weights(tiles, qtype, n, k), tensor.dequantize())
-    assert not {ROWS16_KIND, ROWS16_KIND + 1} & gguf_jit_small_kinds()  # one code per layout in a layer's groups
 
 
 def tile_weights(tiles: np.ndarray, qtype: str, n: int, k: int) -> np.ndarray:
-    """The weights tiles hold [N, K]: (q - 8) d, or q d + m, as gguf dequantizes them."""
+    """The weights tiles hold [N, K]: (q - offset) d, or q d + m, as gguf dequantizes them."""
     q, d, m = unpack(tiles, qtype, n, k)
     q = q.astype(np.float32)
-    w = (q - 8) * d[..., None] if m is None else d[..., None] * q + m[..., None]
+    w = (q - OFFSET[qtype]) * d[..., None] if m is None else d[..., None] * q + m[..., None]
     return w.reshape(n, k)
-
-
-def gguf_jit_small_kinds() -> set[int]:
-    if not jit_ops.importable():
-        return set(range(5))
-    from specdec.backends.native.gguf_jit_small import KIND_CODES
-
-    return set(KIND_CODES.values())
 
 
 @pytest.mark.parametrize("qtype", ["Q5_K", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "Q4_K"])

@@ -37,9 +37,6 @@ ALLOWED_LATE_IMPORTS: dict[tuple[str, str], str] = {
     ("specdec.backends.native.gguf_kernels_8bit", "specdec.backends.native.gguf_jit_8bit"): (
         "gguf_jit_8bit needs numba (the cpu extra) and compiles its kernels on first use"
     ),
-    ("specdec.backends.native.gguf_kernels_8bit", "specdec.backends.native.gguf_jit_small"): (
-        "gguf_jit_small needs numba (the cpu extra) and compiles its kernels on first use"
-    ),
     ("specdec.backends.native.gguf_kernels_8bit", "specdec.backends.native.gguf_jit_rows16"): (
         "gguf_jit_rows16 needs numba (the cpu extra) and compiles its kernel on first use"
     ),

@@ -8,8 +8,8 @@ Each case is KIND:N:K:M (Q6_K or Q5_K; N x K weights, M activation rows) on rand
 Both modules compile (or load) their own cached kernels; per case the two `matmul` calls
 alternate, and both must write the same bits (both trees from the K-quants' move to
 `vpdpbusd` on: the activations and the call are this tree's). The default cases are 1.5B-sized matrices from
-memory. Prints each case's medians and ends with a JSON line. (Q8_0, Q5_0 and Q5_1 moved to
-gguf_jit_small.py with another arithmetic: `gguf_matrix_time.py` times them per tree.)
+memory. Prints each case's medians and ends with a JSON line. (The blocks of 32 run on
+gguf_jit_rows16.py with another arithmetic: `gguf_matrix_time.py` times them per tree.)
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from specdec.backends.native import jit_ops
 if jit_ops.importable():  # the runtime's compiled kernels: per process, not per model
     import specdec.backends.native.gguf_jit_8bit  # noqa: F401
     import specdec.backends.native.gguf_jit_quant  # noqa: F401
-    import specdec.backends.native.gguf_jit_small  # noqa: F401
+    import specdec.backends.native.gguf_jit_rows16  # noqa: F401
     import specdec.backends.native.jit  # noqa: F401
 
 

@@ -1,5 +1,5 @@
 """numba kernels for GGUF's Q6_K, Q5_K and Q4_K matrices on int8 activations (see
-gguf_kernels_8bit.py, which wraps them and states the contract; gguf_jit_small.py holds the
+gguf_kernels_8bit.py, which wraps them and states the contract; gguf_jit_rows16.py holds the
 blocks of 32's), and the IR helpers both modules build them from. Imported on first use;
 compiled once, cached on disk.
 
@@ -30,7 +30,7 @@ pmaddubsw on AVX2, plain IR elsewhere: the same integers, so the CPU changes the
 the bits); the float operations are plain IR, nothing fused or reordered.
 The IR helpers are not cached themselves; the cached kernels contain them, and numba
 re-validates a cached kernel by its own file's time stamp only: a change here needs
-gguf_jit_small.py's cache cleared too.
+gguf_jit_rows16.py's cache cleared too.
 """
 
 from __future__ import annotations

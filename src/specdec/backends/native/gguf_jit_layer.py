@@ -5,7 +5,7 @@ At decode widths a layer's kernels take a few tens of microseconds each, and the
 around them (tensor conversions, dispatches, one allocation per output) cost about as much
 again. Here the same kernels run back to back in compiled code: `decode_layer` calls the
 functions the separate path calls (gguf_jit_quant's quantizers, the matmuls of
-gguf_jit_small and gguf_jit_8bit, jit's norms and attention, `glu_mul_f32`) on the same
+gguf_jit_rows16 and gguf_jit_8bit, jit's norms and attention, `glu_mul_f32`) on the same
 inputs in the same order, and adds biases and residuals as the separate path's fp32 tensor
 adds do, so a row gets the same bits either way. Imported on first use; compiled once,
 cached on disk.
@@ -13,8 +13,9 @@ cached on disk.
 A linear is a `group`: (small, parts, bias, width). `small` says whether the parts read
 blocks of 32 (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1) or the K-quants' super-blocks; every part of a group reads
 that one quantization of the input, as MixedBlockLinear8 does. parts: a tuple of (kind,
-raw, table, units), each writing its columns side by side (KIND_CODES of its module); bias:
-[width] fp32, or empty.
+raw, table, units), each writing its columns side by side (kind: the index in
+gguf_rows16.ROWS16_TYPES of a small-block part, whose raw is its tiles; gguf_jit_8bit's
+KIND_CODES of a K-quant's); bias: [width] fp32, or empty.
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ from numba import njit
 from specdec.backends.native.gguf_jit_8bit import matmul as superblock_matmul
 from specdec.backends.native.gguf_jit_quant import quantize_rows, quantize_rows_k
 from specdec.backends.native.gguf_jit_rows16 import matmul as rows16_matmul
-from specdec.backends.native.gguf_jit_small import matmul as pair_matmul
-from specdec.backends.native.gguf_rows16 import ROWS16_KIND
 from specdec.backends.native.jit import (
     exp_nonpositive,
     norm_rotate_attend,
@@ -86,10 +85,8 @@ def linear(group, x):  # pragma: no cover - compiled
     y = np.empty((m, width), np.float32)
     column = 0
     for kind, raw, table, units in parts:  # table [N, T]: N rows whatever the layout
-        if small and kind >= ROWS16_KIND:  # Q4_0, Q4_1 in tiles of 16 rows
-            rows16_matmul(kind - ROWS16_KIND, raw, table.shape[0], units, xq, xs, xsum, y, column)
-        elif small:
-            pair_matmul(kind, raw, table, units, xq, xs, xsum, xsum4, y, column)
+        if small:  # in tiles of 16 rows
+            rows16_matmul(kind, raw, table.shape[0], units, xq, xs, xsum, y, column)
         else:
             superblock_matmul(kind, raw, table, units, xq, xs, xsum, xsum4, y, column)
         column += table.shape[0]

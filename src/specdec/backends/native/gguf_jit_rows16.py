@@ -1,30 +1,36 @@
-"""numba kernel for GGUF Q4_0 and Q4_1 matrices repacked in tiles of 16 rows, on int8
-activations (gguf_kernels_8bit.py's BlockLinear8 wraps it; gguf_jit_8bit.py holds the IR
-helpers). Imported on first use; compiled once, cached on disk.
+"""numba kernel for GGUF's blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 matrices) repacked in
+tiles of 16 rows, on int8 activations (gguf_kernels_8bit.py's BlockLinear8 wraps it;
+gguf_jit_8bit.py holds the IR helpers and the K-quants' kernels). Imported on first use;
+compiled once, cached on disk.
 
 Layout (gguf_rows16.py's `repack`): rows n = 16 t .. 16 t + 15 form tile t (the last one
-padded with zero blocks). For each block b of 32 a tile holds four vectors of 64 bytes,
-vector v giving each row r the 4 bytes qs[4 v .. 4 v + 3] of its block (lane r: elements
-4 v .. 4 v + 3 in the low nibbles, 16 + 4 v .. 16 + 4 v + 3 in the high), then the 16 rows'
-fp16 d, then (Q4_1) their fp16 m: 288 or 320 bytes, the file's bytes in another order (a
-copy, whose mapped pages the loader drops).
+padded with zero blocks). For each block b of 32 a tile holds vectors of 64 bytes, vector v
+giving each row r the 4 bytes qs[4 v .. 4 v + 3] of its block: four vectors of nibbles
+(lane r: elements 4 v .. 4 v + 3 in the low nibbles, 16 + 4 v .. 16 + 4 v + 3 in the
+high), or Q8_0's eight of int8 q (elements 4 v .. 4 v + 3). Q5_0 and Q5_1 add a vector of
+the rows' fifth bits (lane r: row r's 32 bits, byte c bit g for element 4 g + c,
+`spread_high_bits`). Then the 16 rows' fp16 d, then (Q4_1, Q5_1) their fp16 m: 288, 320,
+352, 384 or 544 bytes, the file's bits in another order (a copy, whose mapped pages the
+loader drops).
 
 The arithmetic, for one output y[m, n] (gguf_rows16.py's `rows16_matmul` performs the same
 operations in the same order, bit for bit):
 - activations (gguf_jit_quant's `quantize_rows`): per block b of 32, xs[b] = max|x| / 127,
   xq = rint(x * (1 / xs[b])) in int8, and xsum[b], the block's sum of xq;
 - per block the exact integer i = sum over its 32 elements of q * xq, less 8 * xsum[b] for
-  Q4_0 (whose weights are q - 8);
-- from c = 0 in fp32, block after block: c = c + float(i) * (d[b] * xs[b]); Q4_1 also sums
-  c_m = c_m + (m[b] * xs[b]) * float(xsum[b]) and ends with y = c + c_m (Q4_0: y = c).
+  Q4_0 and 16 * xsum[b] for Q5_0 (whose weights are q - 8 and q - 16; Q8_0's are q, and
+  vpdpbusd, which takes unsigned weights, sums (q + 128) * xq and subtracts 128 * xsum[b]);
+- from c = 0 in fp32, block after block: c = c + float(i) * (d[b] * xs[b]); Q4_1 and Q5_1
+  also sum c_m = c_m + (m[b] * xs[b]) * float(xsum[b]) and end with y = c + c_m (the others:
+  y = c).
 Integer sums are exact and no float operation is reordered or fused, so y[m, n] depends only
 on x[m] and row n: not on M, nor on the thread count (threads share out whole tiles).
 
 Instructions: a vector's 16 lanes are the tile's 16 rows, so one `_dot4` (vpdpbusd with
 AVX-512 VNNI) takes four elements of 16 rows, and a block's scaling is one vector product
-for all of them; the pair kernel (gguf_jit_small.py) spends a convert, two products, a
-permute and an add per block pair and row. A tile's block is unpacked once for up to four
-activation rows.
+for all of them (one weight row at a time, a block pair's scaling took a convert, two
+products, a permute and an add per row). A tile's block is unpacked once for up to four
+activation rows: a fifth bit costs a shift, a mask and an or per vector of 64 weights.
 """
 
 from __future__ import annotations
@@ -50,55 +56,80 @@ from specdec.backends.native.gguf_jit_8bit import (
     _splat_value,
     _vec,
 )
+from specdec.backends.native.gguf_rows16 import (
+    HIGH_BITS,
+    OFFSET,
+    QS_BYTES,
+    ROWS16_TYPES,
+    TILE_BYTES,
+    WITH_MIN,
+    fields_at,
+)
 
 _i1, _i8, _i16, _i32, _i64, _f32 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _f32_2d, _i8_2d, _i32_2d = types.float32[:, ::1], types.int8[:, ::1], types.int32[:, ::1]
 TILE = 16  # rows a tile
-BLOCK_BYTES = (288, 320)  # a tile's block, Q4_0 and Q4_1: 4 x 64 bytes of nibbles, 16 fp16 d (and 16 m)
 
 
-def _unpack(b, src, with_min: bool):
-    """A tile's block at byte `src` -> the 8 <64 x i8> weight vectors (elements 4 v .. 4 v + 3,
-    then 16 + 4 v .. for v = 0..3; q in 0..15), the 16 rows' d as <16 x float>, and Q4_1's m
-    likewise (or None)."""
+def _unpack(b, src, qtype: str):
+    """A tile's block at byte `src` -> its 8 weight vectors <64 x i8> with the element each
+    lane's four bytes start at (nibbles: the low ones of vector v at 4 v, its high ones at
+    16 + 4 v; q in 0..15, Q5's in 0..31; Q8_0: vector v at 4 v, its int8 q, as q + 128 where
+    the dot is vpdpbusd), the 16 rows' d as <16 x float>, and the m of Q4_1 and Q5_1 likewise
+    (or None)."""
+    fifth = _load(b, src, _const(256), _vec(_i32, TILE)) if qtype in HIGH_BITS else None
+
+    def high_bits(group: int):  # elements 4 g .. 4 g + 3 of each lane's four bytes: bit 4 of each
+        shifted = b.shl(fifth, _splat(4 - group, TILE, _i32)) if group < 4 else b.lshr(fifth, _splat(group - 4, TILE, _i32))
+        return b.bitcast(b.and_(shifted, _splat(0x10101010, TILE, _i32)), _vec(_i8, 64))
+
     weights = []
-    for v in range(4):
+    for v in range(QS_BYTES[qtype] // 4):
         raw = _load(b, src, _const(64 * v), _vec(_i8, 64))
+        if qtype == "Q8_0":
+            weights.append((b.xor(raw, _splat(-128, 64, _i8)) if DOT == "vnni" else raw, 4 * v))
+            continue
         high = b.bitcast(b.lshr(b.bitcast(raw, _vec(_i16, 32)), _splat(4, 32, _i16)), _vec(_i8, 64))
-        weights.append((b.and_(raw, _splat(15, 64, _i8)), b.and_(high, _splat(15, 64, _i8))))
+        low, high = b.and_(raw, _splat(15, 64, _i8)), b.and_(high, _splat(15, 64, _i8))
+        if fifth is not None:
+            low, high = b.or_(low, high_bits(v)), b.or_(high, high_bits(4 + v))
+        weights += [(low, 4 * v), (high, 16 + 4 * v)]
 
     def field(at: int):
         half = b.bitcast(_load(b, src, _const(at), _vec(_i16, TILE)), _vec(ir.HalfType(), TILE))
         return b.fpext(half, _vec(_f32, TILE))
 
-    return weights, field(256), field(288) if with_min else None
+    at = fields_at(qtype)
+    return weights, field(at), field(at + 32) if qtype in WITH_MIN else None
 
 
-def _block_dot(b, weights, qrow, at):
+def _block_dot(b, weights, qrow, at, signed: bool):
     """<16 x i32>: per row, the sum over one block of q * xq (xq of the activation row at
-    pointer `qrow`, the block starting at element `at`), exact."""
+    pointer `qrow`, the block starting at element `at`), exact; Q8_0's (`signed`) on
+    vpdpbusd is the sum of (q + 128) * xq."""
     acc = ir.Constant(_vec(_i32, TILE), None)
-    for v, (low, high) in enumerate(weights):
-        for w, offset in ((low, 4 * v), (high, 16 + 4 * v)):
-            four = b.load(b.bitcast(b.gep(qrow, [b.add(at, _const(offset))]), _i32.as_pointer()), align=1)
-            x = b.bitcast(_splat_value(b, four, TILE), _vec(_i8, 64))
-            acc = _dot_add(b, acc, w, x)
+    for w, offset in weights:
+        four = b.load(b.bitcast(b.gep(qrow, [b.add(at, _const(offset))]), _i32.as_pointer()), align=1)
+        x = b.bitcast(_splat_value(b, four, TILE), _vec(_i8, 64))
+        acc = _dot_add(b, acc, w, x, signed)
     return acc
 
 
-def _dot_add(b, acc, w, x):
-    """acc + the sums of four of w (unsigned) times x (signed), per lane: <16 x i32>."""
+def _dot_add(b, acc, w, x, signed: bool):
+    """acc + the sums of four of w (unsigned, or `signed` except on vpdpbusd, which takes
+    Q8_0's as q + 128) times x (signed), per lane: <16 x i32>."""
     if DOT == "vnni":  # the add inside the instruction
         operands = [acc, b.bitcast(w, _vec(_i32, TILE)), b.bitcast(x, _vec(_i32, TILE))]
         return _intrinsic(b, "llvm.x86.avx512.vpdpbusd.512", _vec(_i32, TILE), operands)
-    return b.add(acc, _dot4(b, w, False, 0, x, None))
+    return b.add(acc, _dot4(b, w, signed, 0, x, None))
 
 
-def _tile_rows(rows: int, with_min: bool):
-    """An intrinsic `dot(tile, blocks, xq, xs, xsum, first, out)`: one tile (Q4_0's layout, or
-    Q4_1's `with_min`) against activation rows first .. first + rows - 1 (those below M; the
-    others repeat row M - 1 and are not stored), out[r * 16 + j] for row r and tile row j."""
-    width = BLOCK_BYTES[1 if with_min else 0]
+def _tile_rows(rows: int, qtype: str):
+    """An intrinsic `dot(tile, blocks, xq, xs, xsum, first, out)`: one tile of `qtype`
+    against activation rows first .. first + rows - 1 (those below M; the others repeat row
+    M - 1 and are not stored), out[r * 16 + j] for row r and tile row j."""
+    width, with_min, signed = TILE_BYTES[qtype], qtype in WITH_MIN, qtype == "Q8_0"
+    offset = 128 if signed and DOT == "vnni" else OFFSET[qtype]  # vpdpbusd's Q8_0 weights are q + 128
 
     @intrinsic
     def dot(typingctx, tile, blocks, xq, xs, xsum, first, out):
@@ -113,14 +144,14 @@ def _tile_rows(rows: int, with_min: bool):
             mins = [cgutils.alloca_once_value(b, zeros) for _ in range(rows if with_min else 0)]
             with cgutils.for_range(b, args[1]) as loop:
                 index = loop.index
-                weights, d, mn = _unpack(b, b.gep(tp, [b.mul(index, _const(width))]), with_min)
+                weights, d, mn = _unpack(b, b.gep(tp, [b.mul(index, _const(width))]), qtype)
                 for r, pick in enumerate(passing.picks):
-                    total = _block_dot(b, weights, b.gep(qp, [b.mul(pick, k)]), b.mul(index, _const(32)))
+                    total = _block_dot(b, weights, b.gep(qp, [b.mul(pick, k)]), b.mul(index, _const(32)), signed)
                     at = b.add(b.mul(pick, per_row), index)
                     xsum = b.load(b.gep(np_, [at]))
                     xs = _splat_value(b, b.load(b.gep(sp, [at])), TILE)
-                    if not with_min:  # Q4_0's weights are q - 8
-                        total = b.sub(total, b.shl(_splat_value(b, xsum, TILE), _splat(3, TILE, _i32)))
+                    if offset:  # Q4_0's weights are q - 8, Q5_0's q - 16; Q8_0's on vpdpbusd q + 128
+                        total = b.sub(total, b.mul(_splat_value(b, xsum, TILE), _splat(offset, TILE, _i32)))
                     scaled = b.fmul(b.sitofp(total, _vec(_f32, TILE)), b.fmul(d, xs))
                     b.store(b.fadd(b.load(accs[r]), scaled), accs[r])
                     if with_min:  # (m * xs) * float(xsum)
@@ -138,8 +169,12 @@ def _tile_rows(rows: int, with_min: bool):
     return dot
 
 
-_one_q4_0, _two_q4_0, _many_q4_0 = (_tile_rows(rows, False) for rows in (1, 2, DOT_ROWS))
-_one_q4_1, _two_q4_1, _many_q4_1 = (_tile_rows(rows, True) for rows in (1, 2, DOT_ROWS))
+_one_q4_0, _two_q4_0, _many_q4_0 = (_tile_rows(rows, "Q4_0") for rows in (1, 2, DOT_ROWS))
+_one_q4_1, _two_q4_1, _many_q4_1 = (_tile_rows(rows, "Q4_1") for rows in (1, 2, DOT_ROWS))
+_one_q5_0, _two_q5_0, _many_q5_0 = (_tile_rows(rows, "Q5_0") for rows in (1, 2, DOT_ROWS))
+_one_q5_1, _two_q5_1, _many_q5_1 = (_tile_rows(rows, "Q5_1") for rows in (1, 2, DOT_ROWS))
+_one_q8_0, _two_q8_0, _many_q8_0 = (_tile_rows(rows, "Q8_0") for rows in (1, 2, DOT_ROWS))
+assert ROWS16_TYPES == ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # `kind` below: their index
 
 
 @njit(cache=_CACHE, nogil=True, inline="always")
@@ -151,18 +186,40 @@ def _pass(kind, tile, blocks, xq, xs, xsum, first, width, out):  # pragma: no co
             _two_q4_0(tile, blocks, xq, xs, xsum, first, out)
         else:
             _many_q4_0(tile, blocks, xq, xs, xsum, first, out)
+    elif kind == 1:
+        if width == 1:
+            _one_q4_1(tile, blocks, xq, xs, xsum, first, out)
+        elif width == 2:
+            _two_q4_1(tile, blocks, xq, xs, xsum, first, out)
+        else:
+            _many_q4_1(tile, blocks, xq, xs, xsum, first, out)
+    elif kind == 2:
+        if width == 1:
+            _one_q5_0(tile, blocks, xq, xs, xsum, first, out)
+        elif width == 2:
+            _two_q5_0(tile, blocks, xq, xs, xsum, first, out)
+        else:
+            _many_q5_0(tile, blocks, xq, xs, xsum, first, out)
+    elif kind == 3:
+        if width == 1:
+            _one_q5_1(tile, blocks, xq, xs, xsum, first, out)
+        elif width == 2:
+            _two_q5_1(tile, blocks, xq, xs, xsum, first, out)
+        else:
+            _many_q5_1(tile, blocks, xq, xs, xsum, first, out)
     elif width == 1:
-        _one_q4_1(tile, blocks, xq, xs, xsum, first, out)
+        _one_q8_0(tile, blocks, xq, xs, xsum, first, out)
     elif width == 2:
-        _two_q4_1(tile, blocks, xq, xs, xsum, first, out)
+        _two_q8_0(tile, blocks, xq, xs, xsum, first, out)
     else:
-        _many_q4_1(tile, blocks, xq, xs, xsum, first, out)
+        _many_q8_0(tile, blocks, xq, xs, xsum, first, out)
 
 
 @njit(types.void(types.int64, _raw(types.uint8), types.int64, types.int64, _i8_2d, _f32_2d, _i32_2d, _f32_2d,
                  types.int64), cache=_CACHE, nogil=True, parallel=True)  # fmt: skip
 def matmul(kind, tiles, rows, blocks, xq, xs, xsum, y, column):  # pragma: no cover - compiled
-    """kind 0 (Q4_0) or 1 (Q4_1); tiles [ceil(N / 16), blocks * 288 or 320] (the module
+    """kind: the index in ROWS16_TYPES (Q4_0, Q4_1, Q5_0, Q5_1); tiles [ceil(N / 16), blocks *
+    TILE_BYTES] (the module
     docstring's layout), rows = N, `blocks` per row; activations from
     gguf_jit_quant.quantize_rows -> y[:, column : column + N]. Activation rows in passes of
     DOT_ROWS, the last ones narrower."""

@@ -2,35 +2,32 @@
 where numba runs: gguf_kernels.int8_activation_types), read from the file's own blocks.
 
 `linear_for(tensor, bias)` is the entry point (gguf_kernels.linear_from_quant dispatches these
-types to it). The layer keeps the file's bytes (memory-mapped, not copied) plus small
-fp32 tables of the blocks' fp16 scales: no dense float copy of the matrix. Q4_0 and Q4_1
-are the exception: their blocks are repacked in tiles of 16 rows (gguf_rows16.py, the same
-bytes in another order, scales inside), and the loader drops the file's pages of them.
+types to it). No dense float copy of a matrix is made:
+- the blocks of 32 (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1) are repacked in tiles of 16 rows
+  (gguf_rows16.py: the same bits in another order, scales inside), and the loader drops the
+  file's pages of them;
+- the K-quants' super-blocks stay the file's bytes (memory-mapped, not copied), plus small
+  fp32 tables of their fp16 scales.
 
-Arithmetic (gguf_jit_small.py and gguf_jit_8bit.py state it exactly): int8 activations times
-the file's integers, as llama.cpp does. The small-block kinds (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1) quantize each row per block of 32 (scale max|x| / 127,
-llama.cpp's Q8_0 activations); Q6_K and Q5_K per super-block of 256 (scale 1 / (127 /
-max|x|), llama.cpp's Q8_K). The weights' scales are the file's, exact in fp32 (d, dmin, Q5_1's
-m; the K-quants' sub-block scales stay integers), so the weights used equal the gguf package's
-reference dequantization as real numbers. The only roundings are the activations'
-quantization and the fp32 accumulation. Reduction order, for each output:
-- Q4_0, Q4_1: per block the exact integer sum times (d * xs), added block after block;
-  Q4_1's min term (m * xs) * xsum summed apart and added last (gguf_jit_rows16.py: a
-  vector's lanes are 16 rows);
-- Q8_0, Q5_0, Q5_1: the blocks in pairs; 16 fp32 lanes over the pairs in order (lanes 0-7
-  take the exact integer sums of four products of the pair's first block, 8-15 of its
-  second, each times its block's scale), then the lanes summed left to right; Q5_1's min
-  term is summed over the even and the odd blocks in order and subtracted last;
+Arithmetic (gguf_jit_rows16.py and gguf_jit_8bit.py state it exactly): int8 activations
+times the file's integers, as llama.cpp does. The blocks of 32 quantize each row per block of
+32 (scale max|x| / 127, llama.cpp's Q8_0 activations); the K-quants per super-block of 256
+(scale 1 / (127 / max|x|), llama.cpp's Q8_K). The weights' scales are the file's, exact in
+fp32 (d, dmin, m; the K-quants' sub-block scales stay integers), so the weights used equal
+the gguf package's reference dequantization as real numbers. The only roundings are the
+activations' quantization and the fp32 accumulation. Reduction order, for each output:
+- blocks of 32: per block the exact integer sum times (d * xs), added block after block;
+  the min term of Q4_1 and Q5_1, (m * xs) * xsum, summed apart and added last (a vector's
+  lanes are a tile's 16 rows);
 - Q6_K, Q5_K, Q4_K: per super-block 16 exact integer lanes of sc * (sums of four products w xq),
   then one fp32 term (d * xs) * lanes added in super-block order; Q5_K's min term likewise,
-  subtracted last. Fewer float operations than the small blocks' (one per 256 weights and
-  row), and a super-block's unpacked integers are shared by the rows of a pass.
-Nothing depends on M or on the thread
-count: rows share no arithmetic, threads split the output rows, never a reduction (no
-split-K). Prompts (any M) run the same kernel, so a row's bits do not depend on the path.
+  subtracted last. A super-block's unpacked integers are shared by the rows of a pass.
+Nothing depends on M or on the thread count: rows share no arithmetic, threads split the
+output rows, never a reduction (no split-K). Prompts (any M) run the same kernel, so a row's
+bits do not depend on the path.
 
 Kernels, chosen per process (`kernel_name`):
-- "numba": gguf_jit_small.py, gguf_jit_rows16.py and gguf_jit_8bit.py (vpdpbusd with AVX-512 VNNI, pmaddubsw
+- "numba": gguf_jit_rows16.py and gguf_jit_8bit.py (vpdpbusd with AVX-512 VNNI, pmaddubsw
   on AVX2, plain IR elsewhere: the same integers), compiled by LLVM for this CPU, output
   rows on numba's threads (as many as torch's);
 - `OrtBlockLinear8` (gguf_kernels_ort8.py): Q8_0, Q6_K and Q5_0 on ONNX Runtime's 8-bit
@@ -49,7 +46,7 @@ import numpy as np
 import torch
 
 from specdec.backends.native.cpu import forced_fallback
-from specdec.backends.native.gguf_rows16 import ROWS16_KIND, ROWS16_TYPES, repack, rows16_matmul, unpack
+from specdec.backends.native.gguf_rows16 import OFFSET, ROWS16_TYPES, repack, rows16_matmul, unpack
 from specdec.backends.native.gguf_tensors import QuantTensor
 from specdec.backends.native.jit_ops import importable as numba_importable
 from specdec.backends.native.jit_ops import numba_threads
@@ -99,17 +96,7 @@ class BlockLinear8(torch.nn.Module):
             self.scales = self.table = np.empty((n, 0), np.float32)
             self.raw = None  # the tiles hold the blocks (a joined q/k/v copy is not kept)
             return
-        blocks = self.raw.reshape(n, k // span, BLOCK_BYTES[qtype])
-        if qtype == "Q8_0":
-            self.scales = _fp16_at(blocks, 0)  # [N, K // 32] d
-        elif qtype == "Q6_K":
-            self.scales = _fp16_at(blocks, 208)  # [N, K // 256] d
-        elif qtype == "Q5_0":
-            self.scales = np.ascontiguousarray(_fp16_at(blocks, 0)[..., None])  # [N, K // 32, 1] d
-        elif qtype == "Q5_1":
-            self.scales = np.ascontiguousarray(np.stack([_fp16_at(blocks, 0), _fp16_at(blocks, 2)], axis=-1))
-        else:
-            self.scales = np.ascontiguousarray(np.stack([_fp16_at(blocks, 0), _fp16_at(blocks, 2)], axis=-1))
+        self.scales = scale_table(qtype, self.raw, n, k)
         self.table = self.scales.reshape(n, -1)  # [N, T]: a view
 
     def nbytes(self) -> int:
@@ -138,16 +125,16 @@ class BlockLinear8(torch.nn.Module):
             kind = ROWS16_TYPES.index(self.qtype)
             _rows16_jit().matmul(kind, self.tiles, self.out_features, self.units, xq, xs, xsum, y, column)
             return
-        jit = _jit(self.small_blocks)
+        jit = _superblock_jit()
         jit.matmul(jit.KIND_CODES[self.kind], self.raw, self.table, self.units, *activations, y, column)
 
     def numba_part(self) -> tuple:
         """(kind, raw, table, units): this matrix as the numba matmuls take it (gguf_jit_layer)."""
         if self.tiles is not None:  # the tiles' own code (gguf_jit_layer.linear)
-            return ROWS16_KIND + ROWS16_TYPES.index(self.qtype), self.tiles, self.table, self.units
+            return ROWS16_TYPES.index(self.qtype), self.tiles, self.table, self.units
         raw = self.raw.view()
         raw.flags.writeable = False  # one type for every part: the file's mapping is read-only
-        return _jit(self.small_blocks).KIND_CODES[self.kind], raw, self.table, self.units
+        return _superblock_jit().KIND_CODES[self.kind], raw, self.table, self.units
 
     def numba_group(self) -> tuple | None:
         """This layer as gguf_jit_layer's linear group (small, parts, bias, width), or None where
@@ -158,20 +145,17 @@ class BlockLinear8(torch.nn.Module):
 
     def _torch(self, x: torch.Tensor) -> torch.Tensor:
         if self.tiles is not None:
-            q, d, m = unpack(self.tiles, self.qtype, self.out_features, self.in_features)
-            m = None if m is None else torch.from_numpy(m)
-            return rows16_matmul(*quantize_activations(x), torch.from_numpy(q), torch.from_numpy(d), m)
-        small = self.qtype in SMALL_BLOCK_TYPES
-        xq, xs, xsum = quantize_activations(x) if small else quantize_activations_k(x)
+            q, d, m = (None if a is None else torch.from_numpy(a)
+                       for a in unpack(self.tiles, self.qtype, self.out_features, self.in_features))  # fmt: skip
+            acts, offset = quantize_activations(x), OFFSET[self.qtype]
+            return torch.cat([rows16_matmul(*acts, q[start : start + TORCH_TILE], d[start : start + TORCH_TILE],
+                                            None if m is None else m[start : start + TORCH_TILE], offset)
+                              for start in range(0, self.out_features, TORCH_TILE)], dim=1)  # fmt: skip
+        xq, xs, xsum = quantize_activations_k(x)
         tiles = []
         for start in range(0, self.out_features, TORCH_TILE):
             raw, scales = self.raw[start : start + TORCH_TILE], self.scales[start : start + TORCH_TILE]
-            if small:
-                w, d, _, offset = decode_integers(self.qtype, raw, scales)
-                tiles.append(pair_lanes_matmul(xq, xs, xsum, torch.from_numpy(w), torch.from_numpy(d),
-                                               None if offset is None else torch.from_numpy(offset)))  # fmt: skip
-            else:
-                tiles.append(superblock_matmul(xq, xs, xsum, *decode_superblocks(self.qtype, raw, scales)))
+            tiles.append(superblock_matmul(xq, xs, xsum, *decode_superblocks(self.qtype, raw, scales)))
         return torch.cat(tiles, dim=1)
 
 
@@ -308,18 +292,33 @@ def superblock_matmul(xq: torch.Tensor, xs: torch.Tensor, xsum: torch.Tensor, w:
     return y - mins
 
 
+def scale_table(qtype: str, raw: np.ndarray, n: int, k: int) -> np.ndarray:
+    """The fp32 scales of a Q8_0, Q6_K, Q5_0, Q5_K or Q4_K matrix's blocks raw [N, bytes per
+    row]: d [N, K // 32] (Q8_0) or [N, K // 256] (Q6_K); [N, K // 32, 1] d (Q5_0); [N, K //
+    256, 2] d and dmin (Q5_K, Q4_K)."""
+    span = BLOCK if qtype in SMALL_BLOCK_TYPES else SUPER
+    blocks = raw.reshape(n, k // span, BLOCK_BYTES[qtype])
+    if qtype == "Q8_0":
+        return _fp16_at(blocks, 0)
+    if qtype == "Q6_K":
+        return _fp16_at(blocks, 208)
+    if qtype == "Q5_0":
+        return np.ascontiguousarray(_fp16_at(blocks, 0)[..., None])
+    return np.ascontiguousarray(np.stack([_fp16_at(blocks, 0), _fp16_at(blocks, 2)], axis=-1))
+
+
 def decode_integers(qtype: str, raw: np.ndarray, scales: np.ndarray) -> tuple:
-    """Rows of raw blocks -> (w [n, K // 32, 32] the file's integers as fp32, scale_lo and
-    scale_hi [n, K // 32] for lanes 0-7 and 8-15 of each block, offset [n, K // 32] or None)."""
+    """Rows of raw Q8_0, Q5_0, Q6_K, Q5_K or Q4_K blocks, with their `scale_table` -> (w [n,
+    K // 32, 32] the file's integers as fp32, scale_lo and scale_hi [n, K // 32] the scales of
+    each 32's first and last 16 elements, offset [n, K // 32] or None): w * scale - offset
+    are the file's weights (gguf_kernels_ort8 and the tests read them so)."""
     n = raw.shape[0]
     if qtype == "Q8_0":
         q = raw.reshape(n, -1, 34)[..., 2:].view(np.int8).astype(np.float32)
         return q, scales, scales, None
-    if qtype in ("Q5_0", "Q5_1"):
+    if qtype == "Q5_0":
         q = _q5_values(raw.reshape(n, -1, BLOCK_BYTES[qtype]))
-        if qtype == "Q5_0":
-            return q - 16, scales[..., 0].copy(), scales[..., 0].copy(), None
-        return q, scales[..., 0].copy(), scales[..., 0].copy(), -scales[..., 1]
+        return q - 16, scales[..., 0].copy(), scales[..., 0].copy(), None
     if qtype == "Q6_K":
         b = raw.reshape(n, -1, 210)
         q = _q6_k_values(b)
@@ -343,7 +342,7 @@ def _q6_k_values(b: np.ndarray) -> np.ndarray:
 
 
 def _q5_values(b: np.ndarray) -> np.ndarray:
-    """Q5_0 / Q5_1 blocks [n, B, 22 or 24] -> q [n, B, 32] fp32 (0..31): element j < 16 is the
+    """Q5_0 blocks [n, B, 22] -> q [n, B, 32] fp32 (0..31): element j < 16 is the
     low nibble of qs[j], element j + 16 its high nibble; its fifth bit is bit j of the
     little-endian uint32 qh (the 4 bytes before the 16 of qs, which end the block)."""
     qs = b[..., -16:]
@@ -381,47 +380,15 @@ def _q4_k_values(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return (_k_nibbles(b[..., 16:144]).astype(np.float32).reshape(*b.shape[:2], 256), *_k_scales_mins(b))
 
 
-def pair_lanes_matmul(xq: torch.Tensor, xs: torch.Tensor, xsum: torch.Tensor, w: torch.Tensor, d: torch.Tensor,
-                      offset: torch.Tensor | None) -> torch.Tensor:
-    """The small-block kernels' arithmetic (gguf_jit_small.py) in PyTorch ops: xq [M, B, 32],
-    w [n, B, 32] the file's integers, d [n, B], offset [n, B] (Q5_1's -m) or None -> y [M, n]
-    fp32. Products and sums of four are exact integers in fp32 (below 2^24); every other
-    operation is elementwise, and the sums over pairs of blocks and lanes run in Python loops
-    in the kernels' order."""
-    if xq.shape[1] % 2:  # an odd last block pairs with zeros
-        pad = lambda t: torch.cat([t, torch.zeros_like(t[:, :1])], 1)  # noqa: E731
-        xq, xs, xsum, w, d = (pad(t) for t in (xq, xs, xsum, w, d))
-        offset = None if offset is None else pad(offset)
-    m, n, pairs = xq.shape[0], w.shape[0], xq.shape[1] // 2
-    lanes = (xq[:, None] * w[None]).reshape(m, n, pairs, LANES, 4).sum(-1)  # [M, n, P, 16]
-    scale = (d[None] * xs[:, None]).reshape(m, n, pairs, 2).repeat_interleave(8, -1)  # [M, n, P, 16]
-    c = torch.zeros(m, n, LANES)
-    for p in range(pairs):
-        c = c + scale[:, :, p] * lanes[:, :, p]
-    y = c[..., 0]
-    for lane in range(1, LANES):
-        y = y + c[..., lane]
-    if offset is None:
-        return y
-    terms = (offset[None] * xs[:, None]) * xsum[:, None]  # [M, n, B]
-    even, odd = torch.zeros_like(y), torch.zeros_like(y)
-    for p in range(pairs):
-        even, odd = even + terms[..., 2 * p], odd + terms[..., 2 * p + 1]
-    return y - (even + odd)
-
-
 def linear_for(tensor: QuantTensor, bias: torch.Tensor | None = None) -> BlockLinear8:
     """The layer for a matrix [N, K] of one of QTYPES, on this process's kernel."""
     return BlockLinear8(tensor, bias)
 
 
 @functools.cache
-def _jit(small_blocks: bool):
+def _superblock_jit():
     numba_threads()  # the threading layer and count, before the first parallel launch
-    if small_blocks:
-        import specdec.backends.native.gguf_jit_small as jit  # compiles, or loads from disk
-    else:
-        import specdec.backends.native.gguf_jit_8bit as jit
+    import specdec.backends.native.gguf_jit_8bit as jit  # compiles, or loads from disk
 
     return jit
 

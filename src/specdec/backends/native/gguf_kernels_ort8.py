@@ -11,7 +11,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from specdec.backends.native.cpu import forced_fallback
-from specdec.backends.native.gguf_kernels_8bit import BLOCK_BYTES, BlockLinear8, decode_integers
+from specdec.backends.native.gguf_kernels_8bit import BLOCK_BYTES, decode_integers, scale_table
 from specdec.backends.native.gguf_tensors import QuantTensor
 from specdec.backends.native.ort_linear import OrtBlockLinear, ort_available
 
@@ -37,11 +37,12 @@ class OrtBlockLinear8(torch.nn.Module):
         qtype, (n, k) = tensor.qtype.name, tensor.shape
         if qtype not in ORT_TYPES:
             raise ValueError(f"OrtBlockLinear8 reads {', '.join(ORT_TYPES)}, not {qtype} (tensor {tensor.name!r})")
-        reader = BlockLinear8(tensor, kernel="torch")  # the file's blocks and fp32 scale tables
+        raw = np.ascontiguousarray(tensor.data).reshape(n, -1)  # the file's blocks
+        scales = scale_table(qtype, raw, n, k)
         u, scale = np.empty((n, k), np.uint8), np.empty((n, k // ORT_BLOCK[qtype]), np.float32)
         for start in range(0, n, DECODE_ROWS):
             stop = min(start + DECODE_ROWS, n)
-            w, lo, hi, _ = decode_integers(qtype, reader.raw[start:stop], reader.scales[start:stop])
+            w, lo, hi, _ = decode_integers(qtype, raw[start:stop], scales[start:stop])
             u[start:stop] = (w.reshape(stop - start, k) + 128).astype(np.uint8)
             scale[start:stop] = np.stack([lo, hi], -1).reshape(stop - start, -1) if qtype == "Q6_K" else lo
         self.kernel = OrtBlockLinear(torch.from_numpy(u), torch.from_numpy(scale), bits=8, threads=threads,

@@ -1,65 +1,98 @@
-"""Q4_0 and Q4_1 matrices in tiles of 16 rows (gguf_jit_rows16.py's layout and arithmetic):
-the repacking, and the PyTorch replica of the kernel's arithmetic (bit for bit, for the tests
-and for BlockLinear8's torch path)."""
+"""Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 matrices in tiles of 16 rows (gguf_jit_rows16.py's layout and
+arithmetic): the repacking, and the PyTorch replica of the kernel's arithmetic (bit for bit,
+for the tests and for BlockLinear8's torch path)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-ROWS16_KIND = 5  # Q4_0's code in a layer's groups (gguf_jit_layer), past gguf_jit_small's KIND_CODES; Q4_1 6
-ROWS16_TYPES = ("Q4_0", "Q4_1")
+ROWS16_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # the blocks of 32; a type's code: its index
 TILE = 16
-FILE_BYTES = {"Q4_0": 18, "Q4_1": 20}  # a file block: fp16 d (Q4_1: and m), 16 bytes of nibbles
-TILE_BYTES = {"Q4_0": 288, "Q4_1": 320}  # a tile's block: 4 x 64 bytes of nibbles, 16 fp16 d (and 16 m)
+FILE_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}  # fp16 d (and m), qh (Q5), then qs
+QS_BYTES = {"Q4_0": 16, "Q4_1": 16, "Q5_0": 16, "Q5_1": 16, "Q8_0": 32}  # nibbles, or Q8_0's int8 q
+HIGH_BITS = ("Q5_0", "Q5_1")  # a fifth bit per weight, in qh
+WITH_MIN = ("Q4_1", "Q5_1")  # w = d q + m; the others w = d (q - OFFSET)
+OFFSET = {"Q4_0": 8, "Q4_1": 0, "Q5_0": 16, "Q5_1": 0, "Q8_0": 0}
+
+
+def fields_at(qtype: str) -> int:
+    """Where a tile's block holds its rows' fp16 d (then m): after the vectors of qs (4 or 8
+    x 64 bytes) and, for Q5, 64 bytes of fifth bits."""
+    return 16 * QS_BYTES[qtype] + 64 * (qtype in HIGH_BITS)
+
+
+TILE_BYTES = {t: fields_at(t) + 32 * (1 + (t in WITH_MIN)) for t in ROWS16_TYPES}  # 288, 320, 352, 384, 544
 
 
 def repack(raw: np.ndarray, qtype: str, n: int, k: int) -> np.ndarray:
-    """The file's blocks [N, K // 32 * 18 or 20] -> tiles [ceil(N / 16), K // 32 * 288 or 320]
-    uint8 (read-only): per block, vector v holds each row's qs[4 v .. 4 v + 3], then the rows'
-    d, then (Q4_1) their m; rows past N are zero blocks."""
-    blocks, tiles, width = k // 32, -(-n // TILE), FILE_BYTES[qtype]
-    fields = width - 16  # d (m) before the nibbles
+    """The file's blocks [N, K // 32 * FILE_BYTES] -> tiles [ceil(N / 16), K // 32 *
+    TILE_BYTES] uint8 (read-only). Per block: vector v holds each row's qs[4 v .. 4 v + 3];
+    for Q5 a vector of each row's fifth bits as `spread_high_bits` lays them out; then the
+    rows' d, then (Q4_1, Q5_1) their m. Q8_0's eight vectors hold qs[4 v .. 4 v + 3] likewise,
+    its int8 q. Rows past N are zero blocks."""
+    blocks, tiles, width, vectors = k // 32, -(-n // TILE), FILE_BYTES[qtype], QS_BYTES[qtype] // 4
+    floats = 1 + (qtype in WITH_MIN)  # d (and m) open the file's block
     padded = np.zeros((tiles * TILE, blocks, width), np.uint8)
     padded[:n] = np.asarray(raw).reshape(n, blocks, width)
     grouped = padded.reshape(tiles, TILE, blocks, width)
     out = np.empty((tiles, blocks, TILE_BYTES[qtype]), np.uint8)
-    # qs as 4 groups of 4: [tiles, 16 rows, blocks, 4 v, 4] -> [tiles, blocks, 4 v, 16 rows, 4]
-    nibbles = grouped[..., fields:].reshape(tiles, TILE, blocks, 4, 4).transpose(0, 2, 3, 1, 4)
-    out[..., :256] = nibbles.reshape(tiles, blocks, 256)
-    for f in range(fields // 2):  # d, then m: 16 rows' fp16 each
+    # qs in groups of 4: [tiles, 16 rows, blocks, v, 4] -> [tiles, blocks, v, 16 rows, 4]
+    qs = grouped[..., width - 4 * vectors :].reshape(tiles, TILE, blocks, vectors, 4).transpose(0, 2, 3, 1, 4)
+    out[..., : 64 * vectors] = qs.reshape(tiles, blocks, 64 * vectors)
+    if qtype in HIGH_BITS:  # [tiles, 16 rows, blocks, 4] -> [tiles, blocks, 16 rows, 4]
+        high = spread_high_bits(grouped[..., 2 * floats : 2 * floats + 4])
+        out[..., 256:320] = high.transpose(0, 2, 1, 3).reshape(tiles, blocks, 64)
+    at = fields_at(qtype)
+    for f in range(floats):  # d, then m: 16 rows' fp16 each
         field = grouped[..., 2 * f : 2 * f + 2].transpose(0, 2, 1, 3)
-        out[..., 256 + 32 * f : 288 + 32 * f] = field.reshape(tiles, blocks, 2 * TILE)
+        out[..., at + 32 * f : at + 32 + 32 * f] = field.reshape(tiles, blocks, 2 * TILE)
     out = out.reshape(tiles, blocks * TILE_BYTES[qtype])
     out.flags.writeable = False
     return out
 
 
+def spread_high_bits(qh: np.ndarray) -> np.ndarray:
+    """qh [..., 4] (a little-endian uint32: bit j is element j's fifth bit) -> [..., 4] bytes
+    whose byte c, bit g holds element 4 g + c's: the kernel takes group g (elements 4 g ..
+    4 g + 3, one per byte of a lane) with one shift and one mask."""
+    bits = np.unpackbits(qh, axis=-1, bitorder="little")  # [..., 32]: bit j
+    by_byte = bits.reshape(*qh.shape[:-1], 8, 4).swapaxes(-1, -2)  # [..., c, g]
+    return np.packbits(by_byte, axis=-1, bitorder="little").reshape(qh.shape)
+
+
 def unpack(tiles: np.ndarray, qtype: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """tiles -> (q [N, K // 32, 32] uint8 in 0..15, element order; d [N, K // 32] fp32; Q4_1's
-    m likewise, or None)."""
-    blocks = k // 32
+    """tiles -> (q [N, K // 32, 32] in element order: uint8 in 0..15 (Q5: 0..31), Q8_0's int8;
+    d [N, K // 32] fp32; Q4_1's and Q5_1's m likewise, or None)."""
+    blocks, vectors = k // 32, QS_BYTES[qtype] // 4
     t = tiles.reshape(-1, blocks, TILE_BYTES[qtype])
-    qs = t[..., :256].reshape(-1, blocks, 4, TILE, 4).transpose(0, 3, 1, 2, 4).reshape(-1, blocks, 16)[:n]
-    q = np.concatenate([qs & 15, qs >> 4], axis=-1)  # element j < 16: low nibble of qs[j]; j + 16: its high
+    rows = lambda a: a.reshape(-1, blocks, TILE, 4).transpose(0, 2, 1, 3).reshape(-1, blocks, 4)[:n]  # noqa: E731
+    qs = t[..., : 64 * vectors].reshape(-1, blocks, vectors, TILE, 4).transpose(0, 3, 1, 2, 4)
+    qs = qs.reshape(-1, blocks, 4 * vectors)[:n]
+    # nibbles: element j < 16 is the low nibble of qs[j], j + 16 its high
+    q = qs.view(np.int8) if qtype == "Q8_0" else np.concatenate([qs & 15, qs >> 4], axis=-1)
+    if qtype in HIGH_BITS:  # byte c, bit g of the spread word: element 4 g + c
+        spread = np.unpackbits(rows(t[..., 256:320]), axis=-1, bitorder="little").reshape(-1, blocks, 4, 8)
+        q = q | (spread.swapaxes(-1, -2).reshape(-1, blocks, 32) << 4)
+    at = fields_at(qtype)
 
     def field(f: int) -> np.ndarray:
-        halves = np.ascontiguousarray(t[..., 256 + 32 * f : 288 + 32 * f]).view(np.float16)
+        halves = np.ascontiguousarray(t[..., at + 32 * f : at + 32 + 32 * f]).view(np.float16)
         return halves.transpose(0, 2, 1).reshape(-1, blocks)[:n].astype(np.float32)
 
-    return q, field(0), field(1) if qtype == "Q4_1" else None
+    return q, field(0), field(1) if qtype in WITH_MIN else None
 
 
 def rows16_matmul(xq: torch.Tensor, xs: torch.Tensor, xsum: torch.Tensor, q: torch.Tensor, d: torch.Tensor,
-                  m: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                  m: torch.Tensor | None = None, offset: int = 8) -> torch.Tensor:  # fmt: skip
     """gguf_jit_rows16's arithmetic: xq [M, B, 32] integer-valued, xs and xsum [M, B]
-    (gguf_kernels_8bit.quantize_activations), q [N, B, 32] in 0..15, d (and Q4_1's m) [N, B]
-    -> y [M, N]. Block after block from zeros: c = c + float(sum q xq - 8 xsum) * (d * xs)
-    (Q4_0), or c = c + float(sum q xq) * (d * xs) and c_m = c_m + (m * xs) * float(xsum)
-    (Q4_1), then y = c + c_m."""
+    (gguf_kernels_8bit.quantize_activations), q [N, B, 32] (the file's integers), d (and m) [N, B]
+    -> y [M, N]. Block after block from zeros: c = c + float(sum q xq - offset xsum) * (d *
+    xs) (Q4_0, Q5_0: OFFSET), or c = c + float(sum q xq) * (d * xs) and c_m = c_m + (m * xs)
+    * float(xsum) (with m), then y = c + c_m."""
     sums = torch.einsum("mbe,nbe->mnb", xq.to(torch.int64), q.to(torch.int64))
     if m is None:
-        sums = sums - 8 * xsum.to(torch.int64)[:, None, :]
+        sums = sums - offset * xsum.to(torch.int64)[:, None, :]
     products = sums.to(torch.float32) * (d[None, :, :] * xs[:, None, :])  # [M, N, B]
     total = torch.zeros(products.shape[:2])
     for b in range(products.shape[2]):  # in block order, as the kernel adds them
