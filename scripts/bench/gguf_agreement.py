@@ -2,7 +2,7 @@
 llama.cpp picks on the same file? Teacher-forced top-1 agreement along the decode path.
 
     python scripts/bench/gguf_agreement.py [--files all] [--threads 1] [--min-tokens 2000] \\
-        [--cache-dir ~/.cache/specdec/requant] [--fp32-reference below|always|never]
+        [--cache-dir ~/.cache/specdec/requant] [--fp32-reference below|always|never] [--no-f32-cache]
 
 Per file: llama.cpp (llama-cpp-python) decodes the prompts below greedily (temperature 0)
 until at least --min-tokens tokens are generated in total. Each prompt and its greedy tokens,
@@ -16,7 +16,10 @@ top-2 logit gap under --tie-gap), and the greedy match length (how far specdec's
 decoding follows llama.cpp's before the first difference: the first disagreement's index,
 since teacher forcing up to there is free-running greedy decoding), median over prompts.
 For a file below --bar (--fp32-reference), the same tokens also go through the file dequantized exactly (the
-gguf package's decoder) into fp32 layers, to tell a kernel's error from a model's.
+gguf package's decoder) into fp32 layers, to tell a kernel's error from a model's. Unless
+--no-f32-cache, llama.cpp itself on an f32 KV cache (its default is f16) is scored the same
+way on the same tokens: how often one engine agrees with itself under another cache type,
+this measure's floor for two sound implementations.
 
 The files: the embedded SmolLM2-135M (Q4_1), gemma3-270m (Q4_K_M), and the SmolLM2 file
 re-quantized by llama.cpp's own quantizer (Q8_0, Q6_K, Q5_K_M, Q4_K_M, Q4_0), made into
@@ -68,6 +71,7 @@ PROMPTS = (
 
 REQUANT_TYPES = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0")
 KEEP_VOCAB = 65536  # llama.cpp's logits are kept between passes for vocabularies up to this
+GGML_TYPE_F32 = 0  # llama.cpp's KV-cache type for type_k / type_v
 FILES = ("smollm2-135m", "gemma3-270m", *(f"smollm2-135m.{t}" for t in REQUANT_TYPES))
 
 
@@ -214,6 +218,16 @@ def llama_greedy(llm, prompt: list[int], max_new: int, eos: set[int]) -> tuple[l
     return tokens, logits
 
 
+def llama_decode(llm, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """llama.cpp's logits [G, V] for `tokens` after `prompt`, fed one token at a time."""
+    llm.reset()
+    llm.eval(prompt)
+    for token in tokens[:-1]:
+        llm.eval([token])
+    start = len(prompt) - 1
+    return torch.from_numpy(llm.scores[start : start + len(tokens)].copy())
+
+
 def specdec_logits(seq, prompt: list[int], tokens: list[int], chain: int) -> torch.Tensor:
     """specdec's logits [G, V] for each greedy token: prefill the prompt, then decode the
     tokens (all but the last) in chains of `chain`."""
@@ -223,11 +237,11 @@ def specdec_logits(seq, prompt: list[int], tokens: list[int], chain: int) -> tor
     return torch.cat(rows).float()
 
 
-def score(llm, runs: list, seq, tally: Tally, args, eos: set[int]) -> float:
-    """Score one specdec backend on llama.cpp's greedy runs [(prompt index, prompt ids, tokens,
-    logits [G, V] or None)]; logits not kept are recomputed (llama.cpp's greedy decoding is
-    deterministic), so a 262k vocabulary needs no [G, V] array per prompt. Returns specdec's
-    seconds."""
+def score(llm, runs: list, candidate, tally: Tally, args, eos: set[int]) -> float:
+    """Score one candidate, `candidate(prompt, tokens)` -> logits [G, V], on llama.cpp's greedy
+    runs [(prompt index, prompt ids, tokens, logits [G, V] or None)]; logits not kept are
+    recomputed (llama.cpp's greedy decoding is deterministic), so a 262k vocabulary needs no
+    [G, V] array per prompt. Returns the candidate's seconds."""
     seconds = 0.0
     for i, prompt, tokens, kept in runs:
         reference = kept
@@ -236,9 +250,9 @@ def score(llm, runs: list, seq, tally: Tally, args, eos: set[int]) -> float:
             if again != tokens:
                 raise SystemExit(f"llama.cpp's greedy tokens changed between passes on prompt {i}")
         t0 = time.perf_counter()
-        candidate = specdec_logits(seq, prompt, tokens, args.chain)
+        logits = candidate(prompt, tokens)
         seconds += time.perf_counter() - t0
-        tally.add(torch.tensor(tokens), reference, candidate, args.tie_gap, prompt=i, keep_misses=args.show_misses)
+        tally.add(torch.tensor(tokens), reference, logits, args.tie_gap, prompt=i, keep_misses=args.show_misses)
     return seconds
 
 
@@ -276,13 +290,19 @@ def measure(label: str, args) -> dict:
     started = time.perf_counter()
     runs, same_ids = greedy_runs(llm, loaded.tokenizer, args, eos)
     tallies = {"gguf": Tally()}
-    seconds = {"gguf": score(llm, runs, seq, tallies["gguf"], args, eos)}
+    seconds = {"gguf": score(llm, runs, lambda p, t: specdec_logits(seq, p, t, args.chain), tallies["gguf"], args, eos)}
     gguf = tallies["gguf"]
     print(f"{label}: gguf {gguf.agree}/{gguf.positions}", file=sys.stderr, flush=True)
     if args.fp32_reference == "always" or (args.fp32_reference == "below" and gguf.agree < args.bar * gguf.positions):
         tallies["fp32"] = Tally()
         reference = make_backend("native", loaded, prefix_cache="off", precision="fp32", max_length=args.n_ctx)
-        seconds["fp32"] = score(llm, runs, reference, tallies["fp32"], args, eos)
+        seconds["fp32"] = score(llm, runs, lambda p, t: specdec_logits(reference, p, t, args.chain), tallies["fp32"],
+                                args, eos)  # fmt: skip
+    if args.f32_cache:  # llama.cpp against itself: the same file and tokens on an f32 KV cache
+        tallies["llama_f32"] = Tally()
+        llm32 = Llama(model_path=str(path), n_ctx=args.n_ctx, n_threads=args.threads, n_threads_batch=args.threads,
+                      n_batch=512, logits_all=True, verbose=False, type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32)
+        seconds["llama_f32"] = score(llm, runs, lambda p, t: llama_decode(llm32, p, t), tallies["llama_f32"], args, eos)
     report = {
         "file": path.name, "tensor_types": tensor_types(path), "kernels": kernel_classes(seq),
         "own_types": seq.pool.model.precision == "gguf", "vocab": vocab["specdec"],
@@ -294,6 +314,8 @@ def measure(label: str, args) -> dict:
     }
     if "fp32" in tallies:
         report["fp32_reference"] = {**tallies["fp32"].summary(), "misses_shared_with_gguf": shared_misses(gguf, tallies["fp32"])}
+    if "llama_f32" in tallies:
+        report["llamacpp_f32_cache"] = tallies["llama_f32"].summary()
     for name, tally in tallies.items():  # the first disagreements, tokens as text, for a reader
         for miss in tally.misses[: args.show_misses]:
             words = [loaded.tokenizer.decode([miss[side]]) for side in ("llama", "specdec")]
@@ -317,6 +339,8 @@ def main() -> None:
     p.add_argument("--cache-dir", type=Path, default=Path("~/.cache/specdec/requant").expanduser(),
                    help="where the re-quantized SmolLM2 files are (made when missing)")
     p.add_argument("--n-ctx", type=int, default=512, help="context of both engines (prompt + max-new must fit)")
+    p.add_argument("--no-f32-cache", dest="f32_cache", action="store_false",
+                   help="skip llama.cpp on an f32 KV cache against its own default (f16) greedy tokens")
     p.add_argument("--show-misses", type=int, default=10, help="print the first N disagreements per file to stderr (default 10)")
     args = p.parse_args()
     labels = FILES if args.files == "all" else tuple(f.strip() for f in args.files.split(","))
@@ -328,9 +352,11 @@ def main() -> None:
     for label in labels:
         results[label] = report = measure(label, args)
         fp32 = report.get("fp32_reference", {}).get("agreement")
+        own = report.get("llamacpp_f32_cache", {}).get("agreement")
         print(f"{label:24s} agreement {report['agreement']:.4f} ({report['disagreements']} of {report['positions']}; "
               f"near-ties {report['near_tie_share']}) KL {report['mean_kl']:.3g} match median "
-              f"{report['match_length_median']}" + (f" fp32 {fp32:.4f}" if fp32 is not None else ""))
+              f"{report['match_length_median']}" + (f" fp32 {fp32:.4f}" if fp32 is not None else "")
+              + (f" llama.cpp f32 cache {own:.4f}" if own is not None else ""))
     print(json.dumps({"threads": args.threads, "min_tokens": args.min_tokens, "chain": args.chain,
                       "tie_gap": args.tie_gap, "files": results}, ensure_ascii=False))
 

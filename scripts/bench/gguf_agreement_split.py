@@ -28,17 +28,6 @@ import gguf_agreement as agreement  # noqa: E402
 
 PAIRS = (("llama16", "gguf"), ("llama16", "fp32"), ("fp32", "gguf"), ("llama32", "fp32"), ("llama32", "gguf"),
          ("llama16", "llama32"))  # fmt: skip
-GGML_TYPE_F32 = 0
-
-
-def llama_decode(llm, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """llama.cpp's logits [G, V] for `tokens` after `prompt`, fed one token at a time."""
-    llm.reset()
-    llm.eval(prompt)
-    for token in tokens[:-1]:
-        llm.eval([token])
-    start = len(prompt) - 1
-    return torch.from_numpy(llm.scores[start : start + len(tokens)].copy())
 
 
 def kl_sum(p: torch.Tensor, q: torch.Tensor) -> float:
@@ -68,7 +57,7 @@ def main() -> None:
         return Llama(model_path=str(path), n_ctx=512, n_threads=args.threads, n_threads_batch=args.threads,
                      n_batch=512, logits_all=True, verbose=False, **kv)
 
-    llm16, llm32 = llama(), llama(type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32)
+    llm16, llm32 = llama(), llama(type_k=agreement.GGML_TYPE_F32, type_v=agreement.GGML_TYPE_F32)
     eos = {llm16.token_eos(), *loaded.eos_token_ids}
     seqs = {precision: make_backend("native", loaded, prefix_cache="off", precision=precision, max_length=512)
             for precision in ("gguf", "fp32")}  # fmt: skip
@@ -76,7 +65,7 @@ def main() -> None:
     agree, kl, positions = dict.fromkeys(PAIRS, 0), dict.fromkeys(PAIRS, 0.0), 0
     for i, prompt, tokens, _ in runs:
         _, llama16 = agreement.llama_greedy(llm16, prompt, len(tokens), eos)
-        logits = {"llama16": llama16, "llama32": llama_decode(llm32, prompt, tokens)}
+        logits = {"llama16": llama16, "llama32": agreement.llama_decode(llm32, prompt, tokens)}
         for name, seq in seqs.items():
             logits[name] = agreement.specdec_logits(seq, prompt, tokens, 1)
         positions += len(tokens)
