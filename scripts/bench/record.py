@@ -43,7 +43,9 @@ def commit() -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
     head = git("rev-parse", "--short", "HEAD") or "unknown"
-    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    # other records written since the commit do not change what ran
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)docs/results")
+    return head + ("+dirty" if changed else "")
 
 
 def bench_rows(results: dict) -> tuple[list[str], list[list]]:
