@@ -259,11 +259,12 @@ def test_fallback_is_forced_by_the_environment(monkeypatch):
 
 @pytest.mark.parametrize("qtype", ROWS16_TYPES)
 @pytest.mark.parametrize("n, k", [(16, 32), (70, 288), (5, 512)])
-def test_tiles_hold_the_blocks_of_16_rows(qtype, n, k):
+def test_tiles_hold_the_blocks_of_16_rows(monkeypatch, qtype, n, k):
     """Tile t, block b, vector v, lane r: row 16 t + r's qs[4 v .. 4 v + 3] (nibbles, or Q8_0's
     int8); for Q5 a vector of the rows' fifth bits; then the rows' d (and m); rows past N zero. Unpacking gives the
-    file's weights back."""
+    file's weights back. Repacked two tiles at a time here, so the parts' seams are crossed."""
     tensor = make_tensor(qtype, n=n, k=k)
+    monkeypatch.setattr(gguf_rows16, "REPACK_TILES", 2)
     tiles = repack(tensor.data, qtype, n, k)
     width, file_width = TILE_BYTES[qtype], gguf_rows16.FILE_BYTES[qtype]
     assert tiles.shape == (-(-n // 16), k // 32 * width) and not tiles.flags.writeable

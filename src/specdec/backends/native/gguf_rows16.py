@@ -31,12 +31,29 @@ def repack(raw: np.ndarray, qtype: str, n: int, k: int) -> np.ndarray:
     for Q5 a vector of each row's fifth bits as `spread_high_bits` lays them out; then the
     rows' d, then (Q4_1, Q5_1) their m. Q8_0's eight vectors hold qs[4 v .. 4 v + 3] likewise,
     its int8 q. Rows past N are zero blocks."""
-    blocks, tiles, width, vectors = k // 32, -(-n // TILE), FILE_BYTES[qtype], QS_BYTES[qtype] // 4
-    floats = 1 + (qtype in WITH_MIN)  # d (and m) open the file's block
-    padded = np.zeros((tiles * TILE, blocks, width), np.uint8)
-    padded[:n] = np.asarray(raw).reshape(n, blocks, width)
-    grouped = padded.reshape(tiles, TILE, blocks, width)
+    blocks, tiles = k // 32, -(-n // TILE)
+    rows = np.asarray(raw).reshape(n, blocks, FILE_BYTES[qtype])
     out = np.empty((tiles, blocks, TILE_BYTES[qtype]), np.uint8)
+    # REPACK_TILES at a time: a whole matrix's transients (a vocabulary's head: tens of MB)
+    # would raise glibc's mmap threshold, and later arrays of that size would stay on the heap
+    for first in range(0, tiles, REPACK_TILES):
+        part = rows[first * TILE : (first + REPACK_TILES) * TILE]
+        _repack_into(out[first : first + REPACK_TILES], part, qtype)
+    out = out.reshape(tiles, blocks * TILE_BYTES[qtype])
+    out.flags.writeable = False
+    return out
+
+
+REPACK_TILES = 64
+
+
+def _repack_into(out: np.ndarray, rows: np.ndarray, qtype: str) -> None:
+    """rows [n, blocks, FILE_BYTES] (n <= 16 * tiles) -> out [tiles, blocks, TILE_BYTES]."""
+    tiles, blocks, _ = out.shape
+    width, vectors, floats = FILE_BYTES[qtype], QS_BYTES[qtype] // 4, 1 + (qtype in WITH_MIN)
+    padded = np.zeros((tiles * TILE, blocks, width), np.uint8)
+    padded[: len(rows)] = rows
+    grouped = padded.reshape(tiles, TILE, blocks, width)
     # qs in groups of 4: [tiles, 16 rows, blocks, v, 4] -> [tiles, blocks, v, 16 rows, 4]
     qs = grouped[..., width - 4 * vectors :].reshape(tiles, TILE, blocks, vectors, 4).transpose(0, 2, 3, 1, 4)
     out[..., : 64 * vectors] = qs.reshape(tiles, blocks, 64 * vectors)
@@ -47,9 +64,6 @@ def repack(raw: np.ndarray, qtype: str, n: int, k: int) -> np.ndarray:
     for f in range(floats):  # d, then m: 16 rows' fp16 each
         field = grouped[..., 2 * f : 2 * f + 2].transpose(0, 2, 1, 3)
         out[..., at + 32 * f : at + 32 + 32 * f] = field.reshape(tiles, blocks, 2 * TILE)
-    out = out.reshape(tiles, blocks * TILE_BYTES[qtype])
-    out.flags.writeable = False
-    return out
 
 
 def spread_high_bits(qh: np.ndarray) -> np.ndarray:
