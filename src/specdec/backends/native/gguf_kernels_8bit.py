@@ -47,6 +47,7 @@ import torch
 
 from specdec.backends.native.cpu import forced_fallback
 from specdec.backends.native.gguf_rows16 import OFFSET, ROWS16_TYPES, repack, rows16_matmul, unpack
+from specdec.backends.native.gguf_rows16 import TILE as TILE_ROWS
 from specdec.backends.native.gguf_tensors import QuantTensor
 from specdec.backends.native.jit_ops import importable as numba_importable
 from specdec.backends.native.jit_ops import numba_threads
@@ -57,7 +58,7 @@ BLOCK = 32  # activation block of the small-block types (and the lanes' span)
 SUPER = 256  # the K-quants' super-block: their activation block
 LANES = 16
 BLOCK_BYTES = {"Q8_0": 34, "Q6_K": 210, "Q5_K": 176, "Q5_0": 22, "Q5_1": 24, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144}  # per block (of 32 or 256)
-TORCH_TILE = 256  # output rows the torch kernel decodes at a time
+TORCH_TILE = 256  # output rows the torch kernel decodes at a time (whole tiles of 16)
 
 
 def kernel_name() -> str:
@@ -145,18 +146,24 @@ class BlockLinear8(torch.nn.Module):
 
     def _torch(self, x: torch.Tensor) -> torch.Tensor:
         if self.tiles is not None:
-            q, d, m = (None if a is None else torch.from_numpy(a)
-                       for a in unpack(self.tiles, self.qtype, self.out_features, self.in_features))  # fmt: skip
-            acts, offset = quantize_activations(x), OFFSET[self.qtype]
-            return torch.cat([rows16_matmul(*acts, q[start : start + TORCH_TILE], d[start : start + TORCH_TILE],
-                                            None if m is None else m[start : start + TORCH_TILE], offset)
-                              for start in range(0, self.out_features, TORCH_TILE)], dim=1)  # fmt: skip
+            return self._torch_tiles(x)
         xq, xs, xsum = quantize_activations_k(x)
         tiles = []
         for start in range(0, self.out_features, TORCH_TILE):
             raw, scales = self.raw[start : start + TORCH_TILE], self.scales[start : start + TORCH_TILE]
             tiles.append(superblock_matmul(xq, xs, xsum, *decode_superblocks(self.qtype, raw, scales)))
         return torch.cat(tiles, dim=1)
+
+    def _torch_tiles(self, x: torch.Tensor) -> torch.Tensor:
+        """rows16_matmul over the tiles, TORCH_TILE output rows (whole tiles) unpacked at a time."""
+        acts, outputs = quantize_activations(x), []
+        for start in range(0, self.out_features, TORCH_TILE):
+            rows = min(TORCH_TILE, self.out_features - start)
+            tiles = self.tiles[start // TILE_ROWS : (start + TORCH_TILE) // TILE_ROWS]
+            q, d, m = (None if a is None else torch.from_numpy(a)
+                       for a in unpack(tiles, self.qtype, rows, self.in_features))  # fmt: skip
+            outputs.append(rows16_matmul(*acts, q, d, m, OFFSET[self.qtype]))
+        return torch.cat(outputs, dim=1)
 
 
 class MixedBlockLinear8(torch.nn.Module):
