@@ -169,58 +169,46 @@ def _tile_rows(rows: int, qtype: str):
     return dot
 
 
-_one_q4_0, _two_q4_0, _many_q4_0 = (_tile_rows(rows, "Q4_0") for rows in (1, 2, DOT_ROWS))
-_one_q4_1, _two_q4_1, _many_q4_1 = (_tile_rows(rows, "Q4_1") for rows in (1, 2, DOT_ROWS))
-_one_q5_0, _two_q5_0, _many_q5_0 = (_tile_rows(rows, "Q5_0") for rows in (1, 2, DOT_ROWS))
-_one_q5_1, _two_q5_1, _many_q5_1 = (_tile_rows(rows, "Q5_1") for rows in (1, 2, DOT_ROWS))
-_one_q8_0, _two_q8_0, _many_q8_0 = (_tile_rows(rows, "Q8_0") for rows in (1, 2, DOT_ROWS))
+def _by_width(qtype: str):
+    """`run(tile, blocks, xq, xs, xsum, first, width, out)`: `qtype`'s tile against `width`
+    (1, 2 or DOT_ROWS) activation rows. Inlined into the cached kernel, so not cached itself."""
+    one, two, many = (_tile_rows(rows, qtype) for rows in (1, 2, DOT_ROWS))
+
+    @njit(nogil=True, inline="always")
+    def run(tile, blocks, xq, xs, xsum, first, width, out):  # pragma: no cover - compiled
+        if width == 1:
+            one(tile, blocks, xq, xs, xsum, first, out)
+        elif width == 2:
+            two(tile, blocks, xq, xs, xsum, first, out)
+        else:
+            many(tile, blocks, xq, xs, xsum, first, out)
+
+    return run
+
+
+_q4_0, _q4_1, _q5_0, _q5_1, _q8_0 = (_by_width(qtype) for qtype in ROWS16_TYPES)
 assert ROWS16_TYPES == ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # `kind` below: their index
 
 
 @njit(cache=_CACHE, nogil=True, inline="always")
 def _pass(kind, tile, blocks, xq, xs, xsum, first, width, out):  # pragma: no cover - compiled
     if kind == 0:
-        if width == 1:
-            _one_q4_0(tile, blocks, xq, xs, xsum, first, out)
-        elif width == 2:
-            _two_q4_0(tile, blocks, xq, xs, xsum, first, out)
-        else:
-            _many_q4_0(tile, blocks, xq, xs, xsum, first, out)
+        _q4_0(tile, blocks, xq, xs, xsum, first, width, out)
     elif kind == 1:
-        if width == 1:
-            _one_q4_1(tile, blocks, xq, xs, xsum, first, out)
-        elif width == 2:
-            _two_q4_1(tile, blocks, xq, xs, xsum, first, out)
-        else:
-            _many_q4_1(tile, blocks, xq, xs, xsum, first, out)
+        _q4_1(tile, blocks, xq, xs, xsum, first, width, out)
     elif kind == 2:
-        if width == 1:
-            _one_q5_0(tile, blocks, xq, xs, xsum, first, out)
-        elif width == 2:
-            _two_q5_0(tile, blocks, xq, xs, xsum, first, out)
-        else:
-            _many_q5_0(tile, blocks, xq, xs, xsum, first, out)
+        _q5_0(tile, blocks, xq, xs, xsum, first, width, out)
     elif kind == 3:
-        if width == 1:
-            _one_q5_1(tile, blocks, xq, xs, xsum, first, out)
-        elif width == 2:
-            _two_q5_1(tile, blocks, xq, xs, xsum, first, out)
-        else:
-            _many_q5_1(tile, blocks, xq, xs, xsum, first, out)
-    elif width == 1:
-        _one_q8_0(tile, blocks, xq, xs, xsum, first, out)
-    elif width == 2:
-        _two_q8_0(tile, blocks, xq, xs, xsum, first, out)
+        _q5_1(tile, blocks, xq, xs, xsum, first, width, out)
     else:
-        _many_q8_0(tile, blocks, xq, xs, xsum, first, out)
+        _q8_0(tile, blocks, xq, xs, xsum, first, width, out)
 
 
 @njit(types.void(types.int64, _raw(types.uint8), types.int64, types.int64, _i8_2d, _f32_2d, _i32_2d, _f32_2d,
                  types.int64), cache=_CACHE, nogil=True, parallel=True)  # fmt: skip
 def matmul(kind, tiles, rows, blocks, xq, xs, xsum, y, column):  # pragma: no cover - compiled
-    """kind: the index in ROWS16_TYPES (Q4_0, Q4_1, Q5_0, Q5_1); tiles [ceil(N / 16), blocks *
-    TILE_BYTES] (the module
-    docstring's layout), rows = N, `blocks` per row; activations from
+    """kind: the index in ROWS16_TYPES (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0); tiles [ceil(N / 16),
+    blocks * TILE_BYTES] (the module docstring's layout), rows = N, `blocks` per row; activations from
     gguf_jit_quant.quantize_rows -> y[:, column : column + N]. Activation rows in passes of
     DOT_ROWS, the last ones narrower."""
     m = xq.shape[0]
