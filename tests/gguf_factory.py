@@ -2,7 +2,7 @@
 
 `write_gguf(path, spec)` writes random weights the way llama.cpp's converter lays them out
 (llama's Q/K rows interleaved for its rotary, gemma's norms stored as 1 + w, phi3's fused
-qkv and gate|up), encoded by gguf_encode.quantize_blocks, with the embedded SmolLM2's
+qkv and gate|up), encoded by gguf/encode.quantize_blocks, with the embedded SmolLM2's
 tokenizer metadata (a real 49k BPE vocabulary) and an architecture's chat template. It
 returns the weights as a model would use them, in Hugging Face names and layout, so tests
 can hold the reader to them.
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import gguf
 import numpy as np
 
-from specdec.backends.native.gguf_encode import quantize_blocks
+from specdec.backends.native.gguf.encode import quantize_blocks
 from specdec.gguf_file import gguf_file
 from specdec.models import builtin_gguf_path
 

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 
 from conftest import tiny_llama
 from specdec.backends import make_backend
-from specdec.backends.native import attention as attn
-from specdec.backends.native import jit_ops
-from specdec.backends.native.layer import KVRow
+from specdec.backends.native.kernels import attention as attn
+from specdec.backends.native.kernels import numba_ops
+from specdec.backends.native.model.config import KVRow
 from specdec.tree import tree_path
 
 
@@ -45,7 +45,7 @@ def routine(request, monkeypatch):
     """Both implementations of the contract: the numba kernel and the PyTorch routine."""
     if request.param == "kernel" and not attn.uses_kernel("cpu"):
         pytest.skip("numba is not installed")
-    monkeypatch.setenv(jit_ops.CHOICE_ENV, request.param)
+    monkeypatch.setenv(numba_ops.CHOICE_ENV, request.param)
     return request.param
 
 
@@ -75,7 +75,7 @@ def test_the_kernel_gives_the_same_bits_on_one_thread_or_several():
     nothing, so its bits are attend's (chains and tree paths)."""
     if not attn.uses_kernel("cpu"):
         pytest.skip("numba is not installed")
-    from specdec.backends.native.jit import attend, attend_parallel
+    from specdec.backends.native.kernels.jit.attention import attend, attend_parallel
 
     gen = torch.Generator().manual_seed(0)
     k_cache, v_cache = random_cache(4, 200, 16, seed=2)

@@ -11,7 +11,7 @@ from conftest import save_loaded, tiny_llama, tiny_tokenizer
 from specdec.backends import make_backend
 from specdec.backends.auto import backend_for, resolve_backend
 from specdec.backends.hf import HFBackend
-from specdec.backends.native.cache import NativeSequence
+from specdec.backends.native.model.sequence import NativeSequence
 from specdec.cli import build_parser, engine_config
 from specdec.models import LoadedModel
 

@@ -1,5 +1,5 @@
 """A sample of the closing fuzz (specdec.bench.closing_fuzz; the full 500 cases run in
-scripts/bench/fuzz_closing.py): random schemas x budgets from a model that never wants to stop.
+scripts/bench/measure/fuzz_closing.py): random schemas x budgets from a model that never wants to stop.
 Every reply whose closing completion fits is valid against its schema and the same under
 speculation as plain; every other budget is refused."""
 

@@ -27,7 +27,7 @@ from conftest import save_loaded, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-BENCH_DRIVERS = sorted(p for p in (ROOT / "scripts" / "bench").glob("*.py") if p.name != "served.py")
+BENCH_DRIVERS = sorted(p for p in (ROOT / "scripts" / "bench").rglob("*.py") if p.name != "served.py")
 
 
 def fenced(path: Path, language: str) -> list[str]:
@@ -180,3 +180,14 @@ def test_a_recorded_bench_run_renders_as_a_table(tmp_path, monkeypatch):
     assert "| itl.p99 | 7 |" in render("script")
     with pytest.raises(FileNotFoundError):
         render("missing")
+
+
+def test_the_native_module_map_lists_the_tree():
+    """docs/architecture.md's module map of the native backend names every file, and only those."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    table = text.split("<!-- native-module-map -->")[1].split("<!-- /native-module-map -->")[0]
+    mapped = re.findall(r"^\| `([\w/]+\.py)` \| .+ \|$", table, flags=re.MULTILINE)
+    native = ROOT / "src" / "specdec" / "backends" / "native"
+    tree = sorted(str(p.relative_to(native)) for p in native.rglob("*.py"))
+    assert sorted(mapped) == tree
+    assert len(mapped) == len(set(mapped)), "a file mapped twice"

@@ -9,7 +9,7 @@ import torch
 from conftest import save_loaded, tiny_llama
 from gguf_factory import spec_for, write_gguf
 from specdec.backends import make_backend
-from specdec.backends.native.model import NativeModel
+from specdec.backends.native.model.native_model import NativeModel
 from specdec.drafters import make_drafter
 from specdec.drafters.eagle import EagleHead, head_config_from_target, save_head
 from specdec.engine import Engine

@@ -1,4 +1,4 @@
-"""The counting of scripts/bench/gguf_agreement.py: agreement, near-ties, KL, match length."""
+"""The counting of scripts/bench/measure/gguf_agreement.py: agreement, near-ties, KL, match length."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 _spec = importlib.util.spec_from_file_location(
-    "gguf_agreement", Path(__file__).parent.parent / "scripts" / "bench" / "gguf_agreement.py")
+    "gguf_agreement", Path(__file__).parent.parent / "scripts" / "bench" / "measure" / "gguf_agreement.py")
 script = sys.modules["gguf_agreement"] = importlib.util.module_from_spec(_spec)  # dataclasses look it up
 _spec.loader.exec_module(script)
 

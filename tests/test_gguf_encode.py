@@ -1,4 +1,4 @@
-"""Our K-quant encoders (gguf_encode.py) against the gguf package's reference decoder: the
+"""Our K-quant encoders (gguf/encode.py) against the gguf package's reference decoder: the
 decoded weights are close to the floats encoded, and blocks whose scales the encoder must
 choose as they are (each sub-block spans its full range, the largest scale at its maximum)
 come back byte for byte."""
@@ -10,7 +10,7 @@ import pytest
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from specdec.backends.native.gguf_encode import QK_K, pack_scale_min, quantize_blocks
+from specdec.backends.native.gguf.encode import QK_K, pack_scale_min, quantize_blocks
 
 # relative Frobenius error of gaussian weights through each format (min/max scales)
 BOUNDS = {"Q4_K": 0.10, "Q5_K": 0.05, "Q6_K": 0.025, "Q8_0": 0.01}

@@ -1,5 +1,6 @@
-"""The Q8_0 / Q6_K / Q5_K / Q4_K / Q5_0 / Q5_1 / Q4_0 / Q4_1 weight kernels (gguf_kernels_8bit.py) on synthetic blocks, each
-test for every type and both kernels (numba, and the PyTorch replica):
+"""The int8-activation weight kernels (kernels/int8_blocks.py) on synthetic blocks of every
+quantized type of the table (quant_types.QUANTIZED), each test for both kernels (numba, and
+the PyTorch replica):
 - the integers and scales the kernels read reproduce the gguf package's reference weights
   bit for bit, and the outputs stay within the int8 activations' error bound of the exact
   dequantized product (a misplaced decoder breaks the bound);
@@ -20,29 +21,34 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from specdec.backends.native import gguf_kernels_8bit as k8
-from specdec.backends.native import gguf_kernels_ort8 as k8_ort
-from specdec.backends.native import gguf_rows16, jit_ops
-from specdec.backends.native.gguf_encode import quantize_blocks
-from specdec.backends.native.gguf_kernels import head_from_quant, linear_from_quant
-from specdec.backends.native.gguf_rows16 import OFFSET, ROWS16_TYPES, TILE_BYTES, repack, unpack
-from specdec.backends.native.gguf_tensors import QuantTensor, ReferenceLinear
+from specdec.backends.native.gguf.encode import quantize_blocks
+from specdec.backends.native.gguf.layers import ReferenceLinear, head_from_quant, linear_from_quant
+from specdec.backends.native.kernels import int8_blocks as k8
+from specdec.backends.native.kernels import int8_ort, int8_reference, numba_ops, tiles16
+from specdec.backends.native.kernels.tiles16 import fields_at, repack, tile_bytes, unpack
+from specdec.backends.native.quant_types import BLOCKS32, ORT_TYPES, QUANTIZED, Q, quant_type
 from specdec.errors import SpecdecError
+from specdec.gguf_file import QuantTensor
 
-QTYPES = ["Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "Q4_K"]
+QTYPES = [t.name for t in QUANTIZED]
 # the fp32 scale tables against the file's bytes: 4 (Q8_0, Q5_0) or 8 (Q5_1) bytes per block
-SCALE_SHARE = {"Q8_0": 4 / 34, "Q6_K": 0.13, "Q5_K": 0.13, "Q5_0": 4 / 22, "Q5_1": 8 / 24, "Q4_0": 4 / 18, "Q4_1": 8 / 20, "Q4_K": 0.13}
+SCALE_SHARE = {"Q8_0": 4 / 34, "Q6_K": 0.13, "Q5_K": 0.13, "Q5_0": 4 / 22, "Q5_1": 8 / 24, "Q4_0": 4 / 18,
+               "Q4_1": 8 / 20, "Q4_K": 0.13}
 KERNELS = ["numba", "torch"]
-ACT_BLOCK = {"Q8_0": 32, "Q5_0": 32, "Q5_1": 32, "Q4_0": 32, "Q4_1": 32, "Q6_K": 256, "Q5_K": 256, "Q4_K": 256}  # llama.cpp's Q8_0 / Q8_K
 # the relative error of int8 activations with an outlier channel: about 1% per 32, 2% per 256
-RELATIVE_ERROR = {"Q8_0": 0.02, "Q5_0": 0.02, "Q5_1": 0.02, "Q4_0": 0.02, "Q4_1": 0.02, "Q6_K": 0.03, "Q5_K": 0.03, "Q4_K": 0.03}
+RELATIVE_ERROR = {32: 0.02, 256: 0.03}
+
+
+def act_block(qtype: str) -> int:
+    """llama.cpp's Q8_0 activations for the blocks of 32, its Q8_K for the super-blocks."""
+    return quant_type(qtype).activation_block
 
 
 def make_tensor(qtype: str, n: int = 40, k: int = 512, seed: int = 0) -> QuantTensor:
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.2, 3, (n, 1)).astype(np.float32)
-    return QuantTensor(f"blk.0.{qtype}.weight", GGMLQuantizationType[qtype], (n, k),
-                       quantize_blocks(w, GGMLQuantizationType[qtype]))  # fmt: skip
+    ggml = GGMLQuantizationType[qtype]
+    return QuantTensor(f"blk.0.{qtype}.weight", ggml, (n, k), quantize_blocks(w, ggml))
 
 
 def activations(m: int, k: int, seed: int = 1) -> torch.Tensor:
@@ -53,7 +59,7 @@ def activations(m: int, k: int, seed: int = 1) -> torch.Tensor:
 
 @pytest.fixture(params=KERNELS)
 def kernel(request):
-    if request.param == "numba" and not jit_ops.importable():
+    if request.param == "numba" and not numba_ops.importable():
         pytest.skip("numba is not installed")
     return request.param
 
@@ -62,7 +68,7 @@ def error_bound(tensor: QuantTensor, x: torch.Tensor) -> torch.Tensor:
     """|y - x @ W.T| per output [M, N] from int8 activations: each element is off by at most
     half a step (max|x| of its activation block / 254: blocks of 32, the K-quants' of 256),
     plus fp32 accumulation slack."""
-    span = ACT_BLOCK[tensor.qtype.name]
+    span = act_block(tensor.qtype.name)
     w = torch.from_numpy(tensor.dequantize()).abs().reshape(tensor.shape[0], -1, span).sum(-1)  # [N, B]
     step = x.abs().reshape(x.shape[0], -1, span).amax(-1) / 254  # [M, B]
     magnitude = x.abs() @ torch.from_numpy(tensor.dequantize()).abs().T
@@ -78,10 +84,10 @@ def within_bound(layer, tensor: QuantTensor, x: torch.Tensor) -> bool:
 def test_decoded_integers_are_the_reference_weights(qtype):
     tensor = make_tensor(qtype)
     layer = k8.BlockLinear8(tensor, kernel="torch")
-    if layer.tiles is not None:  # Q4_0, Q4_1, Q5_0, Q5_1 in tiles of 16 rows (gguf_rows16.py)
+    if layer.tiles is not None:  # the blocks of 32 in tiles of 16 rows (kernels/tiles16.py)
         np.testing.assert_array_equal(tile_weights(layer.tiles, qtype, *tensor.shape), tensor.dequantize())
         return
-    w, lo, hi, offset = k8.decode_integers(qtype, layer.raw, layer.scales)
+    w, lo, hi, offset = int8_reference.decode_integers(qtype, layer.raw, layer.scales)
     lanes = np.concatenate([np.repeat(lo[..., None], 16, -1), np.repeat(hi[..., None], 16, -1)], -1)  # [N, B, 32]
     weights = lanes * w if offset is None else lanes * w - offset[..., None]
     np.testing.assert_array_equal(weights.reshape(tensor.shape), tensor.dequantize())
@@ -95,16 +101,17 @@ def test_outputs_within_the_int8_activation_bound(qtype, kernel):
     assert within_bound(layer, tensor, x)
     # and the bound is tight enough to mean something
     want = ReferenceLinear(tensor)(x)
-    assert ((layer(x) - want).norm() / want.norm()).item() < RELATIVE_ERROR[qtype]
+    assert ((layer(x) - want).norm() / want.norm()).item() < RELATIVE_ERROR[act_block(qtype)]
 
 
-def misplaced_q6_k_values(b: np.ndarray) -> np.ndarray:
+def misplaced_q6_k_values(b: np.ndarray) -> tuple:
     """A wrong Q6_K decoder: the high bit pairs taken in the reverse order."""
     ql = b[..., :128].reshape(*b.shape[:2], 2, 2, 32)
     qh = b[..., 128:192].reshape(*b.shape[:2], 2, 1, 32)
     low = np.concatenate([ql & 15, ql >> 4], axis=-2)
     high = (qh >> (2 * np.arange(3, -1, -1, dtype=np.uint8))[:, None]) & 3
-    return ((low | (high << 4)).astype(np.float32) - 32).reshape(*b.shape[:2], 256)
+    q = ((low | (high << 4)).astype(np.float32) - 32).reshape(*b.shape[:2], 256)
+    return q, b[..., 192:208].view(np.int8).astype(np.float32), None
 
 
 def unspread_high_bits(qh: np.ndarray) -> np.ndarray:
@@ -112,13 +119,15 @@ def unspread_high_bits(qh: np.ndarray) -> np.ndarray:
     return qh.copy()
 
 
-@pytest.mark.parametrize(("qtype", "module", "name", "wrong"), [(t, k8, "_q6_k_values", misplaced_q6_k_values) for t in ["Q6_K"]]
-                         + [(t, gguf_rows16, "spread_high_bits", unspread_high_bits) for t in ["Q5_0", "Q5_1"]])  # fmt: skip
-def test_a_misplaced_decoder_breaks_the_bound(monkeypatch, qtype, module, name, wrong):
+@pytest.mark.parametrize("qtype", ["Q6_K", "Q5_0", "Q5_1"])
+def test_a_misplaced_decoder_breaks_the_bound(monkeypatch, qtype):
     tensor = make_tensor(qtype)
     x = activations(4, tensor.shape[1])
     assert within_bound(k8.BlockLinear8(tensor, kernel="torch"), tensor, x)
-    monkeypatch.setattr(module, name, wrong)
+    if qtype == "Q6_K":
+        monkeypatch.setitem(int8_reference.SUPERBLOCK_VALUES, Q.Q6_K, misplaced_q6_k_values)
+    else:
+        monkeypatch.setattr(tiles16, "spread_high_bits", unspread_high_bits)
     assert not within_bound(k8.BlockLinear8(tensor, kernel="torch"), tensor, x)
 
 
@@ -131,17 +140,17 @@ def test_logits_keep_top1_and_kl(qtype, kernel):
     got, want = k8.BlockLinear8(tensor, kernel=kernel)(x), ReferenceLinear(tensor)(x)
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 15 / 16
     kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True, reduction="batchmean")
-    assert kl.item() < (1e-3 if ACT_BLOCK[qtype] == 32 else 5e-3)  # one scale per 256 is coarser
+    assert kl.item() < (1e-3 if act_block(qtype) == 32 else 5e-3)  # one scale per 256 is coarser
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("m", [1, 2, 5])  # decode and a two-token chain (several weight rows a pass), a batch
 @pytest.mark.parametrize("k", [512, 288])  # 288: an odd number of blocks of 32 (small-block kinds)
 def test_numba_and_torch_kernels_agree_bit_for_bit(monkeypatch, qtype, m, k):
-    if not jit_ops.importable():
+    if not numba_ops.importable():
         pytest.skip("numba is not installed")
     monkeypatch.setattr(k8, "TORCH_TILE", 32)  # the replica's parts of 32 rows: 70 rows cross two seams
-    if k % ACT_BLOCK[qtype]:
+    if k % act_block(qtype):
         pytest.skip("the K-quants' rows are whole super-blocks of 256")
     tensor = make_tensor(qtype, n=70, k=k)  # not a multiple of the 16-row chunks, nor of the 4-row passes
     x = activations(m, tensor.shape[1])
@@ -153,9 +162,10 @@ def test_numba_and_torch_kernels_agree_bit_for_bit(monkeypatch, qtype, m, k):
 
 DOT_CHECK = """
 import numpy as np, torch
-from specdec.backends.native import gguf_jit_8bit, gguf_kernels_8bit as k8
+from specdec.backends.native.kernels.jit import ir
+from specdec.backends.native.kernels import int8_blocks as k8
 from tests.test_gguf_kernels_8bit import activations, make_tensor
-assert gguf_jit_8bit.DOT == {dot!r}
+assert ir.DOT == {dot!r}
 for qtype, k in (("Q8_0", 288), ("Q5_0", 288), ("Q5_1", 288), ("Q4_0", 288), ("Q4_1", 288), ("Q6_K", 512),
                  ("Q5_K", 512), ("Q4_K", 512)):
     tensor, x = make_tensor(qtype, n=24, k=k), activations(5, k)
@@ -169,20 +179,20 @@ for qtype, k in (("Q8_0", 288), ("Q5_0", 288), ("Q5_1", 288), ("Q4_0", 288), ("Q
 def test_every_instruction_path_of_the_kernels_gives_the_replicas_bits():
     """vpdpbusd (VNNI), pmaddubsw (AVX2) and plain IR each compute the lanes' integers; each
     path this CPU can run, compiled in a process of its own, writes the replica's bits."""
-    if not jit_ops.importable():
+    if not numba_ops.importable():
         pytest.skip("numba is not installed")
-    from specdec.backends.native import gguf_jit_8bit
+    from specdec.backends.native.kernels.jit import ir
 
-    paths = gguf_jit_8bit.DOTS[gguf_jit_8bit.DOTS.index(gguf_jit_8bit.DOT) + 1 :]  # the default runs above
+    paths = ir.DOTS[ir.DOTS.index(ir.DOT) + 1 :]  # the default runs above
     for dot in paths:
         env = {**os.environ, "SPECDEC_INT8_DOT": dot}
-        done = subprocess.run([sys.executable, "-c", DOT_CHECK.format(dot=dot)], env=env, capture_output=True, text=True,
-                              cwd=Path(__file__).parent.parent, timeout=300)  # fmt: skip
+        done = subprocess.run([sys.executable, "-c", DOT_CHECK.format(dot=dot)], env=env, capture_output=True,
+                              text=True, cwd=Path(__file__).parent.parent, timeout=300)
         assert done.returncode == 0, f"{dot}: {done.stderr[-2000:]}"
 
 
 def test_the_instruction_path_follows_the_cpu_features():
-    from specdec.backends.native.gguf_jit_8bit import dot_for
+    from specdec.backends.native.kernels.jit.ir import dot_for
 
     assert dot_for("+avx2,+avx512bw,+avx512vnni,-amx-tile") == "vnni"
     assert dot_for("+avx2,+avx512bw,-avx512vnni") == "avx2"
@@ -212,7 +222,7 @@ def test_rows_do_not_depend_on_the_thread_count(qtype, kernel):
             if kernel == "numba":
                 import numba
 
-                k8._rows16_jit()  # sets the threading layer first
+                numba_ops.numba_threads()  # sets the threading layer first
                 numba.set_num_threads(min(count, numba.config.NUMBA_NUM_THREADS))
             outputs.append(layer(x))
     finally:
@@ -255,26 +265,26 @@ def test_fallback_is_forced_by_the_environment(monkeypatch):
     assert k8.kernel_name() == "torch"
     assert k8.linear_for(make_tensor("Q5_K")).kernel == "torch"
     monkeypatch.delenv("SPECDEC_CPU_KERNELS")
-    assert k8.kernel_name() == ("numba" if jit_ops.importable() else "torch")
+    assert k8.kernel_name() == ("numba" if numba_ops.importable() else "torch")
 
 
-@pytest.mark.parametrize("qtype", ROWS16_TYPES)
+@pytest.mark.parametrize("qtype", [t.name for t in BLOCKS32])
 @pytest.mark.parametrize("n, k", [(16, 32), (70, 288), (5, 512)])
 def test_tiles_hold_the_blocks_of_16_rows(monkeypatch, qtype, n, k):
     """Tile t, block b, vector v, lane r: row 16 t + r's qs[4 v .. 4 v + 3] (nibbles, or Q8_0's
     int8); for Q5 a vector of the rows' fifth bits; then the rows' d (and m); rows past N zero. Unpacking gives the
     file's weights back. Repacked two tiles at a time here, so the parts' seams are crossed."""
-    tensor = make_tensor(qtype, n=n, k=k)
-    monkeypatch.setattr(gguf_rows16, "REPACK_TILES", 2)
-    tiles = repack(tensor.data, qtype, n, k)
-    width, file_width = TILE_BYTES[qtype], gguf_rows16.FILE_BYTES[qtype]
+    tensor, qt = make_tensor(qtype, n=n, k=k), quant_type(qtype)
+    monkeypatch.setattr(tiles16, "REPACK_TILES", 2)
+    tiles = repack(tensor.data, qt, n, k)
+    width, file_width = tile_bytes(qt), qt.block_bytes
     assert tiles.shape == (-(-n // 16), k // 32 * width) and not tiles.flags.writeable
     blocks = np.asarray(tensor.data).reshape(n, k // 32, file_width)
-    first, qs_at = tiles[0, :width], file_width - gguf_rows16.QS_BYTES[qtype]
+    first, qs_at = tiles[0, :width], file_width - qt.qs_bytes
     assert bytes(first[64 + 4 * 3 : 64 + 4 * 3 + 4]) == bytes(blocks[3, 0, qs_at + 4 : qs_at + 8])  # v 1, lane 3
-    at = gguf_rows16.fields_at(qtype)
+    at = fields_at(qt)
     assert bytes(first[at + 2 * 2 : at + 2 * 3]) == bytes(blocks[2, 0, :2])  # row 2's d
-    if qtype in gguf_rows16.HIGH_BITS:  # lane 1 of the fifth bits: bit g of byte c is element 4 g + c's
+    if qt.high_bits:  # lane 1 of the fifth bits: bit g of byte c is element 4 g + c's
         spread = int.from_bytes(bytes(first[256 + 4 : 256 + 8]), "little")
         qh = int.from_bytes(bytes(blocks[1, 0, qs_at - 4 : qs_at]), "little")
         assert all((spread >> (8 * c + g) & 1) == (qh >> (4 * g + c) & 1) for g in range(8) for c in range(4))
@@ -285,7 +295,7 @@ def tile_weights(tiles: np.ndarray, qtype: str, n: int, k: int) -> np.ndarray:
     """The weights tiles hold [N, K]: (q - offset) d, or q d + m, as gguf dequantizes them."""
     q, d, m = unpack(tiles, qtype, n, k)
     q = q.astype(np.float32)
-    w = (q - OFFSET[qtype]) * d[..., None] if m is None else d[..., None] * q + m[..., None]
+    w = (q - quant_type(qtype).offset) * d[..., None] if m is None else d[..., None] * q + m[..., None]
     return w.reshape(n, k)
 
 
@@ -305,16 +315,16 @@ def test_reads_a_read_only_mapping(qtype, kernel):
     assert torch.equal(k8.BlockLinear8(tensor, kernel=kernel)(activations(2, 512)), writable)
 
 
-# ---- the LM head on ONNX Runtime (gguf_kernels.head_from_quant, lm_head ort8) ---------------------
+# ---- the LM head on ONNX Runtime (gguf/layers.head_from_quant, lm_head ort8) ----------------------
 
 
 @pytest.fixture
 def ort8():
-    if not k8_ort.ort_8bit_usable():
+    if not int8_ort.ort_8bit_usable():
         pytest.skip("onnxruntime is not installed, or its 8-bit kernel is not batch-invariant here")
 
 
-@pytest.mark.parametrize("qtype", k8_ort.ORT_TYPES)
+@pytest.mark.parametrize("qtype", [t.name for t in ORT_TYPES])
 def test_an_ort8_head_holds_the_files_weights_with_rows_independent(ort8, qtype):
     tensor = make_tensor(qtype, n=64, k=512)
     layer = head_from_quant(tensor, "ort8")
@@ -328,7 +338,7 @@ def test_an_ort8_head_holds_the_files_weights_with_rows_independent(ort8, qtype)
 @pytest.mark.parametrize(("qtype", "kind", "message"), [
     ("Q8_0", "int4", "lm_head 'int4' requantizes a float head"),
     ("Q5_K", "ort8", "Q5_K"),
-])  # fmt: skip
+])
 def test_a_gguf_head_refuses_what_it_cannot_run_by_name(qtype, kind, message):
     with pytest.raises(SpecdecError, match=message):
         head_from_quant(make_tensor(qtype, n=8, k=256), kind)
@@ -339,13 +349,13 @@ def test_the_default_head_is_the_files_own_kernel():
 
 
 @pytest.mark.parametrize("types, shared", [(("Q5_0", "Q5_0", "Q8_0"), True), (("Q5_1", "Q8_0"), True),
-                                           (("Q6_K", "Q5_K"), True), (("Q8_0", "Q6_K"), False)])  # fmt: skip
+                                           (("Q6_K", "Q5_K"), True), (("Q8_0", "Q6_K"), False)])
 def test_mixed_8bit_types_share_one_quantization_of_the_input(types, shared, kernel, monkeypatch):
     """A Q4_K_M file's Q5_0 q and k beside its Q8_0 v: one layer that quantizes the input once
     and writes each part's columns, bit for bit what each part computes alone (biases
     included), at one row (decode) and at several. Blocks of 32 beside super-blocks of 256
     read two activation formats: separate parts."""
-    monkeypatch.setattr("specdec.backends.native.gguf_kernels_8bit.kernel_name", lambda: kernel)
+    monkeypatch.setattr("specdec.backends.native.kernels.int8_blocks.kernel_name", lambda: kernel)
     parts = [make_tensor(t, n, 512, seed=i) for i, (t, n) in enumerate(zip(types, (96, 64, 32)[: len(types)], strict=True))]
     biases = [torch.randn(96), None, torch.randn(32)][: len(parts)]
     fused = linear_from_quant(parts, biases)

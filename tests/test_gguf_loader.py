@@ -16,16 +16,18 @@ from specdec import Engine
 from specdec import gguf_file as gguf_file_module
 from specdec.backends import make_backend
 from specdec.backends.auto import resolve_backend
-from specdec.backends.native import gguf as reader
-from specdec.backends.native import layer as native_layer
-from specdec.backends.native import model as native_model
-from specdec.backends.native.gguf import read_gguf
-from specdec.backends.native.gguf_kernels import int8_activation_types
-from specdec.backends.native.gguf_kernels_ort8 import OrtBlockLinear8, ort_8bit_usable
-from specdec.backends.native.gguf_q4 import prompt_tiles
-from specdec.backends.native.layer import SUPPORTED_TYPES
-from specdec.backends.native.layer_step import LayerStep
-from specdec.backends.native.model import NativeModel
+from specdec.backends.native import quant_types
+from specdec.backends.native.arch import llama as llama_arch
+from specdec.backends.native.gguf.layers import runs_int8_activations
+from specdec.backends.native.gguf.reader import read_gguf
+from specdec.backends.native.kernels.int4_blocks import prompt_tiles
+from specdec.backends.native.kernels.int8_ort import OrtBlockLinear8, ort_8bit_usable
+from specdec.backends.native.model import layer as native_layer
+from specdec.backends.native.model import native_model
+from specdec.backends.native.model.config import SUPPORTED_TYPES
+from specdec.backends.native.model.native_model import NativeModel
+from specdec.backends.native.model.one_call import LayerStep
+from specdec.backends.native.quant_types import quant_type
 from specdec.errors import SpecdecError
 from specdec.gguf_file import MODEL_TYPES
 from specdec.models import LoadedModel, load_model, load_tokenizer
@@ -46,7 +48,7 @@ INT8_ACT_TOP1_MIN, INT8_ACT_KL_MAX, Q8_K_ACT_KL_MAX = 0.85, 0.03, 0.06
 def _bounds(qtype: str) -> tuple[float, float]:
     if qtype in ("Q6_K", "Q5_K"):
         return INT8_ACT_TOP1_MIN, Q8_K_ACT_KL_MAX
-    return (INT8_ACT_TOP1_MIN, INT8_ACT_KL_MAX) if qtype in int8_activation_types() else (TOP1_MIN, KL_MAX)
+    return (INT8_ACT_TOP1_MIN, INT8_ACT_KL_MAX) if runs_int8_activations(quant_type(qtype)) else (TOP1_MIN, KL_MAX)
 
 
 def _write(tmp_path_factory, arch: str, qtype: str, **changes) -> tuple[Path, dict]:
@@ -61,7 +63,7 @@ def _write(tmp_path_factory, arch: str, qtype: str, **changes) -> tuple[Path, di
 def _needs_native(arch: str) -> None:
     model_type = "mistral" if arch == "mistral" else MODEL_TYPES[arch]
     if model_type not in SUPPORTED_TYPES:
-        pytest.skip(f"the native layers do not run {model_type} yet (layer.SUPPORTED_TYPES)")
+        pytest.skip(f"the native layers do not run {model_type} yet (arch.SUPPORTED_TYPES)")
 
 
 def _kl_top1(reference: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
@@ -131,7 +133,8 @@ def test_metadata_equals_the_gguf_packages_reader(tmp_path_factory):
 
 def test_unsupported_types_and_architectures_are_named(tmp_path_factory, monkeypatch):
     path, _ = _write(tmp_path_factory, "llama", "Q8_0")
-    monkeypatch.setattr("specdec.backends.native.gguf_tensors.SUPPORTED_QTYPES", ("F32",))
+    only_f32 = {ggml: qt for ggml, qt in quant_types.BY_GGML.items() if qt.name == "F32"}
+    monkeypatch.setattr(quant_types, "BY_GGML", only_f32)  # a table without Q8_0
     with pytest.raises(SpecdecError, match=r"tensor '[\w.]+' has GGUF type Q8_0, which the native backend does not read"):
         read_gguf(path)
     bad = path.with_name("bad.gguf")
@@ -183,11 +186,11 @@ def test_a_wrong_row_layout_breaks_the_bound(tmp_path_factory, monkeypatch):
     top1_min, kl_max = _bounds("Q8_0")
     assert top1 >= top1_min and kl <= kl_max
     gguf_file_module.open_gguf.cache_clear()
-    monkeypatch.setattr(reader, "unpermute_rows", lambda rows, n_head: rows)
+    monkeypatch.setattr(llama_arch, "unpermute_rows", lambda rows, n_head: rows)
     kl, top1 = _kl_top1(reference, _native_logits(path, TOKENS))
     assert kl > 10 * INT8_ACT_KL_MAX
     monkeypatch.undo()
-    monkeypatch.setattr(reader, "_ROPE_TENSORS", ())  # rope_freqs read as an unknown tensor: refused
+    monkeypatch.setattr(llama_arch.Llama, "rope_tensors", ())  # rope_freqs read as an unknown tensor: refused
     with pytest.raises(SpecdecError, match="rope_freqs"):
         read_gguf(path)
 
@@ -256,7 +259,7 @@ def test_a_short_chunk_takes_the_decode_kernels_and_a_warm_prefill_keeps_its_bit
 def test_a_lone_chain_row_runs_in_one_call_with_the_bits_of_a_batch(tmp_path_factory, arch, qtype, whole_layer,
                                                                     monkeypatch):  # fmt: skip
     """A forward of one chain row takes one numba call: the whole layer where every linear is
-    a numba 8-bit kernel (layer_step.py: gemma3's q/k norms, sublayer output norms, GELU and
+    a numba 8-bit kernel (model/one_call.py: gemma3's q/k norms, sublayer output norms, GELU and
     sliding windows, a qkv bias (qwen2), q/k norms (qwen3), a window (mistral), phi3's fused
     matrices, the small blocks, Q4_0 on the pair kernel and the K-quants, Q4_K among them),
     else the norm, rotation and attention (jit.norm_rotate_attend, F16 on fbgemm). The whole

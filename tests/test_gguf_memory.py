@@ -11,23 +11,25 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from specdec.backends.native import gguf as reader
-from specdec.backends.native.gguf import read_gguf
-from specdec.backends.native.gguf_tensors import ReferenceLinear
-from specdec.backends.native.model import NativeModel
+from specdec.backends.native.gguf import layers, state
+from specdec.backends.native.gguf.layers import ReferenceLinear
+from specdec.backends.native.gguf.reader import read_gguf
+from specdec.backends.native.model.native_model import NativeModel
 from test_gguf_loader import _write
 
 # The baseline is the runtime, not the model: `import specdec`'s native modules and the
-# compiled kernels (numba's jit.py, gguf_jit_8bit.py and gguf_jit_quant.py, loaded from its disk cache or compiled:
+# compiled kernels (numba's kernels/jit/ modules, loaded from its disk cache or compiled:
 # LLVM's code pages and numba's tables, ~50 MB, once per process whatever it loads). What is left
 # above it is the model's: the repacked (copied) matrices, the mapped pages still resident, the
 # header's arrays and the allocator's slack. Measured in a fresh interpreter, as the issue does.
 MEMORY_SCRIPT = """
 import json, os, sys
-import specdec.backends.native.model as m
-from specdec.backends.native import jit_ops
-if jit_ops.importable():
-    import specdec.backends.native.jit, specdec.backends.native.gguf_jit_8bit, specdec.backends.native.gguf_jit_quant
+import specdec.backends.native.model.native_model as m
+from specdec.backends.native.kernels import numba_ops
+if numba_ops.importable():
+    import specdec.backends.native.kernels.jit.attention, specdec.backends.native.kernels.jit.superblocks
+    import specdec.backends.native.kernels.jit.activations
+    import specdec.backends.native.kernels.jit.norms
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 before = rss()
@@ -55,12 +57,12 @@ def test_copied_tensors_pages_are_dropped_after_load(tmp_path_factory):
     longer resident in this process (/proc/self/smaps of the file's mapping)."""
     path, _ = _write(tmp_path_factory, "llama", "F16")
     model = read_gguf(path)
-    if not reader.copies_weights(model.tensors["model.layers.0.self_attn.o_proj.weight"]):
+    if not layers.copies_weights(model.tensors["model.layers.0.self_attn.o_proj.weight"]):
         pytest.skip("F16 is not copied here (no fbgemm)")
     for tensor in model.tensors.values():
         np.asarray(tensor.data).sum()  # every page resident
     before = _mapped_rss(path)
-    reader.quant_state(model)
+    state.quant_state(model)
     assert _mapped_rss(path) < before / 2, (before, _mapped_rss(path))
 
 

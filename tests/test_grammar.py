@@ -406,7 +406,7 @@ def test_rows_with_one_allowed_token_skip_the_lm_head(target, monkeypatch, draft
     """A row whose grammar mask allows one token is that token whatever its logits, so the
     forward skips its LM head (Backend.forward's `unscored`): the reply and its logprobs are
     those of scoring every row."""
-    from specdec.backends.native.cache import NativeSequence
+    from specdec.backends.native.model.sequence import NativeSequence
 
     original, skipped = NativeSequence.forward, []
 

@@ -1,7 +1,8 @@
 """The package's shape, checked from source with `ast` (nothing is imported):
 
 - the module-level imports between specdec's modules form no cycle, and neither do those between
-  its packages (each subpackage one node, each top-level module its own);
+  its packages (each subpackage one node, each top-level module its own); imports under
+  `if TYPE_CHECKING:` count as module-level, since a circle of types is a circle of design;
 - `importlib.import_module` loads specdec's own modules only where a registry or a router
   collects its members (ALLOWED_DYNAMIC_IMPORTS), so no import loop hides behind it;
 - specdec's own modules are imported at module level, not inside functions, except where
@@ -31,23 +32,26 @@ ALLOWED_LATE_IMPORTS: dict[tuple[str, str], str] = {
     ("specdec.serve.cli", "specdec.serve.ray_serve"): (
         "ray_serve needs ray (the ray extra), loaded only for --replicas > 1 or --ray-address"
     ),
-    ("specdec.backends.native.gguf_q4", "specdec.backends.native.gguf_jit_tiles"): (
-        "gguf_jit_tiles needs numba (the cpu extra) and compiles its kernel on first use"
+    ("specdec.backends.native.kernels.int4_blocks", "specdec.backends.native.kernels.jit.int4_unpack"): (
+        "jit.int4_unpack needs numba (the cpu extra) and compiles its kernel on first use"
     ),
-    ("specdec.backends.native.gguf_kernels_8bit", "specdec.backends.native.gguf_jit_8bit"): (
-        "gguf_jit_8bit needs numba (the cpu extra) and compiles its kernels on first use"
+    ("specdec.backends.native.kernels.int8_blocks", "specdec.backends.native.kernels.jit.superblocks"): (
+        "jit.superblocks needs numba (the cpu extra) and compiles its kernels on first use"
     ),
-    ("specdec.backends.native.gguf_kernels_8bit", "specdec.backends.native.gguf_jit_rows16"): (
-        "gguf_jit_rows16 needs numba (the cpu extra) and compiles its kernel on first use"
+    ("specdec.backends.native.kernels.int8_blocks", "specdec.backends.native.kernels.jit.tiles16"): (
+        "jit.tiles16 needs numba (the cpu extra) and compiles its kernel on first use"
     ),
-    ("specdec.backends.native.layer_step", "specdec.backends.native.gguf_jit_layer"): (
-        "gguf_jit_layer needs numba (the cpu extra) and compiles its kernels on first use"
+    ("specdec.backends.native.kernels.int8_blocks", "specdec.backends.native.kernels.jit.activations"): (
+        "jit.activations needs numba (the cpu extra) and compiles its kernels on first use"
     ),
-    ("specdec.backends.native.gguf_kernels_8bit", "specdec.backends.native.gguf_jit_quant"): (
-        "gguf_jit_quant needs numba (the cpu extra) and compiles its kernels on first use"
+    ("specdec.backends.native.model.one_call", "specdec.backends.native.kernels.jit.layer"): (
+        "jit.layer needs numba (the cpu extra) and compiles its kernels on first use"
     ),
-    ("specdec.backends.native.jit_ops", "specdec.backends.native.jit"): (
-        "jit needs numba (the cpu extra) and compiles its kernels, loaded on a cache's first kernel call"
+    ("specdec.backends.native.kernels.numba_ops", "specdec.backends.native.kernels.jit.attention"): (
+        "jit.attention needs numba (the cpu extra) and compiles its kernels, loaded on a cache's first kernel call"
+    ),
+    ("specdec.backends.native.kernels.numba_ops", "specdec.backends.native.kernels.jit.norms"): (
+        "jit.norms needs numba (the cpu extra) and compiles its kernels on a layer's first call"
     ),
 }
 
@@ -97,28 +101,15 @@ def imported(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
     return {n for n in names if n in known}
 
 
-def _is_type_checking(node: ast.AST) -> bool:
-    test = getattr(node, "test", None)
-    return isinstance(test, ast.Name | ast.Attribute) and ast.unparse(test).endswith("TYPE_CHECKING")
-
-
 def _walk(node: ast.AST, in_function: bool):
-    """Yield (import node, inside a function?) for every import, skipping TYPE_CHECKING blocks."""
+    """Yield (import node, inside a function?) for every import, those under `if TYPE_CHECKING:`
+    included (they are module-level edges of the design, whether or not they run)."""
     for child in ast.iter_child_nodes(node):
         if isinstance(child, ast.Import | ast.ImportFrom):
             yield child, in_function
-        elif isinstance(child, ast.If) and _is_type_checking(child):
-            yield from (pair for stmt in child.orelse for pair in _walk_stmt(stmt, in_function))
         else:
             inner = in_function or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
             yield from _walk(child, inner)
-
-
-def _walk_stmt(stmt: ast.AST, in_function: bool):
-    if isinstance(stmt, ast.Import | ast.ImportFrom):
-        yield stmt, in_function
-    else:
-        yield from _walk(stmt, in_function)
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -233,7 +224,29 @@ def test_walk_tells_module_level_from_function_level_imports():
         "def f():\n    if x:\n        from g import h\n"
     )
     found = {ast.unparse(node).split()[1]: nested for node, nested in _walk(tree, False)}
-    assert found == {"a": False, "c": False, "d": False, "e": True, "g": True}
+    assert found == {"a": False, "b": False, "c": False, "d": False, "e": True, "g": True}
+
+
+def test_a_planted_type_checking_circle_is_caught(tmp_path, monkeypatch):
+    """Two modules that import each other only for their types still form a cycle."""
+    package = tmp_path / PACKAGE
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "pool.py").write_text("from specdec.sequence import Sequence\n")
+    (package / "sequence.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from specdec.pool import Pool\n"
+    )
+    monkeypatch.setattr(__import__(__name__), "SRC", tmp_path)
+    modules.cache_clear()
+    parse.cache_clear()
+    try:
+        assert find_cycle(import_graph()) in (
+            ["specdec.pool", "specdec.sequence", "specdec.pool"],
+            ["specdec.sequence", "specdec.pool", "specdec.sequence"],
+        )
+    finally:
+        modules.cache_clear()
+        parse.cache_clear()
 
 
 def test_no_function_level_imports_of_the_package():

@@ -1,4 +1,4 @@
-"""scripts/bench/load_cost.py's arithmetic on made-up stage records (no model is loaded): RSS
+"""scripts/bench/measure/load_cost.py's arithmetic on made-up stage records (no model is loaded): RSS
 above the runtime's baseline, the tokenizer's share, the bound and the medians."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "load_cost.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "measure" / "load_cost.py"
 
 
 def run_record(baseline: float, tokenizer: float, weights: float, seconds: float) -> dict:

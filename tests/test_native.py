@@ -14,7 +14,8 @@ from conftest import tiny_llama
 from specdec import Engine, SpecdecError
 from specdec.backends import forward_batch, make_backend
 from specdec.backends.hf import HFBackend
-from specdec.backends.native.model import NativeConfig, NativeModel, prompt_precision
+from specdec.backends.native.model.config import NativeConfig
+from specdec.backends.native.model.native_model import NativeModel, prompt_precision
 
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 
@@ -392,7 +393,7 @@ def test_real_model_native_greedy_equals_transformers(smollm2):
 
 
 def test_compare_precisions_reports_fp32_as_its_own_reference(target):
-    from specdec.backends.native.model import compare_precisions
+    from specdec.backends.native.model.backend import compare_precisions
 
     report = compare_precisions(target, "The quick brown fox jumps over the lazy dog. " * 2, ("int8",))
     assert report["fp32"]["top1_agreement"] == 1.0 and report["fp32"]["kl"] == 0.0

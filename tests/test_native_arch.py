@@ -16,8 +16,8 @@ import torch
 
 from conftest import tiny_tokenizer
 from specdec import Engine
-from specdec.backends.native.hf_config import hf_state
-from specdec.backends.native.model import NativeModel
+from specdec.backends.native.model.hf_config import hf_state
+from specdec.backends.native.model.native_model import NativeModel
 from specdec.errors import SpecdecError
 from specdec.models import LoadedModel
 
@@ -159,7 +159,7 @@ def int4_weights(model):
     round trip, scales and zeros rounded to bf16 as the kernel stores them (quant.Int4Linear)."""
     import copy
 
-    from specdec.backends.native.quant import quantize_int4
+    from specdec.backends.native.kernels.precisions import quantize_int4
 
     model = copy.deepcopy(model)
     with torch.no_grad():
@@ -271,7 +271,7 @@ def test_unsupported_features_are_refused_by_name():
         (t.Gemma3TextConfig(**COMMON, attn_logit_softcapping=50.0), "attn_logit_softcapping"),
         (t.GPT2Config(), "'gpt2'"),
     ]
-    from specdec.backends.native.layer import NativeConfig
+    from specdec.backends.native.model.config import NativeConfig
 
     for config, name in cases:
         with pytest.raises(SpecdecError, match=name):
@@ -283,7 +283,7 @@ def test_real_gemma3_matches_transformers_and_speculates_exactly():
     """gemma3-270m (a real Q4_K_M): native fp32 logits against transformers' on the same
     dequantized weights, then ngram speculation reproducing plain greedy decoding, over int4
     and over the file's own quant types."""
-    from specdec.backends.native.model import HELDOUT_TEXT
+    from specdec.backends.native.model.backend import HELDOUT_TEXT
     from specdec.models import load_model
 
     target = load_model("gemma3-270m")
@@ -302,7 +302,7 @@ def test_real_gemma3_matches_transformers_and_speculates_exactly():
 
 
 class _Lookup:
-    """An embedding as a loader may pass it: a lookup object (as gguf_tensors.QuantEmbedding)."""
+    """An embedding as a loader may pass it: a lookup object (as gguf/layers.QuantEmbedding)."""
 
     def __init__(self, table: torch.Tensor):
         self.table = table

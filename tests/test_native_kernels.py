@@ -11,11 +11,11 @@ import torch.nn.functional as F
 from conftest import tiny_llama
 from specdec import Engine, SpecdecError
 from specdec.backends import make_backend
-from specdec.backends.native import attention, jit_ops
-from specdec.backends.native.cpu import FORCE_ENV, cpu_features
-from specdec.backends.native.model import NativeModel
-from specdec.backends.native.ort_linear import OrtBlockLinear, ort_available, quantize_symmetric
-from specdec.backends.native.quant import Int4Linear, Int8Linear, make_linear, make_lm_head
+from specdec.backends.native.kernels import attention, numba_ops
+from specdec.backends.native.kernels.cpu import FORCE_ENV, cpu_features
+from specdec.backends.native.kernels.ort import OrtBlockLinear, ort_available, quantize_symmetric
+from specdec.backends.native.kernels.precisions import Int4Linear, Int8Linear, make_linear, make_lm_head
+from specdec.backends.native.model.native_model import NativeModel
 
 needs_ort = pytest.mark.skipif(not ort_available(), reason="onnxruntime/onnx not installed")
 
@@ -49,33 +49,33 @@ def rows_are_invariant(layer, k: int, dtype: torch.dtype, max_rows: int = 9) -> 
 
 @pytest.mark.parametrize("hidden", [576, 64, 37])  # 37: the tail past the 16-lane partial sums
 def test_numba_rms_norm_matches_torch_and_is_row_invariant(hidden):
-    if not jit_ops.importable():
+    if not numba_ops.importable():
         pytest.skip("numba is not installed")
     gen = torch.Generator().manual_seed(hidden)
     x, weight = torch.randn(9, hidden, generator=gen) * 3, torch.randn(hidden, generator=gen)
-    got = jit_ops.rms_norm_bf16(x, weight, 1e-5)
+    got = numba_ops.rms_norm_bf16(x, weight, 1e-5)
     want = F.rms_norm(x, (hidden,), weight, 1e-5)
     assert got.dtype == torch.bfloat16
     # within one bf16 step of the fp32 norm (the two sum the squares in different orders)
     torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=1e-6)
     assert not torch.equal(got.float(), (want * 1.02).to(torch.bfloat16).float())  # a wrong scale fails
-    assert all(torch.equal(jit_ops.rms_norm_bf16(x[i : i + 1].clone(), weight, 1e-5)[0], got[i]) for i in range(9))
+    assert all(torch.equal(numba_ops.rms_norm_bf16(x[i : i + 1].clone(), weight, 1e-5)[0], got[i]) for i in range(9))
     x[0, 0] = float("nan")
-    assert jit_ops.rms_norm_bf16(x[:1].clone(), weight, 1e-5).isnan().all()
+    assert numba_ops.rms_norm_bf16(x[:1].clone(), weight, 1e-5).isnan().all()
 
 
 def test_numba_split_rotate_gives_the_bits_of_the_pytorch_ops():
     """q, k rotated and v split from a bf16 q|k|v row: the same products and sums, rounded as
     layer.rope's three ops round them, so the same bits."""
-    if not jit_ops.importable():
+    if not numba_ops.importable():
         pytest.skip("numba is not installed")
-    from specdec.backends.native.layer import rope
+    from specdec.backends.native.model.layer import rope
 
     heads, kv_heads, dim, n = 9, 3, 64, 5
     gen = torch.Generator().manual_seed(0)
     qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=gen).to(torch.bfloat16)
     cos, sin = torch.randn(n, 1, dim, generator=gen), torch.randn(n, 1, dim, generator=gen)
-    q, k, v = jit_ops.split_rotate(qkv, cos, sin, heads, kv_heads)
+    q, k, v = numba_ops.split_rotate(qkv, cos, sin, heads, kv_heads)
     full = qkv.float()
     qk = rope(full[:, : (heads + kv_heads) * dim].view(n, heads + kv_heads, dim), cos, sin)
     assert torch.equal(q, qk[:, :heads]) and torch.equal(k, qk[:, heads:])
@@ -84,32 +84,32 @@ def test_numba_split_rotate_gives_the_bits_of_the_pytorch_ops():
 
 @pytest.mark.parametrize("hidden", [640, 37])
 def test_numba_fp32_norm_tracks_torch_and_is_row_invariant(hidden):
-    if not jit_ops.importable():
+    if not numba_ops.importable():
         pytest.skip("numba is not installed")
     gen = torch.Generator().manual_seed(hidden)
     x, weight = torch.randn(9, hidden, generator=gen) * 3, torch.randn(hidden, generator=gen)
-    got = jit_ops.rms_norm_f32(x, weight, 1e-6)
+    got = numba_ops.rms_norm_f32(x, weight, 1e-6)
     want = F.rms_norm(x, (hidden,), weight, 1e-6)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # the squares summed in another order
     assert not torch.allclose(got, want * 1.001, rtol=1e-5, atol=1e-6)  # a wrong scale fails
-    assert all(torch.equal(jit_ops.rms_norm_f32(x[i : i + 1].clone(), weight, 1e-6)[0], got[i]) for i in range(9))
+    assert all(torch.equal(numba_ops.rms_norm_f32(x[i : i + 1].clone(), weight, 1e-6)[0], got[i]) for i in range(9))
 
 
 @pytest.mark.parametrize("normed", [True, False])
 def test_numba_split_norm_rotate_tracks_the_pytorch_ops(normed):
     """fp32 q|k|v: q and k heads RMS-normed (qwen3, gemma3) then rotated as layer.rope rounds
     it, v split; rows independent."""
-    if not jit_ops.importable():
+    if not numba_ops.importable():
         pytest.skip("numba is not installed")
-    from specdec.backends.native.layer import rope
+    from specdec.backends.native.model.layer import rope
 
     heads, kv_heads, dim, n = 4, 2, 64, 5
     gen = torch.Generator().manual_seed(1)
     qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=gen) * 2
     cos, sin = torch.randn(n, 1, dim, generator=gen), torch.randn(n, 1, dim, generator=gen)
     norms = (torch.randn(dim, generator=gen), torch.randn(dim, generator=gen)) if normed else None
-    q, k, v = jit_ops.split_norm_rotate(qkv, cos, sin, heads, kv_heads, norms, 1e-6)
+    q, k, v = numba_ops.split_norm_rotate(qkv, cos, sin, heads, kv_heads, norms, 1e-6)
     qk = qkv[:, : (heads + kv_heads) * dim].view(n, heads + kv_heads, dim)
     if normed:
         qk = torch.cat([F.rms_norm(qk[:, :heads], (dim,), norms[0], 1e-6),
@@ -120,22 +120,22 @@ def test_numba_split_norm_rotate_tracks_the_pytorch_ops(normed):
     check(k, want[:, heads:])
     assert torch.equal(v, qkv[:, (heads + kv_heads) * dim :].view(n, kv_heads, dim))
     if normed:  # the k weights, not the q weights, scale the k heads
-        swapped = jit_ops.split_norm_rotate(qkv, cos, sin, heads, kv_heads, norms[::-1], 1e-6)[1]
+        swapped = numba_ops.split_norm_rotate(qkv, cos, sin, heads, kv_heads, norms[::-1], 1e-6)[1]
         assert not torch.allclose(swapped, want[:, heads:])
-    one = jit_ops.split_norm_rotate(qkv[2:3].clone(), cos[2:3].clone(), sin[2:3].clone(), heads, kv_heads, norms, 1e-6)
+    one = numba_ops.split_norm_rotate(qkv[2:3].clone(), cos[2:3].clone(), sin[2:3].clone(), heads, kv_heads, norms, 1e-6)
     assert torch.equal(one[0][0], q[2]) and torch.equal(one[1][0], k[2])
 
 
 def test_numba_add_rms_norm_gives_the_bits_of_the_add_then_the_norm():
-    if not jit_ops.importable():
+    if not numba_ops.importable():
         pytest.skip("numba is not installed")
     gen = torch.Generator().manual_seed(2)
     x, weight = torch.randn(5, 576, generator=gen) * 3, torch.randn(576, generator=gen)
     delta = torch.randn(5, 576, generator=gen).to(torch.bfloat16)
-    total, normed = jit_ops.add_rms_norm_bf16(x, delta, weight, 1e-5)
+    total, normed = numba_ops.add_rms_norm_bf16(x, delta, weight, 1e-5)
     assert torch.equal(total, x + delta)  # PyTorch's promoting add
-    assert torch.equal(normed, jit_ops.rms_norm_bf16(x + delta, weight, 1e-5))
-    assert not torch.equal(normed, jit_ops.rms_norm_bf16(x, weight, 1e-5))  # the delta counts
+    assert torch.equal(normed, numba_ops.rms_norm_bf16(x + delta, weight, 1e-5))
+    assert not torch.equal(normed, numba_ops.rms_norm_bf16(x, weight, 1e-5))  # the delta counts
 
 
 @pytest.mark.parametrize(("past", "t"), [(0, 1), (37, 1), (100, 4), (250, 9)])
@@ -153,29 +153,29 @@ def test_rotate_attend_gives_the_bits_of_its_three_steps(past, t):
         k_cache.copy_(torch.randn(k_cache.shape, generator=torch.Generator().manual_seed(7)))
         v_cache[..., :dim] = torch.randn(v_cache[..., :dim].shape, generator=torch.Generator().manual_seed(8))
     limits, paths, _ = attention.plan_chain(past + t, t, heads // kv_heads, "cpu", kernel=True).arrays
-    fused = jit_ops.rotate_attend(qkv, cos, sin, heads, kv_heads, *caches[0], 1, past, limits, paths)
-    q, k, v = jit_ops.split_rotate(qkv, cos, sin, heads, kv_heads)
-    steps = jit_ops.attend_kernel(q, k, v, *caches[1], 1, past, limits, paths).reshape(t, heads * dim)
+    fused = numba_ops.rotate_attend(qkv, cos, sin, heads, kv_heads, *caches[0], 1, past, limits, paths)
+    q, k, v = numba_ops.split_rotate(qkv, cos, sin, heads, kv_heads)
+    steps = numba_ops.attend_kernel(q, k, v, *caches[1], 1, past, limits, paths).reshape(t, heads * dim)
     assert fused.dtype == torch.bfloat16 and torch.equal(fused, steps.to(torch.bfloat16))
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])  # both stored
 
 
 def test_numba_silu_mul_tracks_pytorch_and_is_row_invariant():
-    if not jit_ops.importable():
+    if not numba_ops.importable():
         pytest.skip("numba is not installed")
     gen = torch.Generator().manual_seed(1)
     gate_up = (torch.randn(7, 2 * 1536, generator=gen) * 4).to(torch.bfloat16)
-    got = jit_ops.silu_mul_bf16(gate_up)
+    got = numba_ops.silu_mul_bf16(gate_up)
     gate, up = gate_up.float().split(1536, dim=-1)
     torch.testing.assert_close(got.float(), F.silu(gate) * up, rtol=2**-7, atol=1e-5)  # one bf16 step
     assert not torch.equal(got.float(), (F.silu(gate) * up * 1.02).to(torch.bfloat16).float())
-    assert all(torch.equal(jit_ops.silu_mul_bf16(gate_up[i : i + 1].clone())[0], got[i]) for i in range(7))
+    assert all(torch.equal(numba_ops.silu_mul_bf16(gate_up[i : i + 1].clone())[0], got[i]) for i in range(7))
 
 
 def test_layers_norm_with_numba_only_on_the_fast_path(target, kernels):
     backend = make_backend("native", target, precision="int4")
     fast = [layer.fast for layer in backend.pool.model.layers]
-    assert all(fast) if kernels == "fast" and jit_ops.importable() else not any(fast)
+    assert all(fast) if kernels == "fast" and numba_ops.importable() else not any(fast)
 
 
 def test_cpu_features_are_read():
@@ -299,16 +299,3 @@ def test_quantized_linear_error_is_bounded(precision, bound, rows):
     assert (y - expected).norm() / expected.norm() < bound
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
-def test_int4_from_gguf_blocks_matches_dequantize(kind):
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize, quantize
-
-    gen = torch.Generator().manual_seed(1)
-    w = torch.randn(32, 96, generator=gen).numpy()
-    qtype = GGMLQuantizationType[kind]
-    blocks = quantize(w, qtype)  # [32, 3 blocks * bytes]
-    x = torch.randn(3, 96, generator=gen)
-    expected = F.linear(x, torch.from_numpy(dequantize(blocks, qtype)))
-    y = Int4Linear.from_gguf_blocks(blocks, kind)(x)
-    assert (y - expected).norm() / expected.norm() < 0.01  # bf16 activations and scales only

@@ -9,7 +9,7 @@ import torch
 
 from conftest import tiny_llama
 from specdec.backends import make_backend
-from specdec.backends.native.model import NativeModel
+from specdec.backends.native.model.native_model import NativeModel
 from specdec.tree import tree_path
 from test_native import TOL, fresh_logits, random_tokens
 

@@ -85,14 +85,14 @@ def test_sampling_runs_and_is_seeded(smollm2):
 def test_compiled_native_trees_and_chains_equal_compiled_plain_decoding(smollm2, monkeypatch):
     """compile=1 on the int4 native backend: token trees (suffix:tree=1) and chains (ngram)
     through the compiled layers give exactly the compiled model's plain greedy output."""
-    from specdec.backends.native.cache import NativeSequence
+    from specdec.backends.native.model.sequence import NativeSequence
 
     trees = []
     forward_tree = NativeSequence.forward_tree
     monkeypatch.setattr(NativeSequence, "forward_tree", lambda self, *a: trees.append(a) or forward_tree(self, *a))
     from torch._dynamo.utils import counters
 
-    from specdec.backends.native.cache import COMPILE_BUCKETS
+    from specdec.backends.native.model.batch_runner import COMPILE_BUCKETS
 
     options = {"precision": "int4", "compile": 1}
     graphs = counters["stats"]["unique_graphs"]

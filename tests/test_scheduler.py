@@ -245,7 +245,7 @@ def test_worker_thread_serves_and_stops(target):
 
 def test_native_pool_is_batched_and_lossless(target):
     """With the native backend's cache pool, one packed forward scores every request."""
-    native = pytest.importorskip("specdec.backends.native.model")
+    native = pytest.importorskip("specdec.backends.native.model.native_model")
     if not hasattr(native, "make_native_backend"):
         pytest.skip("no native backend")
     plain = Engine(target, drafter="none", k=0)

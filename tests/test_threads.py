@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec.backends.native import cpu
+from specdec.backends.native.kernels import cpu
 from test_gguf_loader import _write
 
 # A whole model's logits at a thread count: a 270-token prefill (two whole chunks and a short
@@ -23,7 +23,7 @@ THREADS_SCRIPT = """
 import hashlib, json, sys
 import torch
 torch.set_num_threads(int(sys.argv[1]))
-from specdec.backends.native.model import NativeModel
+from specdec.backends.native.model.native_model import NativeModel
 digests = {}
 for spec in sys.argv[2:]:
     path = spec.removeprefix("compiled:")  # compiled:...: the decoder layers torch.compile'd

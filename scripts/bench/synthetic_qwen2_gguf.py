@@ -20,7 +20,7 @@ import time
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
-from specdec.backends.native.gguf_encode import quantize_blocks
+from specdec.backends.native.gguf.encode import quantize_blocks
 from specdec.models import resolve
 
 Q4_K, Q6_K, F32 = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.F32

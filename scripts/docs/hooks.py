@@ -97,9 +97,9 @@ def _flatten(value, prefix: str = "") -> list[list]:
 
 
 def models_reference() -> str:
-    from specdec.backends.native.gguf_tensors import SUPPORTED_QTYPES
-    from specdec.backends.native.layer import SUPPORTED_TYPES
-    from specdec.backends.native.quant import PRECISIONS
+    from specdec.backends.native.arch import SUPPORTED_TYPES
+    from specdec.backends.native.kernels.precisions import PRECISIONS
+    from specdec.backends.native.quant_types import SUPPORTED_NAMES
     from specdec.gguf_file import MODEL_TYPES
 
     def names(values) -> str:
@@ -108,11 +108,11 @@ def models_reference() -> str:
     return "\n".join([
         "| the native backend takes | from the code |", "|---|---|",
         f"| model types (a Hugging Face directory's `config.json`) | {names(SUPPORTED_TYPES)} "
-        "(`backends/native/layer.py`) |",
+        "(`backends/native/arch/`) |",
         f"| GGUF architectures | {names(MODEL_TYPES)} (`gguf_file.py`; mistral files are `llama`) |",
-        f"| GGUF tensor types | {names(SUPPORTED_QTYPES)} (`backends/native/gguf_tensors.py`) |",
+        f"| GGUF tensor types | {names(SUPPORTED_NAMES)} (`backends/native/quant_types.py`) |",
         f"| weight precisions (`--backend-option precision=...`) | {names(PRECISIONS)} "
-        "(`backends/native/quant.py`) |", ""])
+        "(`backends/native/kernels/precisions.py`) |", ""])
 
 
 # ---- configuration reference ----------------------------------------------------------------

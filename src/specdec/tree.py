@@ -23,15 +23,18 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from specdec.sampling import Draws, as_draws, logits_to_probs, sample_at
 from specdec.verify import residual_distribution
 
-if TYPE_CHECKING:  # tree shapes are a backend's input: backends import this module
-    from specdec.backends import Backend
+
+class TreeCache(Protocol):
+    """What the tree step needs of a backend (backends.Backend has it): keeping one path."""
+
+    def keep(self, indices: list[int]) -> None: ...
 
 
 def check_tree(parents: list[int]) -> None:
@@ -219,7 +222,7 @@ def _sibling_rejection(kids, draft_tokens, draft_probs, target_row, draws, at) -
 # ---- the tree step: the engine feeds [pending, *tokens] with parents [-1, *(p + 1)] -------
 
 
-def keep_path(backend: Backend, accepted: list[int]) -> None:
+def keep_path(backend: TreeCache, accepted: list[int]) -> None:
     """Keep the pending token and the accepted nodes in the backend's cache."""
     backend.keep([0, *[i + 1 for i in accepted]])
 

@@ -1,6 +1,6 @@
 """`auto`, the default backend: native where it runs the target's architecture, else hf.
 
-The native backend runs the architectures of layer.SUPPORTED_TYPES (GGUF files of llama,
+The native backend runs the architectures of native/arch (SUPPORTED_TYPES) (GGUF files of llama,
 mistral, qwen2, qwen3, gemma3 and phi3 read as they are) several times faster than
 transformers on a CPU; everything else, and an HF config with a feature the native layers do
 not compute (NativeConfig.from_hf refuses it by name), runs on transformers. `resolve_backend` decides from
@@ -17,7 +17,7 @@ import logging
 from pathlib import Path
 
 from specdec.backends import REGISTRY, Backend, register
-from specdec.backends.native.layer import SUPPORTED_TYPES, NativeConfig
+from specdec.backends.native.model.config import SUPPORTED_TYPES, NativeConfig
 from specdec.errors import SpecdecError
 from specdec.gguf_file import MODEL_TYPES, gguf_file
 from specdec.models import LoadedModel, resolve

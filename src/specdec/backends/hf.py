@@ -9,7 +9,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from specdec.backends import SlotPool, register
-from specdec.backends.native.draft_head import NativeDraftHead
+from specdec.backends.native.model.draft_head import NativeDraftHead
 from specdec.backends.prefix_cache import PrefixCache, chunked_prefill
 from specdec.errors import SpecdecError
 from specdec.tree import ancestor_mask, check_tree, tree_depths

@@ -7,14 +7,11 @@ runs its `prefill` through `chunked_prefill`, which consults and updates that re
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from specdec.errors import SpecdecError
-
-if TYPE_CHECKING:
-    from specdec.backends import Backend
 
 PREFILL_CHUNK = 128  # prompts are fed in chunks that start at multiples of this position
 PREFIX_CACHE_MODES = ("prompt", "decoded", "off")
@@ -157,7 +154,18 @@ def chunk_groups(chunks: list[list[int]], group_tokens: int | None) -> list[list
     return groups
 
 
-def chunked_prefill(backend: Backend, feed: Callable[[list[list[int]], bool], torch.Tensor], token_ids: list[int],
+class Prefilled(Protocol):
+    """What `chunked_prefill` uses of a backend (backends.Backend has it)."""
+
+    prefix_cache: PrefixCache
+    vocab_size: int
+
+    def reset(self) -> None: ...
+
+    def rollback(self, length: int) -> None: ...
+
+
+def chunked_prefill(backend: Prefilled, feed: Callable[[list[list[int]], bool], torch.Tensor], token_ids: list[int],
                     all_logits: bool, keep: int, group_tokens: int | None = None) -> torch.Tensor:
     """A backend's `prefill`: reset (or roll back to `keep` cached tokens, as its prefix cache
     allows) and feed the rest of `token_ids` with feed(chunks, last_only): one chunk of

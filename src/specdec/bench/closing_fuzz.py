@@ -18,7 +18,7 @@ must be cut or replaced near the end, and they are accepted often.
   plain decoding (one token per step, nothing drafted).
 
 hypothesis draws the cases (`cases()`); tests/test_closing_fuzz.py runs a sample, and
-scripts/bench/fuzz_closing.py the full run. Needs the dev and bench extras (hypothesis, jsonschema).
+scripts/bench/measure/fuzz_closing.py the full run. Needs the dev and bench extras (hypothesis, jsonschema).
 """
 
 from __future__ import annotations

@@ -1,15 +1,16 @@
 """The native backend: a lean PyTorch Llama-family model over a static, slotted KV cache.
 
-layer.py holds one decoder layer and its attention, cache.py the slotted KV cache and the
-`Backend` over one slot, model.py the weights and the forward, quant.py the linear kernels
-and gguf.py the GGUF reader.
+quant_types.py is the one table of GGUF quant types; gguf/ reads a file and builds layers over
+its blocks; kernels/ holds the linear layers, attention and the numba code; model/ the layers,
+the forward, the cache pool and one sequence (the `Backend`); arch/ each architecture's
+differences. docs/architecture.md has the module map.
 """
 
 from __future__ import annotations
 
 from specdec.backends import register
-from specdec.backends.native.cache import NativeSequence
-from specdec.backends.native.model import NATIVE_OPTIONS, make_native_backend
+from specdec.backends.native.model.backend import NATIVE_OPTIONS, make_native_backend
+from specdec.backends.native.model.sequence import NativeSequence
 from specdec.errors import SpecdecError
 
 

@@ -1,0 +1,230 @@
+"""The native backend's batch runner: `CachePool` owns the KV cache of several sequences,
+preallocated once as [layers, slots, kv_heads, max_length, head_dim], and runs their tokens as
+packed forwards of the model (`forward_batch` for decode chains and prompts side by side,
+`forward_prompt` for one prompt's chunks). A slot is one sequence (model/sequence.py's
+`NativeSequence`); tokens are stored by position, so rollback is moving the length pointer.
+What the pool uses of the model is `PackedModel`."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from specdec.backends.native.kernels.attention import new_cache, plan_chain, uses_kernel
+from specdec.backends.native.model.config import DECODE_ATTENTION_MAX, KVRow, NativeConfig
+from specdec.backends.native.model.sequence import COMPILE_BUCKETS, NativeSequence, PooledModel
+from specdec.backends.prefix_cache import prefix_cache_mode
+from specdec.errors import SpecdecError
+
+DEFAULT_MAX_LENGTH = 4096
+
+
+class PackedModel(PooledModel, Protocol):
+    """What a pool runs (model/native_model.NativeModel implements it)."""
+
+    config: NativeConfig
+    short_chunk_rows: int  # a prompt chunk shorter than this takes the decode kernels
+    head_rows_independent: bool  # the LM head computes each row on its own
+
+    def rope_tables(self, length: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward_packed(self, pool, token_ids: torch.Tensor, positions: torch.Tensor, rows: list[KVRow],
+                       logits_at: torch.Tensor | None = None, compiled: bool = False,
+                       dense: bool = False) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class CachePool:
+    """A preallocated KV cache for `slots` sequences of up to `max_length` tokens each; every
+    sequence's prefix cache runs in mode `prefix_cache`."""
+
+    def __init__(self, model: PackedModel, slots: int = 1, max_length: int | None = None, kv_dtype=torch.float32,
+                 prefix_cache: str = "prompt"):
+        cfg = model.config
+        if slots < 1:
+            raise SpecdecError(f"a cache pool needs at least one slot, got {slots}", "slots")
+        max_length = max_length or min(cfg.max_positions, DEFAULT_MAX_LENGTH)
+        if not 1 <= max_length <= cfg.max_positions:
+            raise SpecdecError(f"max_length must be in 1..{cfg.max_positions}, got {max_length}", "max_length")
+        self.model, self.slots, self.max_length = model, slots, max_length
+        # keys [layers, slots, kv_heads, head_dim, length], values [layers, slots, kv_heads, length,
+        # head_dim + 1], in whole attention chunks (attention.py)
+        self.k, self.v = new_cache((cfg.num_layers, slots), cfg.num_kv_heads, max_length, cfg.head_dim, kv_dtype,
+                                   model.device)  # fmt: skip
+        self.layer_caches = list(zip(self.k.unbind(0), self.v.unbind(0), strict=True))  # views, made once
+        self.kernel = uses_kernel(model.device, kv_dtype)  # numba_ops, or the PyTorch routine
+        self.group = cfg.num_heads // cfg.num_kv_heads  # query heads per kv head
+        self.cos, self.sin = model.rope_tables(max_length)  # [max_length, head_dim]
+        self.local_cos, self.local_sin = model.rope_tables(max_length, local=True)  # gemma3's sliding layers
+        self._free = list(range(slots - 1, -1, -1))
+        self.prefix_mode = prefix_cache_mode(prefix_cache)
+        self._hidden: torch.Tensor | None = None  # see hidden_buffer
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def new_sequence(self) -> NativeSequence:
+        if not self._free:
+            raise SpecdecError(f"all {self.slots} cache slots are in use", "slots")
+        return NativeSequence(self, self._free.pop(), self.prefix_mode)
+
+    def release(self, seq: NativeSequence) -> None:
+        if seq.pool is not self or seq.slot is None:
+            raise ValueError("this sequence does not hold a slot of this pool")
+        self._free.append(seq.slot)
+        seq.slot = None
+
+    def forward_batch(self, sequences: list[NativeSequence], token_lists: list[list[int]],
+                      unscored: list[list[int]] | None = None, last_only: bool = False,
+                      prompt: bool = False) -> list[torch.Tensor]:
+        """One packed forward that appends token_lists[i] to sequences[i]; logits [len_i, V]
+        each, or with `last_only` just the last row [1, V] ([0, V] for an empty list). Rows
+        unscored[i] of sequence i come back as zeros, the LM head skipped for them, where the
+        head computes each row on its own (`head_rows_independent`); elsewhere all are scored.
+
+        Lists of more than DECODE_ATTENTION_MAX tokens, or all of them with `prompt`, are
+        prompt chunks: one causal pass each, through the dense layers where there are some.
+        Shorter lists are decode chains, scored by the batch-invariant attention (attention.py)."""
+        if len(sequences) != len(token_lists):
+            raise ValueError("one token list per sequence")
+        if len({id(s) for s in sequences}) != len(sequences):
+            raise ValueError("a sequence appears twice in one batch")
+        for seq, ids in zip(sequences, token_lists, strict=True):
+            seq._check_append(len(ids))  # all checked before any is changed
+        is_prompt = [prompt or len(ids) > DECODE_ATTENTION_MAX for ids in token_lists]
+        if any(is_prompt) and not all(p or not ids for p, ids in zip(is_prompt, token_lists, strict=True)):
+            # prompts and steps in two passes, so that no step's logits depend on its batch
+            out: list = [None] * len(sequences)
+            for kind in (True, False):
+                idx = [i for i, p in enumerate(is_prompt) if p == kind]
+                part = self.forward_batch([sequences[i] for i in idx], [token_lists[i] for i in idx],
+                                          [unscored[i] for i in idx] if unscored else None, last_only, kind)
+                for i, logits in zip(idx, part, strict=True):
+                    out[i] = logits
+            return out
+        if not self.model.head_rows_independent:
+            unscored = None
+        dense = any(is_prompt)  # only prompts (and empty lists) here
+        compiled = self.model.compiled and not dense
+        if compiled and len(sequences) > 1:
+            # Inductor fuses norms and rotations with its own rounding, so a compiled step and
+            # an eager one differ in the last bits. Every decode forward of a compiled model
+            # therefore runs through the compiled graph, one sequence at a time, so that no
+            # reply depends on what it was batched with.
+            return [self.forward_batch([seq], [ids], [unscored[i]] if unscored else None, last_only)[0]
+                    for i, (seq, ids) in enumerate(zip(sequences, token_lists, strict=True))]
+        tokens, positions, rows, lasts, scored = self._pack(sequences, token_lists, unscored, compiled, dense)
+        partial = not last_only and len(scored) < len(tokens)
+        hidden, logits = self.run_rows(tokens, positions, rows, compiled, lasts if last_only else scored if partial else None,
+                                   dense)  # fmt: skip
+        if partial:  # the unscored rows stay zeros
+            logits = logits.new_zeros(len(tokens), logits.shape[-1]).index_copy_(0, torch.tensor(scored, dtype=torch.long), logits)
+        out, offset, row = [], 0, 0
+        for seq, ids in zip(sequences, token_lists, strict=True):
+            end = offset + len(ids)
+            if last_only:
+                out.append(logits[row : row + 1] if ids else logits[:0])
+                row += bool(ids)
+            else:
+                out.append(logits[offset:end])
+            seq._store_hidden(seq._length, hidden[offset:end])
+            seq._length, offset = seq._length + len(ids), end
+        return out
+
+    def forward_prompt(self, seq: NativeSequence, chunks: list[list[int]], last_only: bool = False) -> torch.Tensor:
+        """A prompt's consecutive chunks in one pass: each chunk a causal row of its own, so its
+        attention is that of a pass per chunk, and the layers' kernels over all their tokens at
+        once (a prompt kernel computes each row on its own, so a chunk's bits do not depend on
+        its neighbours; the tests compare the two). A prompt kernel that decodes weight tiles
+        then decodes each tile once per group, not once per chunk. A chunk of fewer than the
+        model's `short_chunk_rows` tokens takes the decode kernels instead (cheaper for a few
+        rows than decoding every tile); the choice depends on the chunk alone, so a warm
+        prefill still gives a cold one's bits. Logits [T, V], or [1, V]."""
+        seq._check_append(sum(len(chunk) for chunk in chunks))
+        if not any(chunks):
+            return torch.empty(0, self.model.config.vocab_size)
+        parts, logits = _runs_of(chunks, self.model.short_chunk_rows), []
+        for i, (short, part) in enumerate(parts):
+            last = i == len(parts) - 1
+            logits.append(self._prompt_part(seq, part, short, last_only, last))
+        return logits[-1] if last_only else torch.cat(logits)
+
+    def _prompt_part(self, seq: NativeSequence, chunks: list[list[int]], short: bool, last_only: bool,
+                     last: bool) -> torch.Tensor:  # fmt: skip
+        """Consecutive chunks of one kind (short or not) appended to `seq`: logits [T, V], or
+        with `last_only` [1, V] for the prompt's last part and [0, V] (no head) before it."""
+        start, tokens, positions, rows = seq._length, [], [], []
+        for chunk in chunks:
+            rows.append(self._row(seq.slot, len(tokens), start + len(tokens), len(chunk), dense=True))
+            tokens.extend(chunk)
+            positions.extend(range(start + len(tokens) - len(chunk), start + len(tokens)))
+        logits_at = None if not last_only else [len(tokens) - 1] if last else []
+        hidden, logits = self.run_rows(tokens, positions, rows, False, logits_at, dense=not short)
+        seq._store_hidden(start, hidden)
+        seq._length = start + len(tokens)
+        return logits
+
+    def _pack(self, sequences, token_lists, unscored, compiled: bool, dense: bool) -> tuple:
+        """The packed tokens, their positions, each sequence's KVRow, each one's last packed
+        row, and the packed rows whose logits are wanted (all but the unscored and the pads)."""
+        tokens, positions, rows, lasts, scored = [], [], [], [], []
+        for i, (seq, ids) in enumerate(zip(sequences, token_lists, strict=True)):
+            start, t = seq._check_append(len(ids)), len(ids)
+            if t == 0:
+                continue
+            lasts.append(len(tokens) + t - 1)
+            skip = set(unscored[i]) if unscored else ()
+            scored.extend(len(tokens) + j for j in range(t) if j not in skip)
+            if compiled:  # pad to a bucket so a few compiled shapes serve every k; pads come last
+                t = next((b for b in COMPILE_BUCKETS if b >= t and start + b <= self.max_length), t)
+                ids = list(ids) + [ids[-1]] * (t - len(ids))
+            tokens.extend(ids)
+            positions.extend(range(start, start + t))
+            rows.append(self._row(seq.slot, len(tokens) - t, start, t, dense))
+        return tokens, positions, rows, lasts, scored
+
+    def _row(self, slot: int, first: int, start: int, t: int, dense: bool) -> KVRow:
+        """Packed rows first.. of a sequence whose t tokens go to cache positions start..."""
+        if dense:  # a prompt chunk: one causal pass
+            mask = torch.ones(t, start + t, dtype=torch.bool, device=self.model.device).tril(start)
+            return KVRow(slot, first, first + t, start, start + t, mask)
+        # a decode chain: batch-invariant attention, bit-identical to one-token steps
+        plan = plan_chain(start + t, t, self.group, self.model.device, self.kernel)
+        return KVRow(slot, first, first + t, start, start + t, None, plan=plan)
+
+    def run_rows(self, tokens, positions, rows, compiled=False, logits_at=None, dense=False) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [N, hidden] on the model's device, logits [N, V] on the cpu."""
+        cfg, dev = self.model.config, self.model.device
+        if not tokens:
+            return torch.empty(0, cfg.hidden_size, device=dev), torch.empty(0, cfg.vocab_size)
+
+        def as_tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long).to(dev, non_blocking=True)
+
+        at = None if logits_at is None else as_tensor(logits_at)
+        hidden, logits = self.model.forward_packed(
+            self, as_tensor(tokens), as_tensor(positions), rows, at, compiled, dense)
+        return hidden, logits.cpu()
+
+    def hidden_buffer(self) -> torch.Tensor:
+        """[slots, max_length, hidden] post-norm features of cached tokens, allocated on first use."""
+        if self._hidden is None:
+            cfg = self.model.config
+            self._hidden = torch.zeros(self.slots, self.max_length, cfg.hidden_size, device=self.model.device)
+        return self._hidden
+
+
+def _runs_of(chunks: list[list[int]], short_rows: int) -> list[tuple[bool, list[list[int]]]]:
+    """Consecutive non-empty chunks split where their kind changes: (short, chunks), short
+    meaning fewer than `short_rows` tokens."""
+    runs: list[tuple[bool, list[list[int]]]] = []
+    for chunk in chunks:
+        if not chunk:
+            continue
+        short = len(chunk) < short_rows
+        if runs and runs[-1][0] == short:
+            runs[-1][1].append(chunk)
+        else:
+            runs.append((short, [chunk]))
+    return runs

@@ -1,0 +1,131 @@
+"""A decoder layer of GGUF 8-bit matrices as one numba call (kernels/jit/layer.decode_layer).
+
+`LayerStep.build` says whether a layer qualifies: every linear runs the numba 8-bit kernels
+(BlockLinear8 or MixedBlockLinear8, one activation format per linear) and the norms are
+fp32 (gemma3's q/k norms and sublayer output norms included). A qualifying layer runs a
+forward of one chain row (decode steps, a speculative chain) as one call; batches and
+trees take the separate calls. Both compute the same operations on the same kernels, the
+activation included (`glu_mul`: the separate path of an fp32 layer with numba's
+norms takes them too), so a row's bits do not depend on the path; tests/test_gguf_loader.py
+compares them. Where every layer qualifies, `StepStack` runs them back to back for the model,
+the per-forward work (the arrays of the rope tables and of the row's plan) done once, not
+once a layer.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from specdec.backends.native.kernels.int8_blocks import BlockLinear8, MixedBlockLinear8
+from specdec.backends.native.kernels.linear import FusedLinear, PromptSame
+from specdec.backends.native.kernels.numba_ops import PARALLEL_WORK, fast_norms_usable, numba_threads
+
+
+def _group(linear) -> tuple | None:
+    """A layer's linear as kernels/jit/layer.py's group, or None where it is not made of numba 8-bit
+    layers reading one activation format. A FusedLinear's separate parts (each quantizing the
+    same input alike) join into one group."""
+    if isinstance(linear, FusedLinear):
+        parts = [linear.fused] if linear.fused is not None else list(linear.parts)
+        groups = [_group(part) for part in parts]
+        if any(g is None for g in groups) or len({g[0] for g in groups}) != 1:
+            return None
+        if len(groups) == 1:
+            return groups[0]
+        # -0.0 is the exact additive identity (x + -0.0 == x, signed zeros included)
+        biases = [g[2] if g[2].shape[0] else np.full(g[3], -0.0, np.float32) for g in groups]
+        bias = np.concatenate(biases) if any(g[2].shape[0] for g in groups) else groups[0][2]
+        return groups[0][0], sum((g[1] for g in groups), ()), bias, sum(g[3] for g in groups)
+    if isinstance(linear, PromptSame):
+        linear = linear.layer
+    return linear.numba_group() if isinstance(linear, (BlockLinear8, MixedBlockLinear8)) else None
+
+
+class LayerStep:
+    """One qualifying layer's arrays, formed once, and the call that runs it."""
+
+    def __init__(self, norms: tuple[np.ndarray, ...], groups: tuple, eps: float, heads: int, kv_heads: int,
+                 scale: float, gelu: bool):  # fmt: skip
+        self.norms, self.groups, self.eps = norms, groups, np.float32(eps)
+        self.heads, self.kv_heads, self.scale, self.gelu = heads, kv_heads, np.float32(scale), gelu
+        self.no_pending = np.empty((0, norms[0].shape[0]), np.float32)
+
+    @classmethod
+    def build(cls, norms: tuple[torch.Tensor | None, ...], linears: tuple, eps: float, heads: int, kv_heads: int,
+              scale: float, gelu: bool) -> LayerStep | None:  # fmt: skip
+        """norms: (attn_norm, mlp_norm, q_norm, k_norm, post_attn_norm, post_mlp_norm), None
+        where the layer has none; linears: (qkv, o, gate_up, down). None where the layer does
+        not qualify (the module docstring)."""
+        weights = [w for w in norms if w is not None]
+        if not all(fast_norms_usable(w.device) and w.dtype == torch.float32 for w in weights):
+            return None
+        groups = tuple(_group(linear) for linear in linears)
+        if any(group is None for group in groups):
+            return None
+        arrays = tuple(np.empty(0, np.float32) if w is None else np.ascontiguousarray(w.detach().numpy()) for w in norms)
+        return cls(arrays, groups, eps, heads, kv_heads, scale, gelu)
+
+    def __call__(self, x: torch.Tensor, pending: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, row) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """x [T, hidden] fp32 (+ pending) for one chain row `row` (attention.kernel_chain_row)
+        -> (x + pending, the layer's output), as DecoderLayer.forward_open returns them."""
+        pending_rows = self.no_pending if pending is None else pending.contiguous().numpy()
+        row_arrays = (row.slot, row.store, *row.plan.arrays)
+        out, delta = self.run(x.contiguous().numpy(), pending_rows, (cos.numpy(), sin.numpy()),
+                              (k_cache.numpy(), v_cache.numpy()), row_arrays)  # fmt: skip
+        return torch.from_numpy(out), torch.from_numpy(delta)
+
+    def run(self, x: np.ndarray, pending: np.ndarray, rope: tuple, cache: tuple, row: tuple) -> tuple:
+        """The call on arrays: x [T, hidden], pending [T or 0, hidden], rope (cos, signed sin),
+        cache (keys, values), row (slot, store, limits, paths, starts) -> (x + pending, output)."""
+        parallel = int(row[2][-1]) * x.shape[0] * self.heads >= PARALLEL_WORK  # as numba_ops picks its kernel
+        return _jit().decode_layer(x, pending, self.norms, self.eps, *self.groups, rope, self.heads, self.kv_heads,
+                                   cache, row, self.scale, parallel, self.gelu)  # fmt: skip
+
+
+class StepStack:
+    """Every layer's LayerStep, run back to back for one chain row: the views of the rope
+    tables and of the row's plan are formed once a forward, not once a layer, and the
+    activations stay arrays between layers. The same calls on the same arrays as each layer's
+    own `LayerStep.__call__`, so the same bits."""
+
+    def __init__(self, steps: list[LayerStep], local_rope: list[bool], sliding: list[bool]):
+        self.steps, self.local_rope, self.sliding = steps, local_rope, sliding
+
+    @classmethod
+    def build(cls, steps: list[LayerStep | None], local_rope: list[bool], sliding: list[bool]) -> StepStack | None:
+        """None unless every layer has its step."""
+        if not steps or any(step is None for step in steps):
+            return None
+        return cls(list(steps), list(local_rope), list(sliding))
+
+    def __call__(self, x: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]], rows: tuple,
+                 caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:  # fmt: skip
+        """x [T, hidden] fp32 through every layer, residual included; tables: the (cos, signed
+        sin) [T, 1, dim] of each rope (global, local); rows: the chain row of each row set
+        (all layers, sliding ones)."""
+        ropes = [(cos.numpy(), sin.numpy()) for cos, sin in tables]
+        row_arrays = [(row.slot, row.store, *row.plan.arrays) for row in rows]
+        x_rows, pending = x.contiguous().numpy(), self.steps[0].no_pending
+        for step, local, sliding, (k_cache, v_cache) in zip(self.steps, self.local_rope, self.sliding, caches,
+                                                            strict=True):  # fmt: skip
+            x_rows, pending = step.run(x_rows, pending, ropes[local], (k_cache.numpy(), v_cache.numpy()),
+                                       row_arrays[sliding])  # fmt: skip
+        return torch.from_numpy(x_rows) + torch.from_numpy(pending)
+
+
+def glu_mul(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
+    """[N, 2 I] fp32, gate and up side by side -> silu(gate) * up, or gelu_tanh(gate) * up,
+    [N, I] (kernels/jit/layer.glu_mul_f32)."""
+    return torch.from_numpy(_jit().glu_mul_f32(gate_up.contiguous().numpy(), gelu))
+
+
+@functools.cache
+def _jit():
+    numba_threads()  # the threading layer and count, before the first parallel launch
+    import specdec.backends.native.kernels.jit.layer as jit  # compiles, or loads from disk
+
+    return jit
