@@ -47,7 +47,8 @@ def tiny_tokenizer():
     return fast
 
 
-def tiny_llama(seed: int = 0, layers: int = 2, hidden: int = 64, max_positions: int = 256, vocab: int | None = None):
+def tiny_llama(seed: int = 0, layers: int = 2, hidden: int = 64, max_positions: int = 256,
+               vocab: int | None = None):
     """A randomly initialised Llama whose vocabulary matches `tiny_tokenizer()` (or its first `vocab` ids)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -26,16 +26,17 @@ QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", 
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 
 CHAT_TEMPLATES = {
-    "chatml": ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "chatml": ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+               "{{ m['content'] }}<|im_end|>\n{% endfor %}"
                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
     "gemma3": ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' "
                "else m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}"
                "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"),
     "phi3": ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
              "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"),
-}  # fmt: skip
-_TEMPLATE_OF = {"llama": "chatml", "mistral": "chatml", "qwen2": "chatml", "qwen3": "chatml", "gemma3": "gemma3",
-                "phi3": "phi3"}  # fmt: skip
+}
+_TEMPLATE_OF = {"llama": "chatml", "mistral": "chatml", "qwen2": "chatml", "qwen3": "chatml",
+                "gemma3": "gemma3", "phi3": "phi3"}
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,9 @@ class Spec:
 def spec_for(arch: str, qtype: str = "Q8_0", **changes) -> Spec:
     """Each architecture's typical shape: gemma3 with six layers (five sliding, one global) and
     head_dim 256 (transformers scales its queries by query_pre_attn_scalar, 256 by default)."""
-    defaults = {"gemma3": {"layers": 6, "window": 16, "tied": True, "head_dim": 256}, "mistral": {"window": 4096},
-                "phi3": {"window": 2047}, "qwen3": {"tied": True, "head_dim": 128}}.get(arch, {})  # fmt: skip
+    defaults = {"gemma3": {"layers": 6, "window": 16, "tied": True, "head_dim": 256},
+                "mistral": {"window": 4096}, "phi3": {"window": 2047},
+                "qwen3": {"tied": True, "head_dim": 128}}.get(arch, {})
     return Spec(arch=arch, qtype=qtype, **{**defaults, **changes})
 
 
@@ -78,7 +80,8 @@ def tokenizer_fields() -> dict:
         "tokens": f.meta("tokenizer.ggml.tokens").values(),
         "merges": f.meta("tokenizer.ggml.merges").values(),
         "token_type": [int(t) for t in f.meta("tokenizer.ggml.token_type")],
-        "ids": {key: int(f.meta(f"tokenizer.ggml.{key}_token_id")) for key in ("bos", "eos", "unknown", "padding")},
+        "ids": {key: int(f.meta(f"tokenizer.ggml.{key}_token_id"))
+                for key in ("bos", "eos", "unknown", "padding")},
     }
 
 
@@ -89,7 +92,7 @@ def llama3_rope_factors(head_dim: int, theta: float, factor: float = 8.0, low: f
     wavelen = 2 * math.pi / freqs
     smooth = np.clip((original / wavelen - low) / (high - low), 0.0, 1.0)
     factors = np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor,
-                                                                 1.0 / ((1 - smooth) / factor + smooth)))  # fmt: skip
+                                                                 1.0 / ((1 - smooth) / factor + smooth)))
     return factors.astype(np.float32)
 
 
@@ -105,7 +108,7 @@ def _weights(spec: Spec, vocab: int) -> dict[str, np.ndarray]:
 
     q, kv, h = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim, spec.hidden
     w = {"model.embed_tokens.weight": (rng.standard_normal((vocab, h)) * 0.5).astype(np.float32),
-         "model.norm.weight": norm(h)}  # fmt: skip
+         "model.norm.weight": norm(h)}
     if not spec.tied:
         w["lm_head.weight"] = mat(vocab, h, 8.0)  # sharp logits: greedy choices far from ties
     for i in range(spec.layers):
@@ -114,12 +117,13 @@ def _weights(spec: Spec, vocab: int) -> dict[str, np.ndarray]:
               p + "self_attn.q_proj.weight": mat(q, h, 2.0), p + "self_attn.k_proj.weight": mat(kv, h, 2.0),
               p + "self_attn.v_proj.weight": mat(kv, h), p + "self_attn.o_proj.weight": mat(h, q),
               p + "mlp.gate_proj.weight": mat(spec.ffn, h), p + "mlp.up_proj.weight": mat(spec.ffn, h),
-              p + "mlp.down_proj.weight": mat(h, spec.ffn)}  # fmt: skip
+              p + "mlp.down_proj.weight": mat(h, spec.ffn)}
         if spec.arch == "qwen2":
             for name, n in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
                 w[p + f"self_attn.{name}.bias"] = (0.1 * rng.standard_normal(n)).astype(np.float32)
         if spec.arch in ("qwen3", "gemma3"):
-            w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"] = norm(spec.head_dim), norm(spec.head_dim)
+            w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"] = (norm(spec.head_dim),
+                                                                                  norm(spec.head_dim))
         if spec.arch == "gemma3":
             w[p + "pre_feedforward_layernorm.weight"] = norm(h)
             w[p + "post_feedforward_layernorm.weight"] = norm(h)
@@ -129,12 +133,13 @@ def _weights(spec: Spec, vocab: int) -> dict[str, np.ndarray]:
 
 
 _GGUF_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-               "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                "mlp.down_proj": "ffn_down", "post_attention_layernorm": "ffn_norm",
-               "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # fmt: skip
+               "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 _GEMMA_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
-                "post_feedforward_layernorm": "post_ffw_norm"}  # fmt: skip
+                "post_feedforward_layernorm": "post_ffw_norm"}
 _TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 
@@ -174,7 +179,8 @@ def write_gguf(path, spec: Spec) -> dict[str, np.ndarray]:
     """Write `spec` to `path`; return the weights the file decodes to (HF names, fp32)."""
     tok = tokenizer_fields()
     if spec.vocab is not None:
-        tok = {**tok, "tokens": tok["tokens"][: spec.vocab], "token_type": tok["token_type"][: spec.vocab], "merges": []}
+        tok = {**tok, "tokens": tok["tokens"][: spec.vocab], "token_type": tok["token_type"][: spec.vocab],
+               "merges": []}
     weights = _weights(spec, len(tok["tokens"]))
     if spec.arch == "phi3":
         weights = _fused_phi3(weights, spec)
@@ -190,7 +196,7 @@ def write_gguf(path, spec: Spec) -> dict[str, np.ndarray]:
             raw = quantize_blocks(data, qtype)
             writer.add_tensor(name, raw, raw_dtype=qtype)
             decoded[key] = _decode(raw, qtype, value.shape, spec.gguf_arch == "llama" and data is not value,
-                                   spec.heads if ".attn_q." in name else spec.kv_heads)  # fmt: skip
+                                   spec.heads if ".attn_q." in name else spec.kv_heads)
         else:
             writer.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
             decoded[key] = value
@@ -251,13 +257,13 @@ def requantize_gguf(source, path, qtype: str) -> None:
     arch = f.meta("general.architecture")
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(f"{f.meta('general.name')} {qtype}")
-    keys = ("block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count",
-            "attention.head_count_kv", "rope.dimension_count", "vocab_size")  # fmt: skip
+    keys = ("block_count", "context_length", "embedding_length", "feed_forward_length",
+            "attention.head_count", "attention.head_count_kv", "rope.dimension_count", "vocab_size")
     for key in keys:
         writer.add_uint32(f"{arch}.{key}", int(f.meta(f"{arch}.{key}")))
     writer.add_float32(f"{arch}.rope.freq_base", float(f.meta(f"{arch}.rope.freq_base")))
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon",
-                       float(f.meta(f"{arch}.attention.layer_norm_rms_epsilon")))  # fmt: skip
+                       float(f.meta(f"{arch}.attention.layer_norm_rms_epsilon")))
     tok = tokenizer_fields()
     writer.add_tokenizer_model(f.meta("tokenizer.ggml.model"))
     writer.add_tokenizer_pre(f.meta("tokenizer.ggml.pre"))

@@ -35,14 +35,16 @@ class ServerProcess:
     def __init__(self, model_dir: str, *args: str, env: dict | None = None, backend: str = "hf",
                  plugin: str | None = None, ready_timeout: float = 120):
         """`plugin`: a module of tests/ imported before the server starts (it may register a drafter);
-        `ready_timeout`: seconds from listening to ready (a real model loads for minutes on a busy machine)."""
+        `ready_timeout`: seconds from listening to ready (a real model loads for minutes on a busy
+        machine)."""
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         if "--backend" not in args:
             args = ("--backend", backend, *args)
         boot = f"import sys; sys.path.insert(0, {TESTS!r}); import {plugin}; " if plugin else "import sys; "
         boot += "from specdec.cli import main; main(sys.argv[1:])"
         cmd = [sys.executable, "-c", boot, "serve", "--target", model_dir, "--port", "0", *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=full_env)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     env=full_env)
         self.lines: list[str] = []
         self._listening = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
@@ -109,8 +111,8 @@ def log_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_dir, log_dir):
     srv = ServerProcess(
-        model_dir, "--served-model-name", MODEL, "--api-key-env", "SPECDEC_TEST_KEY", "--drafter", "ngram:min=1",
-        "--max-batch", "8", "--log-dir", log_dir,
+        model_dir, "--served-model-name", MODEL, "--api-key-env", "SPECDEC_TEST_KEY",
+        "--drafter", "ngram:min=1", "--max-batch", "8", "--log-dir", log_dir,
         env={"SPECDEC_TEST_KEY": KEY, "SPECDEC_SERVE_LOAD_DELAY": "1.0"},
     )
     yield srv
@@ -140,12 +142,14 @@ def assert_error_shape(body: dict, status: int) -> dict:
     assert set(body) == {"error"}, body
     err = body["error"]
     assert set(err) == {"message", "type", "param", "code"}, err
-    assert err["code"] == status and isinstance(err["message"], str) and err["message"], err  # not rewritten here
+    # not rewritten here
+    assert err["code"] == status and isinstance(err["message"], str) and err["message"], err
     return err
 
 
 JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
     max_leaves=8,
 )

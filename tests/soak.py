@@ -52,7 +52,8 @@ SHORT = [
     "Speculative decoding drafts tokens and verifies them.",
     "The lazy dog",
 ]
-WORDS = ["cache", "draft", "verify", "token", "batch", "stream", "queue", "tenant", "prefix", "chunk", "model", "reply"]
+WORDS = ["cache", "draft", "verify", "token", "batch", "stream", "queue", "tenant", "prefix", "chunk",
+         "model", "reply"]
 
 # Malformed bodies for /v1/chat/completions (raw bytes or JSON values): every one must get a 4xx.
 MALFORMED: list[bytes | dict] = [
@@ -226,7 +227,8 @@ async def references(url: str, prompts: list[str], s: Settings) -> dict:
     """Each prompt's greedy reply served alone, as chat and as completion."""
     client, http = _clients(url, s)
     async with http:
-        return {(p, chat): await ask(client, p, chat, s, stream=False) for p in prompts for chat in (True, False)}
+        return {(p, chat): await ask(client, p, chat, s, stream=False)
+                for p in prompts for chat in (True, False)}
 
 
 async def soak(url: str, prompts: list[str], expected: dict, s: Settings) -> Tally:
@@ -299,7 +301,8 @@ def run(url: str, pid: int | None, s: Settings) -> dict:
         "references_s": round(t1 - t0, 1), "soak_s": round(soak_s, 1),
         "rss_mb_before": rss_before and round(rss_before), "rss_mb_after": rss_after and round(rss_after),
         "itl_ms": {"n": len(gaps_ms), "p50": gaps_ms and round(statistics.median(gaps_ms), 1),
-                   "p99": gaps_ms and round(percentile(gaps_ms, 0.99), 1), "max": gaps_ms and round(max(gaps_ms), 1)},
+                   "p99": gaps_ms and round(percentile(gaps_ms, 0.99), 1),
+                   "max": gaps_ms and round(max(gaps_ms), 1)},
     }
 
 
@@ -312,7 +315,8 @@ class ServerProcess:
     def __init__(self, target: str, args: list[str], env: dict | None = None, timeout: float = 300):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         cmd = [sys.executable, "-m", "specdec.cli", "serve", "--target", target, "--port", "0", *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     env=env)
         self.lines: list[str] = []
         self._listening = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
@@ -353,7 +357,8 @@ class ServerProcess:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", help="spawn `specdec serve --target TARGET` (a model directory or name)")
-    p.add_argument("--server-arg", action="append", default=[], help="an extra serve flag, e.g. --server-arg=--max-batch=16")
+    p.add_argument("--server-arg", action="append", default=[],
+                   help="an extra serve flag, e.g. --server-arg=--max-batch=16")
     p.add_argument("--url", help="soak a running server instead")
     p.add_argument("--pid", type=int, help="the running server's pid, for its RSS")
     for name, value in vars(Settings()).items():

@@ -58,15 +58,17 @@ def test_each_query_gets_the_bits_of_a_call_of_its_own(routine, heads, kv_heads,
     q = torch.randn(t, heads, dim, generator=gen)
     k, v = torch.randn(t, kv_heads, dim, generator=gen), torch.randn(t, kv_heads, dim, generator=gen)
     k_cache, v_cache = random_cache(kv_heads, past + t + 70, dim, seed=1)
-    together = attn.attention(q, k, v, k_cache, v_cache, [KVRow(0, 0, t, past, past + t, None)], heads != kv_heads)
+    together = attn.attention(q, k, v, k_cache, v_cache, [KVRow(0, 0, t, past, past + t, None)],
+                              heads != kv_heads)
     for j in range(t):
         row = KVRow(0, 0, 1, past + j, past + j + 1, None)
-        alone = attn.attention(q[j : j + 1], k[j : j + 1], v[j : j + 1], k_cache, v_cache, [row], heads != kv_heads)
+        alone = attn.attention(q[j : j + 1], k[j : j + 1], v[j : j + 1], k_cache, v_cache, [row],
+                               heads != kv_heads)
         assert torch.equal(together[j], alone[0]), j
     keys, values = k_cache[..., : past + t].transpose(2, 3), v_cache[:, :, : past + t, :dim]
     mask = torch.ones(t, past + t, dtype=torch.bool).tril(past)
     expected = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask,
-                                              enable_gqa=heads != kv_heads)[0].transpose(0, 1)  # fmt: skip
+                                              enable_gqa=heads != kv_heads)[0].transpose(0, 1)
     torch.testing.assert_close(together, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -79,8 +81,10 @@ def test_the_kernel_gives_the_same_bits_on_one_thread_or_several():
 
     gen = torch.Generator().manual_seed(0)
     k_cache, v_cache = random_cache(4, 200, 16, seed=2)
-    q, k, v = torch.randn(6, 8, 16, generator=gen), torch.randn(6, 4, 16, generator=gen), torch.randn(6, 4, 16, generator=gen)
-    for plan in (attn.plan_chain(150, 6, 2, "cpu", True), attn.plan_tree(144, [-1, 0, 0, 1, 2, 2], [0, 1, 1, 2, 2, 2], 2, "cpu", True)):
+    q, k, v = (torch.randn(6, 8, 16, generator=gen), torch.randn(6, 4, 16, generator=gen),
+               torch.randn(6, 4, 16, generator=gen))
+    for plan in (attn.plan_chain(150, 6, 2, "cpu", True),
+                 attn.plan_tree(144, [-1, 0, 0, 1, 2, 2], [0, 1, 1, 2, 2, 2], 2, "cpu", True)):
         args = (q.numpy(), k.numpy(), v.numpy(), k_cache.numpy(), v_cache.numpy(), 0, -1, *plan.arrays, 0.25)
         assert torch.equal(torch.from_numpy(attend(*args)), torch.from_numpy(attend_parallel(*args)))
 
@@ -145,7 +149,8 @@ def test_batched_rows_score_with_the_bits_of_one_token_steps(routine, target):
 @pytest.mark.slow
 def test_real_model_chains_and_trees_are_bit_identical_to_steps(routine, smollm2):
     """SmolLM2-135M at the cpu default (int4), past a few chunks of context."""
-    ids = smollm2.tokenizer.encode("The harbour office opened at seven, and the ferries waited for the fog. " * 12)
+    ids = smollm2.tokenizer.encode(
+        "The harbour office opened at seven, and the ferries waited for the fog. " * 12)
     past, chain_ids = ids[:150], ids[150:158]
     chain, steps = (make_backend("native", smollm2) for _ in range(2))
     chain.prefill(past)

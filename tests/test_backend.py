@@ -19,7 +19,8 @@ BACKEND_KINDS = ["hf"]
 @pytest.mark.parametrize(("prefix", "junk", "keep"), [(7, 5, 3), (12, 1, 0), (1, 8, 8), (5, 4, 4)])
 def test_forward_after_rollback_equals_fresh_forward(kind, prefix, junk, keep):
     target = tiny_llama(seed=0)
-    tokens = torch.randint(5, 300, (prefix + junk + 6,), generator=torch.Generator().manual_seed(prefix)).tolist()
+    tokens = torch.randint(5, 300, (prefix + junk + 6,),
+                           generator=torch.Generator().manual_seed(prefix)).tolist()
     tail = tokens[prefix + junk :]
 
     rolled = make_backend(kind, target)
@@ -151,7 +152,8 @@ def small_chunks(monkeypatch):
         (3, 2, 0),  # less than a chunk in common
     ],
 )
-def test_prefill_keeping_a_cached_prefix_changes_no_bits(small_chunks, kind, options, shared, decoded, expect_keep):
+def test_prefill_keeping_a_cached_prefix_changes_no_bits(small_chunks, kind, options, shared, decoded,
+                                                         expect_keep):
     target = tiny_llama(seed=0)
     first = torch.randint(5, 300, (12,), generator=torch.Generator().manual_seed(1)).tolist()
     second = first[:shared] + [301 + i for i in range(9)]  # diverges at `shared`
@@ -174,11 +176,12 @@ def test_prefill_chunks_are_cut_at_fixed_positions(small_chunks):
 
 
 @pytest.mark.parametrize(("sizes", "group_tokens", "groups"), [
-    ([2, 4, 4, 1], None, [[2], [4], [4], [1]]),  # one chunk a call (hf, and native where GEMM rows depend on M)
+    # one chunk a call (hf, and native where GEMM rows depend on M)
+    ([2, 4, 4, 1], None, [[2], [4], [4], [1]]),
     ([2, 4, 4, 1], 8, [[2, 4], [4, 1]]),
     ([4, 4, 4], 4, [[4], [4], [4]]),
     ([4, 4, 4], 100, [[4, 4, 4]]),
-])  # fmt: skip
+])
 def test_chunk_groups_take_consecutive_chunks_up_to_a_token_count(sizes, group_tokens, groups):
     chunks = [list(range(n)) for n in sizes]
     got = backend_mod.chunk_groups(chunks, group_tokens)
@@ -220,7 +223,8 @@ def test_prefix_record_follows_rollback_reset_and_hidden_states(small_chunks, ki
 )
 def test_mark_decoded_keeps_answers_only_when_asked(small_chunks, kind, options, reuse_decoded, extra, shared,
                                                     expect_keep):
-    backend = make_backend(kind, tiny_llama(seed=0), prefix_cache="decoded" if reuse_decoded else "prompt", **options)
+    backend = make_backend(kind, tiny_llama(seed=0), prefix_cache="decoded" if reuse_decoded else "prompt",
+                           **options)
     prompt, answer = list(range(10, 20)), list(range(50, 57))
     backend.prefill(prompt)
     backend.forward(answer + [99] * extra)

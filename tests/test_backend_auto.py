@@ -29,9 +29,16 @@ def llama_dir(tmp_path_factory):
     return save_loaded(tiny_llama(seed=0), tmp_path_factory.mktemp("tiny-llama"))
 
 
-@pytest.mark.parametrize(("model_type", "expected"), [("llama", "native"), ("qwen2", "native"), ("mistral", "native"),
-                                                       ("qwen3", "native"), ("gemma3_text", "native"), ("phi3", "native"),
-                                                       ("gpt2", "hf"), ("gemma3", "hf")])
+@pytest.mark.parametrize(("model_type", "expected"), [
+    ("llama", "native"),
+    ("qwen2", "native"),
+    ("mistral", "native"),
+    ("qwen3", "native"),
+    ("gemma3_text", "native"),
+    ("phi3", "native"),
+    ("gpt2", "hf"),
+    ("gemma3", "hf"),
+])
 def test_auto_picks_by_the_directory_architecture(tmp_path, model_type, expected):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
     assert resolve_backend("auto", str(tmp_path)) == expected
@@ -39,8 +46,8 @@ def test_auto_picks_by_the_directory_architecture(tmp_path, model_type, expected
 
 def test_auto_falls_back_to_hf_for_a_feature_native_lacks(tmp_path, caplog):
     """A supported type with a rope native does not compute (phi3's longrope) runs on hf, and says why."""
-    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 16, "long_factor": [2.0] * 16,
-            "original_max_position_embeddings": 64}  # fmt: skip
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 16,
+            "long_factor": [2.0] * 16, "original_max_position_embeddings": 64}
     config = {"model_type": "phi3", "hidden_size": 128, "num_attention_heads": 4, "rope_scaling": rope}
     (tmp_path / "config.json").write_text(json.dumps(config))
     with caplog.at_level("WARNING", logger="specdec"):
@@ -63,8 +70,10 @@ def test_auto_builds_native_for_a_llama_and_hf_otherwise():
 def test_auto_is_the_command_line_default(llama_dir, tmp_path):
     parse = build_parser().parse_args
     assert engine_config(parse(["generate", "--prompt", "x", "--target", llama_dir])).backend == "native"
-    assert engine_config(parse(["generate", "--prompt", "x", "--target", llama_dir, "--backend", "hf"])).backend == "hf"
+    assert engine_config(parse(["generate", "--prompt", "x", "--target", llama_dir,
+                                "--backend", "hf"])).backend == "hf"
     config = tmp_path / "c.yaml"
     config.write_text(f"target: {llama_dir}\nbackend: hf\n")
-    assert engine_config(parse(["bench", "--config", str(config)])).backend == "hf"  # the file's choice stands
+    # the file's choice stands
+    assert engine_config(parse(["bench", "--config", str(config)])).backend == "hf"
     assert "auto" in build_parser()._subparsers._group_actions[0].choices["serve"].format_help()

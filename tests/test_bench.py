@@ -38,15 +38,16 @@ def draft():
 
 def _run(target, methods, **kw):
     runners = bench.make_engine_runners(target, methods)
-    return run_benchmark(target, QUESTIONS, runners, max_new_tokens=12, progress=False, log=lambda m: None, **kw)
+    return run_benchmark(target, QUESTIONS, runners, max_new_tokens=12, progress=False, log=lambda m: None,
+                         **kw)
 
 
 # ---- shipped set ----------------------------------------------------------------------------
 
 
 SHIPPED_CATEGORIES = (
-    "code_writing", "code_editing", "tool_calls", "agent_sessions", "tool_sessions", "translation", "summarization",
-    "rag", "math", "writing",
+    "code_writing", "code_editing", "tool_calls", "agent_sessions", "tool_sessions", "translation",
+    "summarization", "rag", "math", "writing",
 )
 
 
@@ -113,11 +114,13 @@ def test_run_matches_baseline_and_writes_every_output(target, draft, tmp_path):
     assert run.mismatches == []
     results = write_report(run, tmp_path, {"max_new_tokens": 12})
     assert results["baseline"] == "none"
-    assert set(results["methods"]) == set(methods) and set(results["peers"]) == {"hf", "hf-pld", "hf-assisted"}
+    assert (set(results["methods"]) == set(methods)
+            and set(results["peers"]) == {"hf", "hf-pld", "hf-assisted"})
     n_turns = sum(len(q.turns) for q in QUESTIONS)
     for entry in [*results["methods"].values(), *results["peers"].values()]:
         assert entry["exact_match"] == f"{n_turns}/{n_turns}"
-        for key in ("speedup", "tokens_per_second", "mean_accepted_length", "acceptance_rate", "per_category"):
+        for key in ("speedup", "tokens_per_second", "mean_accepted_length", "acceptance_rate",
+                    "per_category"):
             assert key in entry
         assert set(entry["per_category"]) == {"code_writing", "agent_sessions"}
         for cat in entry["per_category"].values():
@@ -125,7 +128,8 @@ def test_run_matches_baseline_and_writes_every_output(target, draft, tmp_path):
     self_draft = results["methods"][f"model:{target.name}:k=3:backend=hf"]
     assert self_draft["acceptance_rate"] == 1.0 and self_draft["mean_accepted_length"] > 2.0
     assert self_draft["accepted_per_pos"][0] > 0
-    assert results["methods"]["none"]["speedup"] == 1.0 and results["methods"]["none"]["mean_accepted_length"] == 1.0
+    assert (results["methods"]["none"]["speedup"] == 1.0
+            and results["methods"]["none"]["mean_accepted_length"] == 1.0)
     assert results["peers"]["hf"]["mean_accepted_length"] is None
     assert {"cpu", "cores", "torch", "transformers", "python"} <= set(results["machine"])
     on_disk = json.loads((tmp_path / "results.json").read_text())
@@ -172,7 +176,8 @@ def test_lossy_engine_is_reported_as_a_mismatch(target, draft, monkeypatch, tmp_
 
 
 def test_sampling_skips_exact_match(target):
-    runners = bench.make_engine_runners(target, ["none", "ngram"]) + make_peers(["hf"], target, target.name, [], {})
+    runners = (bench.make_engine_runners(target, ["none", "ngram"])
+               + make_peers(["hf"], target, target.name, [], {}))
     run = run_benchmark(target, QUESTIONS, runners, max_new_tokens=12, temperature=0.8, progress=False)
     assert run.mismatches == [] and not run.greedy
     results = bench.summarize(run)
@@ -200,7 +205,8 @@ def test_multi_turn_feeds_each_runners_own_answer(target):
     run = run_benchmark(target, [q], [base, other], warmup=0, progress=False, log=lambda m: None)
     assert len(base.prompts) == 3
     turn3 = tok.decode(base.prompts[2])
-    assert turn3.count("brown fox") == 2 and 'Tool result: {"a": 1}' in turn3 and turn3.endswith("<|assistant|>")
+    assert (turn3.count("brown fox") == 2 and 'Tool result: {"a": 1}' in turn3
+            and turn3.endswith("<|assistant|>"))
     assert base.prompts[1][: len(base.prompts[0])] == base.prompts[0]  # the conversation accumulates
     assert "lazy dog" in tok.decode(other.prompts[1]) and "brown fox" not in tok.decode(other.prompts[1])
     assert [m["turn"] for m in run.mismatches] == [1, 2, 3] and run.mismatches[0]["position"] == 0
@@ -212,11 +218,13 @@ SEARCH = {"type": "function", "function": {"name": "search", "parameters": {
     "type": "object", "properties": {"query": {"type": "string", "maxLength": 6}}, "required": ["query"],
     "additionalProperties": False}}}
 UNIT = {"type": "function", "function": {"name": "unit", "parameters": {
-    "type": "object", "properties": {"to": {"enum": ["c", "f"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "type": "object",
+    "properties": {"to": {"enum": ["c", "f"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
     "required": ["to"], "additionalProperties": False}}}
 SESSION_TOOLS = [SEARCH, UNIT]
 NAMED_UNIT = {"type": "function", "function": {"name": "unit"}}
-SESSION = {"question_id": "s1", "category": "tool_sessions", "system": "You act through tools.", "tools": SESSION_TOOLS,
+SESSION = {"question_id": "s1", "category": "tool_sessions", "system": "You act through tools.",
+           "tools": SESSION_TOOLS,
            "turns": [{"user": "Search the weather.", "tool_choice": "required", "result": {"temp": 21}},
                      {"tool_choice": NAMED_UNIT, "result": "21 C is 70 F"},
                      {"user": "Thanks.", "tool_choice": "auto"}]}
@@ -225,7 +233,8 @@ CALL_TEXT = '<tool_call>\n{"name": "search", "arguments": {"query": "sun"}}\n</t
 
 @pytest.fixture(scope="module")
 def long_target():
-    return tiny_llama(seed=0, max_positions=2048)  # a tool list takes hundreds of the tiny vocabulary's tokens
+    # a tool list takes hundreds of the tiny vocabulary's tokens
+    return tiny_llama(seed=0, max_positions=2048)
 
 
 def _sessions(tmp_path, *records) -> list[Question]:
@@ -248,17 +257,20 @@ class _SessionRecorder(_Recorder):
 def test_tool_session_feeds_results_back_as_tool_messages(long_target, tmp_path, grammar):
     tok = long_target.tokenizer
     runner = _SessionRecorder("base", tok.encode(CALL_TEXT, add_special_tokens=False))
-    run = run_benchmark(long_target, _sessions(tmp_path, {}), [runner], warmup=0, progress=False, grammar=grammar)
+    run = run_benchmark(long_target, _sessions(tmp_path, {}), [runner], warmup=0, progress=False,
+                        grammar=grammar)
     turn2, turn3 = (tok.decode(ids) for ids in runner.prompts[1:])
     assert turn2.count('<tool_call>\n{"name": "search", "arguments": {"query": "sun"}}\n</tool_call>') == 1
     assert '<|tool|><tool_response>\n{"name": "search", "content": {"temp": 21}}\n</tool_response>' in turn2
     assert '"content": "21 C is 70 F"' in turn3 and turn3.endswith("<|user|>Thanks.</s><|assistant|>")
     assert runner.prompts[1][: len(runner.prompts[0])] == runner.prompts[0]  # the conversation accumulates
-    assert [c is not None for c in runner.constraints] == [grammar] * 3  # auto too: a call, once opened, is forced
+    # auto too: a call, once opened, is forced
+    assert [c is not None for c in runner.constraints] == [grammar] * 3
     turns = run.records["base"][0]
     assert [t.valid_call for t in turns] == [True, False, None]  # turn 2 had to call `unit`
     assert turns[0].calls == [{"name": "search", "arguments": '{"query": "sun"}'}]
-    assert call_metrics(turns, is_method=False) == {"valid_calls": "1/2", "valid_call_rate": 0.5, "forced_share": None}
+    assert call_metrics(turns, is_method=False) == {"valid_calls": "1/2", "valid_call_rate": 0.5,
+                                                    "forced_share": None}
 
 
 @pytest.mark.parametrize(
@@ -314,8 +326,10 @@ def test_valid_calls_parse_and_follow_their_schema(calls, choice, valid):
 
 
 def test_call_metrics_pool_turns():
-    turns = [TurnRecord([1] * 10, forced=4, valid_call=True), TurnRecord([1] * 10, forced=1, valid_call=False),
-             TurnRecord([1] * 20, forced=0, valid_call=None), TurnRecord([1] * 10, forced=5, valid_call=True)]
+    turns = [TurnRecord([1] * 10, forced=4, valid_call=True),
+             TurnRecord([1] * 10, forced=1, valid_call=False),
+             TurnRecord([1] * 20, forced=0, valid_call=None),
+             TurnRecord([1] * 10, forced=5, valid_call=True)]
     assert call_metrics(turns) == {"valid_calls": "2/3", "valid_call_rate": 0.6667, "forced_share": 0.2}
     assert call_metrics(turns[2:3]) == {"valid_calls": None, "valid_call_rate": None, "forced_share": 0.0}
 
@@ -328,21 +342,24 @@ def test_tool_sessions_are_exact_under_speculation_with_and_without_grammar(long
     methods = ["none", "ngram:min=1", f"model:{long_target.name}:k=3:backend=hf"]  # on the target's backend
     for grammar in (True, False):
         runners = bench.make_engine_runners(long_target, methods)
-        run = run_benchmark(long_target, questions, runners, max_new_tokens=48, progress=False, log=lambda m: None,
-                            grammar=grammar)
+        run = run_benchmark(long_target, questions, runners, max_new_tokens=48, progress=False,
+                            log=lambda m: None, grammar=grammar)
         assert run.mismatches == []
         results = bench.summarize(run)
         entries = results["methods"]
-        assert len({e["valid_calls"] for e in entries.values()}) == 1 and entries["none"]["valid_calls"].endswith("/5")
+        assert (len({e["valid_calls"] for e in entries.values()}) == 1
+                and entries["none"]["valid_calls"].endswith("/5"))
         plain, self_draft = entries["none"], entries[methods[2]]
-        assert plain["forced_share"] == 0.0 and plain["mean_accepted_length"] == 1.0  # plain: one token a forward
+        # plain: one token a forward
+        assert plain["forced_share"] == 0.0 and plain["mean_accepted_length"] == 1.0
         assert self_draft["acceptance_rate"] > 0.5 and self_draft["mean_accepted_length"] > 2.0
         if grammar:  # the unconstrained self-draft loses the tokens the grammar cuts; forced ones are free
             assert entries["none"]["valid_calls"] == "5/5"  # the grammar forces valid calls
             assert self_draft["forced_share"] > 0.2 and entries["ngram:min=1"]["forced_share"] > 0.2
             assert self_draft["per_category"]["tool_sessions"]["valid_calls"] == "5/5"
         else:
-            assert all(e["forced_share"] == 0.0 for e in entries.values()) and self_draft["acceptance_rate"] == 1.0
+            assert (all(e["forced_share"] == 0.0 for e in entries.values())
+                    and self_draft["acceptance_rate"] == 1.0)
     table = markdown({**results, "settings": {"grammar": False}})
     assert "without their grammars" in table and "| Valid calls | Forced |" in table
 
@@ -355,7 +372,8 @@ def test_tool_sessions_are_exact_under_speculation_with_and_without_grammar(long
         ({"turns": ["hi"]}, "turns must be a non-empty list of objects"),
         ({"turns": [{"user": "hi", "tool_choice": "required", "reply": "x"}]}, "unknown key 'reply'"),
         ({"turns": [{"tool_choice": "required"}]}, "turns[0]: user must be a non-empty string"),
-        ({"turns": [{"user": "hi", "tool_choice": "sometimes"}]}, "turns[0]: tool_choice: must be none, auto"),
+        ({"turns": [{"user": "hi", "tool_choice": "sometimes"}]},
+         "turns[0]: tool_choice: must be none, auto"),
         ({"turns": [{"user": "hi", "tool_choice": {"type": "function", "function": {"name": "x"}}}]},
          "no tool is named 'x'"),
     ],

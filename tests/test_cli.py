@@ -66,7 +66,8 @@ def test_json_last_line(capsys, tmp_path):
 
 # ---- structured output and tools -------------------------------------------------------------
 
-SCHEMA = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "ok": {"type": "boolean"}},
+SCHEMA = {"type": "object",
+          "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "ok": {"type": "boolean"}},
           "required": ["unit", "ok"], "additionalProperties": False}
 SEARCH = {"type": "function", "function": {"name": "search", "parameters": {
     "type": "object", "properties": {"query": {"type": "string", "maxLength": 6}}, "required": ["query"],
@@ -74,7 +75,8 @@ SEARCH = {"type": "function", "function": {"name": "search", "parameters": {
 MESSAGES = [
     {"role": "user", "content": "Search the weather."},
     {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "search", "arguments": '{"query": "sun"}'}}]},
+        {"id": "call_1", "type": "function",
+         "function": {"name": "search", "arguments": '{"query": "sun"}'}}]},
     {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
 ]
 
@@ -105,20 +107,24 @@ def test_json_schema_constrains_the_reply(capsys, files):
                "--drafter", "ngram:min=1", "--max-new-tokens", "40", "--json", "--compare-plain"))
     data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     reply = json.loads(data["text"])
-    assert set(reply) == {"unit", "ok"} and reply["unit"] in ("celsius", "fahrenheit") and isinstance(reply["ok"], bool)
+    assert (set(reply) == {"unit", "ok"} and reply["unit"] in ("celsius", "fahrenheit")
+            and isinstance(reply["ok"], bool))
     assert data["finish_reason"] == "stop" and data["stats"]["matches_plain"] is True
     assert data["stats"]["forced_tokens"] > 0  # the keys and the rest of an enum value
 
 
 @pytest.mark.parametrize("source", [("--prompt", "Search the weather."), ("--messages", "{messages}")])
 def test_tools_print_the_calls(capsys, files, source):
-    main(_args(files, "generate", "--target", "{target}", *source, "--tools", "{tools}", "--tool-choice", "search",
-               "--no-parallel-tool-calls", "--drafter", "ngram:min=1", "--max-new-tokens", "80", "--compare-plain"))
+    main(_args(files, "generate", "--target", "{target}", *source, "--tools", "{tools}",
+               "--tool-choice", "search", "--no-parallel-tool-calls", "--drafter", "ngram:min=1",
+               "--max-new-tokens", "80", "--compare-plain"))
     lines = capsys.readouterr().out.strip().splitlines()
     call = json.loads(lines[0])
-    assert call["name"] == "search" and set(call["arguments"]) == {"query"} and len(call["arguments"]["query"]) <= 6
+    assert (call["name"] == "search" and set(call["arguments"]) == {"query"}
+            and len(call["arguments"]["query"]) <= 6)
     assert ", forced " in lines[-2] and "finish tool_calls" in lines[-2]
-    assert lines[-1].startswith("[plain decoding, one token per forward]") and lines[-1].endswith("identical output: True")
+    assert (lines[-1].startswith("[plain decoding, one token per forward]")
+            and lines[-1].endswith("identical output: True"))
 
 
 def test_tools_json_output(capsys, files):
@@ -126,7 +132,8 @@ def test_tools_json_output(capsys, files):
                "--tool-choice", "required", "--max-new-tokens", "80", "--json"))
     data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert data["finish_reason"] == "tool_calls" and data["content"] is None
-    assert [c["function"]["name"] for c in data["tool_calls"]] == ["search"] and data["stats"]["forced_tokens"] > 0
+    assert ([c["function"]["name"] for c in data["tool_calls"]] == ["search"]
+            and data["stats"]["forced_tokens"] > 0)
 
 
 @pytest.mark.parametrize(
@@ -139,7 +146,8 @@ def test_tools_json_output(capsys, files):
         (["--tool-choice", "required"], "need --tools"),
         (["--json-schema", "{badjson}"], "--json-schema {badjson}: not JSON"),
         (["--json-schema", "{badschema}"], "--json-schema {badschema}: invalid json schema"),
-        (["--json-schema", "{schema}", "--tools", "{tools}", "--tool-choice", "required"], "cannot be combined"),
+        (["--json-schema", "{schema}", "--tools", "{tools}", "--tool-choice", "required"],
+         "cannot be combined"),
         (["--messages", "{empty}"], "expected a non-empty list of chat messages"),
         (["--messages", "{messages}", "--raw"], "--raw applies to --prompt"),
         (["--messages", "{messages}", "--prompt", "hi"], "not allowed with argument"),

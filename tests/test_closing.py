@@ -77,7 +77,8 @@ def test_grammars_that_allow_free_text_have_no_closing(target):
 
 
 def test_the_row_where_the_completion_is_due_allows_only_its_next_token(target):
-    matcher = matcher_after(target, json_schema(NESTED, strict=True), '{"id": 12, "point": {"x": 3, "tags": ["a')
+    matcher = matcher_after(target, json_schema(NESTED, strict=True),
+                            '{"id": 12, "point": {"x": 3, "tags": ["a')
     completion, vocab, pending = matcher.closing(), len(target.tokenizer), [0]
     assert len(completion) > 3
     free = matcher.masks(pending, vocab, budget=len(completion) + 1)[0]
@@ -86,7 +87,8 @@ def test_the_row_where_the_completion_is_due_allows_only_its_next_token(target):
     # rows further on: row i has budget - i left; the completion's own path stays due
     rows = matcher.masks([0, *completion[:2]], vocab, budget=len(completion))
     assert [r.nonzero().flatten().tolist() for r in rows] == [[t] for t in completion[:3]]
-    assert matcher.closing_due(len(completion)) == completion and matcher.closing_due(len(completion) + 1) is None
+    assert (matcher.closing_due(len(completion)) == completion
+            and matcher.closing_due(len(completion) + 1) is None)
 
 
 @pytest.mark.parametrize(
@@ -96,11 +98,13 @@ def test_the_row_where_the_completion_is_due_allows_only_its_next_token(target):
 def test_fit_replaces_the_token_that_would_leave_no_room_to_close(target, left, how):
     """Inside the free string, a letter keeps the completion's length; with one token to spare
     it fits, with none it is replaced by the completion's next token (the closing quote)."""
-    matcher = matcher_after(target, json_schema(TOOL, strict=True), '{"name": "search", "arguments": {"query": "fox')
+    matcher = matcher_after(target, json_schema(TOOL, strict=True),
+                            '{"name": "search", "arguments": {"query": "fox')
     completion = matcher.closing()
     letters = target.tokenizer.encode(" dog", add_special_tokens=False)
     fitted, fitted_how = matcher.fit([*letters, *completion], len(completion) + left)
-    assert fitted_how == how and matcher.history[-1] == target.tokenizer.encode("fox", add_special_tokens=False)[-1]
+    assert (fitted_how == how
+            and matcher.history[-1] == target.tokenizer.encode("fox", add_special_tokens=False)[-1])
     if how is None:
         assert fitted == [*letters, *completion]
     else:
@@ -125,12 +129,14 @@ ASKS = {  # Engine.generate's arguments, the constraint they make, the schema a 
     "json_object": ({"response_format": {"type": "json_object"}}, json_object, {"type": "object"}),
     "tool": ({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False},
              lambda: tool_plan(TOOLS, "required", False).constraint(), ARGS),
-    "parallel": ({"tools": TOOLS, "tool_choice": "required"}, lambda: tool_plan(TOOLS, "required").constraint(), ARGS),
+    "parallel": ({"tools": TOOLS, "tool_choice": "required"},
+                 lambda: tool_plan(TOOLS, "required").constraint(), ARGS),
 }
 
 
 @pytest.mark.parametrize("ask", list(ASKS))
-def test_every_budget_from_the_minimum_gives_a_valid_reply_the_same_under_speculation(target, ask, monkeypatch):
+def test_every_budget_from_the_minimum_gives_a_valid_reply_the_same_under_speculation(target, ask,
+                                                                                      monkeypatch):
     """Below the closing length from the start the request is refused naming max_new_tokens
     and the minimum; from it on, every budget gives a complete, valid reply within it,
     finish_reason stop (tool_calls), token for token the same under speculation. The drafter
@@ -149,7 +155,8 @@ def test_every_budget_from_the_minimum_gives_a_valid_reply_the_same_under_specul
     calls = "tools" in kwargs
     need = len(GrammarMatcher(constraint(), target.tokenizer, target.eos_token_ids).closing())
     prompt = [{"role": "user", "content": PROMPTS[1]}]
-    plain, spec = Engine(target, "none", k=0), Engine(target, ScriptedDrafter(target.tokenizer.convert_tokens_to_ids("<|user|>")), k=4)
+    plain, spec = (Engine(target, "none", k=0),
+                   Engine(target, ScriptedDrafter(target.tokenizer.convert_tokens_to_ids("<|user|>")), k=4))
     with pytest.raises(SpecdecError, match=f"at least {need} tokens") as refused:
         plain.generate(prompt, max_new_tokens=need - 1, **kwargs)
     assert refused.value.param == "max_new_tokens"
@@ -157,7 +164,8 @@ def test_every_budget_from_the_minimum_gives_a_valid_reply_the_same_under_specul
     spec.drafter.answer = plain.generate(prompt, max_new_tokens=budgets[0], **kwargs).token_ids
     accepted = closed = 0
     for n in budgets:
-        a, b = plain.generate(prompt, max_new_tokens=n, **kwargs), spec.generate(prompt, max_new_tokens=n, **kwargs)
+        a, b = (plain.generate(prompt, max_new_tokens=n, **kwargs),
+                spec.generate(prompt, max_new_tokens=n, **kwargs))
         assert a.token_ids == b.token_ids and len(a.token_ids) <= n
         assert a.finish_reason == ("tool_calls" if calls else "stop") == b.finish_reason
         assert a.closed_by_budget == b.closed_by_budget
@@ -174,7 +182,8 @@ def test_the_closing_completion_is_forced_tokens(target):
     """At the minimum budget the whole reply is the completion from the start: every token
     but the last step's own is a forced token, drafted for free."""
     ids = target.tokenizer.encode(PROMPTS[1])
-    need = len(GrammarMatcher(json_schema(TOOL, strict=True), target.tokenizer, target.eos_token_ids).closing())
+    need = len(GrammarMatcher(json_schema(TOOL, strict=True), target.tokenizer,
+                              target.eos_token_ids).closing())
     result = Engine(target, "none", k=0).generate(ids, max_new_tokens=need, json_schema=TOOL)
     assert len(result.token_ids) == need and result.closed_by_budget and result.finish_reason == "stop"
     assert result.stats.num_forced_tokens >= need - result.stats.num_steps > 0
@@ -199,7 +208,8 @@ def test_without_closing_the_same_reply_is_cut(target, drafter, monkeypatch):
 
 def test_a_context_too_short_for_the_completion_is_refused_naming_the_prompt(target):
     engine = Engine(target, "none", k=0)
-    need = len(GrammarMatcher(json_schema(TOOL, strict=True), target.tokenizer, target.eos_token_ids).closing())
+    need = len(GrammarMatcher(json_schema(TOOL, strict=True), target.tokenizer,
+                              target.eos_token_ids).closing())
     long_prompt = list(range(10, 10 + engine.backend.max_length - need + 2))  # leaves need - 1 tokens
     with pytest.raises(SpecdecError, match=f"leaves {need - 1} tokens") as refused:
         engine.generate(long_prompt, max_new_tokens=500, json_schema=TOOL)

@@ -22,14 +22,18 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 @pytest.mark.parametrize(
     ("data", "expected"),
     [
-        ({}, {"target": "smollm2-135m", "drafter": "ngram", "k": "auto", "backend": "hf", "prefix_cache": "prompt",
-              "verify_strategy": "rejection", "draft_device": None, "backend_options": {}}),
-        ({"score_model": "t", "propose_model": "suffix", "num_propose_tokens": 4}, {"target": "t", "drafter": "suffix", "k": 4}),
-        ({"target": "t", "drafter": "ngram:min=1", "k": "3"}, {"target": "t", "drafter": "ngram:min=1", "k": 3}),
+        ({}, {"target": "smollm2-135m", "drafter": "ngram", "k": "auto", "backend": "hf",
+              "prefix_cache": "prompt", "verify_strategy": "rejection", "draft_device": None,
+              "backend_options": {}}),
+        ({"score_model": "t", "propose_model": "suffix", "num_propose_tokens": 4},
+         {"target": "t", "drafter": "suffix", "k": 4}),
+        ({"target": "t", "drafter": "ngram:min=1", "k": "3"},
+         {"target": "t", "drafter": "ngram:min=1", "k": 3}),
         ({"model": "t"}, {"target": "t"}),  # top-level `model` is the target, as in a vLLM config file
         ({"num_speculative_tokens": 5}, {"k": 5}),
         ({"propose_model": "ngram:k=8:max=4"}, {"drafter": "ngram:max=4", "k": 8}),
-        ({"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5}, {"drafter": "ngram:min=2:max=5"}),
+        ({"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5},
+         {"drafter": "ngram:min=2:max=5"}),
         ({"prompt_lookup_max": 3}, {"drafter": "ngram:max=3"}),
         ({"speculative_config": {"method": "ngram", "prompt_lookup_min": 1, "num_speculative_tokens": 4}},
          {"drafter": "ngram:min=1", "k": 4}),
@@ -41,7 +45,8 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
          {"target": "t", "drafter": "model:/d", "k": 3}),
         ({"k": 4, "num_propose_tokens": "4"}, {"k": 4}),  # the same value under two keys is fine
         ({"prefix_cache": False}, {"prefix_cache": "off"}),  # YAML reads `off` as false
-        ({"prefix_cache": "decoded", "draft_device": "cpu"}, {"prefix_cache": "decoded", "draft_device": "cpu"}),
+        ({"prefix_cache": "decoded", "draft_device": "cpu"},
+         {"prefix_cache": "decoded", "draft_device": "cpu"}),
         ({"backend": "native", "backend_options": {"precision": "fp32", "max_length": 512}},
          {"backend": "native", "backend_options": {"precision": "fp32", "max_length": 512}}),
         ({"verify_strategy": "greedy"}, {"verify_strategy": "greedy"}),
@@ -132,7 +137,8 @@ def test_cli_flags_override_the_file(tmp_path):
                                                backend_options={"precision": "fp32", "max_length": 512},
                                                prefix_cache="decoded")
     args = parse(["generate", "--prompt", "x", "--config", path, "--drafter", "ngram:k=2", "--backend", "hf",
-                  "--backend-option", "precision=bf16", "--prefix-cache", "off", "--verify-strategy", "greedy"])
+                  "--backend-option", "precision=bf16", "--prefix-cache", "off",
+                  "--verify-strategy", "greedy"])
     assert engine_config(args) == EngineConfig(target="t", drafter="ngram", k=2, backend="hf",
                                                backend_options={"precision": "bf16", "max_length": 512},
                                                prefix_cache="off", verify_strategy="greedy")
@@ -171,7 +177,8 @@ def test_missing_config_file_exits_2(capsys, tmp_path):
 def test_generate_with_a_config_file(capsys, tmp_path):
     target = save_loaded(tiny_llama(seed=0), tmp_path / "tiny")
     path = write(tmp_path, f"score_model: {target}\npropose_model: ngram:min=1\nnum_propose_tokens: 3\n")
-    argv = ["generate", "--config", path, "--prompt", "def add(a, b):", "--raw", "--max-new-tokens", "12", "--json"]
+    argv = ["generate", "--config", path, "--prompt", "def add(a, b):", "--raw", "--max-new-tokens", "12",
+            "--json"]
     main([*argv, "--compare-plain"])
     data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert data["drafter"] == "ngram:min=1" and len(data["token_ids"]) == 12
@@ -182,7 +189,8 @@ def test_generate_with_a_config_file(capsys, tmp_path):
 
 
 def test_serve_config_from_a_file(tmp_path, monkeypatch):
-    path = write(tmp_path, "score_model: t\npropose_model: suffix\nnum_propose_tokens: auto\nbackend: native\n"
+    path = write(tmp_path, "score_model: t\npropose_model: suffix\nnum_propose_tokens: auto\n"
+                           "backend: native\n"
                            "serve:\n  port: 9001\n  max_batch: 4\n  allow_drafters: ngram:min=1\n"
                            "  api_key_env: TEST_KEY\n  log_level: info\n  request_timeout: 30\n")
     monkeypatch.setenv("TEST_KEY", "secret")
@@ -214,12 +222,15 @@ def test_bad_serve_section(tmp_path, serve, needle):
 
 
 def test_deprecated_serve_names_warn_and_still_work(tmp_path):
-    path = write(tmp_path, "target: t\nbackend: native\nserve:\n  tool_parser: json\n  allow_drafter: [ngram:min=1]\n")
-    with pytest.warns(DeprecationWarning, match="serve.tool_parser is deprecated; use serve.tool_call_parser"):
+    path = write(tmp_path, "target: t\nbackend: native\n"
+                           "serve:\n  tool_parser: json\n  allow_drafter: [ngram:min=1]\n")
+    with pytest.warns(DeprecationWarning,
+                      match="serve.tool_parser is deprecated; use serve.tool_call_parser"):
         config = serve_config(build_parser().parse_args(["serve", "--config", path]))
     assert (config.tool_call_parser, config.allow_drafters) == ("json", ["ngram:min=1"])
     with pytest.warns(DeprecationWarning, match="--allow-drafter is deprecated; use --allow-drafters"):
-        args = build_parser().parse_args(["serve", "--target", "t", "--backend", "native", "--allow-drafter", "a", "--allow-drafters", "b"])
+        args = build_parser().parse_args(["serve", "--target", "t", "--backend", "native",
+                                          "--allow-drafter", "a", "--allow-drafters", "b"])
     assert serve_config(args).allow_drafters == ["a", "b"]
 
 

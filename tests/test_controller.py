@@ -170,7 +170,8 @@ def test_fixed_costs_learn_nothing_from_measured_steps():
     costs.observe(1, 50.0)  # a busy machine's step
     costs.observe_draft(4, 9.0)
     assert {n: costs.cost(n) for n in fixed} == fixed and costs.t_draft == 0.0
-    assert drive(AdaptiveK(costs=costs), 1.0, 10, t1=5.0) == drive(AdaptiveK(costs=ScoreCosts(fixed=fixed)), 1.0, 10)
+    assert (drive(AdaptiveK(costs=costs), 1.0, 10, t1=5.0)
+            == drive(AdaptiveK(costs=ScoreCosts(fixed=fixed)), 1.0, 10))
 
 
 def test_fixed_costs_from_the_environment(monkeypatch):
@@ -247,7 +248,8 @@ def test_a_bypassed_drafter_stays_bypassed_across_requests():
 @pytest.mark.parametrize(
     ("table", "k", "filled"),
     [
-        ({1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15, 5: 2.0, 6: 2.0, 7: 2.0, 8: 2.0, 9: 3.0}, 4, 7),  # rows 5-8: one block
+        # rows 5-8: one block
+        ({1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15, 5: 2.0, 6: 2.0, 7: 2.0, 8: 2.0, 9: 3.0}, 4, 7),
         ({1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15, 5: 2.0, 6: 2.0, 7: 2.0, 8: 2.0, 9: 3.0}, 3, 3),  # already full
         ({n: 1.0 + 0.5 * (n - 1) for n in range(1, 18)}, 4, 4),  # every row costs: no free fill
         ({n: 1.0 for n in range(1, 18)}, 14, 15),  # flat, but never past k_max + 1 rows

@@ -59,7 +59,8 @@ def test_draft_distillation_trains_saves_and_resumes(workspace, capsys):
     capsys.readouterr()
     report = _distill(workspace, "draft", out, "--steps", "20")  # a later run resumes
     assert "resuming from step 12 of 20" in capsys.readouterr().err
-    assert report["steps"] == 20 and len(json.loads((out / "checkpoint-draft" / "state.json").read_text())["history"]) == 20
+    assert (report["steps"] == 20
+            and len(json.loads((out / "checkpoint-draft" / "state.json").read_text())["history"]) == 20)
 
     target = load_model(workspace["target"])
     plain = Engine(target, "none", k=0).generate(PROMPT, max_new_tokens=32, chat=False)
@@ -124,7 +125,8 @@ def test_topk_kl():
 
 def test_prompt_files_and_heldout_split(tmp_path):
     good = tmp_path / "ok.jsonl"
-    good.write_text('{"turns": ["a", "b"]}\n\n{"prompt": "c"}\n{"messages": [{"role": "user", "content": "d"}]}\n')
+    good.write_text('{"turns": ["a", "b"]}\n\n{"prompt": "c"}\n'
+                    '{"messages": [{"role": "user", "content": "d"}]}\n')
     sources = load_sources(good)
     assert [s.turns for s in sources[:2]] == [["a", "b"], ["c"]] and sources[2].messages
     bad = tmp_path / "bad.jsonl"
@@ -174,7 +176,8 @@ def test_logged_tool_conversations_are_rendered_with_their_tools(tmp_path):
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city.",
                                                "parameters": {"type": "object",
                                                               "properties": {"city": {"type": "string"}}}}}]
-    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
     messages = [{"role": "user", "content": "Weather in Oslo?"},
                 {"role": "assistant", "content": None, "tool_calls": [call]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "rain"},

@@ -37,7 +37,8 @@ def fenced(path: Path, language: str) -> list[str]:
 def commands(block: str) -> list[str]:
     """The command lines of a bash block: continuations joined, comments and blank lines left out."""
     joined = re.sub(r"\\\n\s*", " ", block)
-    return [line.split(" #")[0].strip() for line in joined.splitlines() if line.strip() and not line.startswith("#")]
+    return [line.split(" #")[0].strip() for line in joined.splitlines()
+            if line.strip() and not line.startswith("#")]
 
 
 def check_command(line: str) -> None:
@@ -113,14 +114,16 @@ def test_the_site_builds_strictly(tmp_path):
     shows, a missing example or a hook failure is an error."""
     pytest.importorskip("mkdocs", reason="mkdocs is not installed: pip install 'specdec[docs]'")
     pytest.importorskip("material", reason="mkdocs-material is not installed: pip install 'specdec[docs]'")
-    run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+    run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict",
+                          "--site-dir", str(tmp_path / "site")],
                          cwd=ROOT, capture_output=True, text=True, env=_env(), timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     reference = (tmp_path / "site" / "configuration" / "index.html").read_text()
     assert "max_prefill_tokens" in reference and "verify_strategy" in reference  # generated from the code
     record = json.loads((ROOT / "docs" / "results" / "llamacpp.json").read_text())
     plain_rate = record["rows"][0][record["columns"].index("tok/s")]
-    assert plain_rate in (tmp_path / "site" / "benchmarks" / "index.html").read_text()  # rendered from a record
+    # rendered from a record
+    assert plain_rate in (tmp_path / "site" / "benchmarks" / "index.html").read_text()
 
 
 def test_the_tool_call_example_calls_a_tool_on_a_real_server(tmp_path):
@@ -129,7 +132,8 @@ def test_the_tool_call_example_calls_a_tool_on_a_real_server(tmp_path):
     model_dir = save_loaded(tiny_llama(0, max_positions=2048), tmp_path / "tiny")
     server = ServerProcess(model_dir, "--drafter", "ngram:min=1")
     try:
-        run = subprocess.run([sys.executable, str(ROOT / "examples" / "tool_call_client.py"), server.url + "/v1"],
+        run = subprocess.run([sys.executable, str(ROOT / "examples" / "tool_call_client.py"),
+                              server.url + "/v1"],
                              capture_output=True, text=True, env=_env(), timeout=300)
     finally:
         server.close()
@@ -142,8 +146,8 @@ def test_the_tool_call_example_calls_a_tool_on_a_real_server(tmp_path):
 
 @pytest.mark.slow
 def test_the_quickstart_example_runs_on_the_embedded_model():
-    run = subprocess.run([sys.executable, str(ROOT / "examples" / "quickstart.py")], capture_output=True, text=True,
-                         env=_env(), timeout=600)
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / "quickstart.py")], capture_output=True,
+                         text=True, env=_env(), timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "tokens_per_second" in run.stdout  # the stats summary
 

@@ -31,7 +31,7 @@ def _repeating_head(hidden: int) -> EagleHead:
     drafted for and accepted."""
     dims = {"hidden_size": hidden, "intermediate_size": 2 * hidden, "num_attention_heads": 4,
             "num_key_value_heads": 2, "head_dim": hidden // 4, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-            "max_position_embeddings": 2048}  # fmt: skip
+            "max_position_embeddings": 2048}
     head = EagleHead(dims).eval()
     with torch.no_grad():
         for p in head.parameters():
@@ -87,7 +87,7 @@ def test_head_rows_without_a_lookup_read_the_kernels_weights(tmp_path):
 def test_hf_and_native_feature_models_agree():
     target = tiny_llama(seed=2, hidden=64)
     native, hf = (make_backend(kind, target, precision="fp32" if kind == "native" else None).feature_model()
-                  for kind in ("native", "hf"))  # fmt: skip
+                  for kind in ("native", "hf"))
     ids = torch.tensor([5, 9, 2])
     torch.testing.assert_close(native.embed(ids), hf.embed(ids), rtol=0, atol=0)
     features = torch.randn(3, 64)

@@ -22,7 +22,8 @@ def target():
 
 def _lean(target, head: EagleHead, precision: str, backend: str = "native"):
     """The head on a backend's kernels, built through its FeatureModel as the drafter builds it."""
-    return make_backend(backend, target).feature_model().draft_head(head.state_dict(), head.dims, None, precision)
+    return make_backend(backend, target).feature_model().draft_head(head.state_dict(), head.dims, None,
+                                                                    precision)
 
 
 def _head(target, std: float = 0.05) -> EagleHead:

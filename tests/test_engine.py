@@ -197,7 +197,8 @@ def test_chat_prompt_uses_the_template(target):
 
 def test_sampling_is_seeded_and_perfect_drafts_are_all_accepted(target):
     engine = Engine(target=target, drafter=perfect_drafter(target), k=4)
-    runs = [engine.generate(PROMPTS[0], max_new_tokens=30, temperature=0.8, seed=3, chat=False) for _ in range(2)]
+    runs = [engine.generate(PROMPTS[0], max_new_tokens=30, temperature=0.8, seed=3, chat=False)
+            for _ in range(2)]
     assert runs[0].token_ids == runs[1].token_ids
     # draft probs equal target probs, so min(1, target/draft) = 1 (up to float rounding)
     assert runs[0].stats.acceptance_rate > 0.95
@@ -265,7 +266,8 @@ def test_multi_turn_prompts_reuse_the_cached_prefix_and_stay_exact(target, draft
     """A conversation resent with one more turn prefills only the new part, and its output
     equals a cold start's (each turn checked against transformers' greedy decoding)."""
     monkeypatch.setattr(backend_mod, "PREFILL_CHUNK", 4)
-    engine = Engine(target, drafter=drafter if drafter == "none" else "ngram:min=1", k=0 if drafter == "none" else 4)
+    engine = Engine(target, drafter=drafter if drafter == "none" else "ngram:min=1",
+                    k=0 if drafter == "none" else 4)
     prompt = target.tokenizer.encode(PROMPTS[1])
     cached = []
     for _ in range(3):
@@ -295,7 +297,8 @@ def _conversation(engine, target, turns=3, max_new=16):
     [("native", "ngram:min=1", 4), ("native", "suffix:tree=1", 6), ("hf", "ngram:min=1", 4)],
     ids=["native-ngram", "native-suffix-tree", "hf-ngram"],
 )
-def test_decoded_prefix_cache_reuses_answers_and_speculation_stays_exact(target, backend, drafter, k, monkeypatch):
+def test_decoded_prefix_cache_reuses_answers_and_speculation_stays_exact(target, backend, drafter, k,
+                                                                         monkeypatch):
     """--prefix-cache decoded: the next turn keeps the previous answer's keys as decoding
     wrote them. Plain and speculative decoding, each through its own conversation, agree
     token for token, and they keep more than prompt-only caching does."""

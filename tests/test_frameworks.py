@@ -67,7 +67,8 @@ SYSTEM = {"role": "system", "content": "You record weather reports."}
 # One worked example each: SmolLM2-135M calls a tool under `auto` (instructor's PARALLEL_TOOLS
 # sends it) only after it has seen a call, and writes the asked-for JSON after one example.
 CALLS_SHOT = [SYSTEM, {"role": "user", "content": "Berlin is 18 C and Oslo is 9 C."},
-              {"role": "assistant", "content": None, "tool_calls": [_call(1, "Berlin", 18), _call(2, "Oslo", 9)]},
+              {"role": "assistant", "content": None,
+               "tool_calls": [_call(1, "Berlin", 18), _call(2, "Oslo", 9)]},
               {"role": "user", "content": "Paris is 21 C and Rome is 25 C."}]
 JSON_SHOT = [SYSTEM, {"role": "user", "content": "Berlin is 18 C."},
              {"role": "assistant", "content": '{"city": "Berlin", "temperature_c": 18}'},
@@ -143,11 +144,12 @@ def agents_model(request, base_url):
     agents = pytest.importorskip("agents")
     agents.set_tracing_disabled(True)
     if request.param == "responses":
-        probe = httpx.post(base_url + "/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 1},
-                           timeout=120)
+        probe = httpx.post(base_url + "/responses",
+                           json={"model": MODEL, "input": "Hi", "max_output_tokens": 1}, timeout=120)
         if probe.status_code == 404:
             pytest.skip("POST /v1/responses answers 404: this server does not serve the Responses API yet")
-    model_class = {"chat": agents.OpenAIChatCompletionsModel, "responses": agents.OpenAIResponsesModel}[request.param]
+    model_class = {"chat": agents.OpenAIChatCompletionsModel,
+                   "responses": agents.OpenAIResponsesModel}[request.param]
 
     def make():
         from openai import AsyncOpenAI
@@ -166,7 +168,8 @@ def test_agents_tool_loop_calls_the_tool_and_answers(agents_model):
 
     async def run():
         agent = Agent(name="weather", instructions="Use the tool, then answer in one sentence.",
-                      model=agents_model(), tools=[function_tool(weather_tool(seen))], model_settings=settings)
+                      model=agents_model(), tools=[function_tool(weather_tool(seen))],
+                      model_settings=settings)
         return await Runner.run(agent, "What is the weather in Paris?", max_turns=6)
 
     result = asyncio.run(run())
@@ -201,7 +204,8 @@ def test_agents_structured_output_type_is_parsed(agents_model):
 
     async def run():
         agent = Agent(name="extract", instructions="Extract the weather report.", model=agents_model(),
-                      output_type=Weather, model_settings=ModelSettings(max_tokens=STRUCTURED_TOKENS, temperature=0))
+                      output_type=Weather,
+                      model_settings=ModelSettings(max_tokens=STRUCTURED_TOKENS, temperature=0))
         return await Runner.run(agent, "Paris is 21 C.")
 
     assert isinstance(asyncio.run(run()).final_output, Weather)
@@ -309,8 +313,10 @@ def test_langchain_bind_tools_round_trip(chat_openai):
     question = HumanMessage("What is the weather in Paris?")
     call_reply = chat_openai.bind_tools([get_weather], tool_choice="get_weather").invoke([question])
     assert call_reply.tool_calls and all(c["name"] == "get_weather" for c in call_reply.tool_calls)
-    results = [ToolMessage(get_weather.invoke(c["args"]), tool_call_id=c["id"]) for c in call_reply.tool_calls]
-    answer = chat_openai.bind_tools([get_weather], tool_choice="none").invoke([question, call_reply, *results])
+    results = [ToolMessage(get_weather.invoke(c["args"]), tool_call_id=c["id"])
+               for c in call_reply.tool_calls]
+    answer = chat_openai.bind_tools([get_weather], tool_choice="none").invoke([question, call_reply,
+                                                                               *results])
     assert seen and not answer.tool_calls and isinstance(answer.content, str) and answer.content
 
 
@@ -329,7 +335,8 @@ def litellm_call(base_url):
     litellm = pytest.importorskip("litellm")
 
     def call(**kw):
-        return litellm.completion(model=f"openai/{MODEL}", api_base=base_url, api_key=KEY, temperature=0, **kw)
+        return litellm.completion(model=f"openai/{MODEL}", api_base=base_url, api_key=KEY, temperature=0,
+                                  **kw)
 
     return call
 
@@ -342,7 +349,8 @@ def test_litellm_tool_call_and_json_schema(litellm_call):
                          tool_choice="required", parallel_tool_calls=False, max_tokens=200)
     assert reply.choices[0].finish_reason == "tool_calls"
     (call,) = reply.choices[0].message.tool_calls
-    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)
+    assert (call.function.name == "get_weather"
+            and isinstance(json.loads(call.function.arguments)["city"], str))
     reply = litellm_call(messages=JSON_SHOT, response_format=Weather, max_tokens=STRUCTURED_TOKENS)
     assert Weather.model_validate_json(reply.choices[0].message.content)
 

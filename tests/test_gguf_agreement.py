@@ -21,7 +21,7 @@ _spec.loader.exec_module(script)
     ([False, True], 0),
     ([True, True, False, False], 2),
     ([], 0),
-])  # fmt: skip
+])
 def test_first_difference(hits, expected):
     assert script.first_difference(torch.tensor(hits, dtype=torch.bool)) == expected
 
@@ -48,7 +48,8 @@ def test_tally_counts_agreement_near_ties_and_match_length():
     assert s["near_tie_share"] == 0.5
     assert tally.reference_self == 8
     assert tally.match_lengths == [2, 4] and s["match_length_median"] == 3
-    assert [(m["prompt"], m["pos"], m["llama"], m["specdec"]) for m in tally.misses] == [(7, 2, 3, 4), (7, 3, 4, 0)]
+    assert ([(m["prompt"], m["pos"], m["llama"], m["specdec"]) for m in tally.misses]
+            == [(7, 2, 3, 4), (7, 3, 4, 0)])
     assert s["mean_kl"] > 0
 
 

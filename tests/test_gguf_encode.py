@@ -79,7 +79,8 @@ def canonical_q6(rng, blocks: int) -> np.ndarray:
     q = q.reshape(blocks, 2, 4, 32)
     ql = ((q[:, :, 0:2] & 0x0F) | ((q[:, :, 2:4] & 0x0F) << 4)).reshape(blocks, 128)
     high = q >> 4
-    qh = (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)).reshape(blocks, 64)
+    qh = (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4)
+          | (high[:, :, 3] << 6)).reshape(blocks, 64)
     return np.concatenate([ql, qh, sc.view(np.uint8), d[:, None].view(np.uint8)], axis=1)
 
 
@@ -115,7 +116,8 @@ def test_synthetic_qwen2_script_writes_a_q4_k_m_mix(tmp_path):
     from gguf import GGUFReader
 
     spec = importlib.util.spec_from_file_location(
-        "synthetic_qwen2_gguf", Path(__file__).parent.parent / "scripts" / "bench" / "synthetic_qwen2_gguf.py")
+        "synthetic_qwen2_gguf",
+        Path(__file__).parent.parent / "scripts" / "bench" / "synthetic_qwen2_gguf.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     out = tmp_path / "tiny.gguf"

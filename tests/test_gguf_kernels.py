@@ -34,7 +34,8 @@ PATHS = ("forward", "prompt_forward", "tile_forward")  # decode, prompt chunks, 
 Q4 = ("Q4_0", "Q4_1", "Q4_K")
 # (type, bound): "exact" = the file's weights and fp32 activations, equal up to fp32 reduction
 # order; "bf16" = bf16 scales (int4 kernel) or bf16 activations: a bound on top-1 and KL.
-KINDS = [("F32", "exact"), ("F16", "exact"), ("BF16", "bf16"), ("Q4_0", "bf16"), ("Q4_1", "bf16"), ("Q4_K", "bf16")]
+KINDS = [("F32", "exact"), ("F16", "exact"), ("BF16", "bf16"), ("Q4_0", "bf16"), ("Q4_1", "bf16"),
+         ("Q4_K", "bf16")]
 SCALE_RANGES = {  # fp16 fields: (offset in block, low, high)
     "Q4_0": [(0, 0.002, 0.02)],
     "Q4_1": [(0, 0.002, 0.02), (2, -0.15, 0.0)],
@@ -48,7 +49,8 @@ def random_tensor(kind: str, n: int, k: int, seed: int = 0, name: str = "blk.0.w
     rng = np.random.default_rng(seed)
     qtype = GGMLQuantizationType[kind]
     if kind in FLOATS:
-        return QuantTensor(name, qtype, (n, k), quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, qtype))
+        return QuantTensor(name, qtype, (n, k),
+                           quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, qtype))
     block, width = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (n, k // block, width), dtype=np.uint8)
     for offset, low, high in SCALE_RANGES[kind]:
@@ -149,7 +151,8 @@ def test_prompt_tiles_decode_the_same_on_numba_and_pytorch(kind):
 
 
 def test_prompts_take_the_tiles_only_where_bf16_is_native_and_rows_independent(monkeypatch):
-    layer, x = Int4BlockLinear.from_blocks("Q4_1", random_tensor("Q4_1", 64, 512).data, 512), activations(3, 512)
+    layer, x = (Int4BlockLinear.from_blocks("Q4_1", random_tensor("Q4_1", 64, 512).data, 512),
+                activations(3, 512))
     for tiles, expected in ((True, layer.tile_forward(x)), (False, layer.forward(x))):
         monkeypatch.setattr(int4_blocks, "prompt_tiles", lambda tiles=tiles: tiles)
         assert torch.equal(layer.prompt_forward(x), expected)
@@ -191,7 +194,8 @@ def test_a_rows_bits_do_not_depend_on_the_thread_count(kind):
 
 @pytest.mark.parametrize("kind", ["Q2_K", "IQ4_XS", "Q3_K"])
 def test_an_unsupported_type_is_one_line_naming_type_and_tensor(kind):
-    tensor = QuantTensor("blk.4.ffn_down.weight", GGMLQuantizationType[kind], (32, 256), np.zeros((32, 8), np.uint8))
+    tensor = QuantTensor("blk.4.ffn_down.weight", GGMLQuantizationType[kind], (32, 256),
+                         np.zeros((32, 8), np.uint8))
     for build in (linear_from_quant, embedding_from_quant, lambda t: linear_from_quant([t])):
         with pytest.raises(SpecdecError) as e:
             build(tensor)
@@ -217,7 +221,8 @@ def test_a_layer_holds_no_dense_copy(kind):
     tensor = random_tensor(kind, 1024, 4096)
     raw = tensor.data.nbytes
     # (ONNX Runtime keeps Q4_0's blocks inside its session: 4 bits and an fp32 scale per 32)
-    for layer in (Int4BlockLinear.from_blocks(kind, tensor.data, 4096), ExactQ4Linear(kind, tensor.data, 4096)):
+    for layer in (Int4BlockLinear.from_blocks(kind, tensor.data, 4096),
+                  ExactQ4Linear(kind, tensor.data, 4096)):
         held = _buffer_bytes(layer)
         assert held <= 1.5 * raw, (type(layer).__name__, held, raw)  # dense bf16 would be 14x Q4_K's bytes
 
@@ -234,7 +239,7 @@ def test_float_layers_share_the_files_memory_or_keep_its_precision(kind):
 
 def test_fusion_concatenates_rows_into_one_kernel():
     parts = [random_tensor("Q4_K", n, 512, seed=i, name=f"blk.0.attn_{p}.weight")
-             for i, (n, p) in enumerate([(128, "q"), (64, "k"), (64, "v")])]  # fmt: skip
+             for i, (n, p) in enumerate([(128, "q"), (64, "k"), (64, "v")])]
     biases = [torch.randn(128), None, torch.randn(64)]
     fused = linear_from_quant(parts, biases)
     assert isinstance(fused, FusedLinear) and fused.fused is not None
@@ -247,7 +252,7 @@ def test_fusion_concatenates_rows_into_one_kernel():
 
 def test_mixed_types_fall_back_to_separate_parts():
     parts = [random_tensor("Q4_K", 128, 512, name="q"), random_tensor("Q4_0", 64, 512, name="k"),
-             random_tensor("F16", 64, 512, name="v")]  # fmt: skip
+             random_tensor("F16", 64, 512, name="v")]
     fused = linear_from_quant(parts, [None, None, None])
     assert fused.fused is None and len(fused.parts) == 3
     x = activations(3, 512)
@@ -277,10 +282,12 @@ def test_prompt_view_runs_the_prompt_kernels_on_the_same_buffers():
 def test_embedding_rows_equal_the_reference_rows(kind):
     tensor = random_tensor(kind, 300, 256) if kind != "Q8_0" else QuantTensor(
         "token_embd.weight", GGMLQuantizationType.Q8_0, (300, 256),
-        quantize(np.random.default_rng(0).standard_normal((300, 256)).astype(np.float32), GGMLQuantizationType.Q8_0))
+        quantize(np.random.default_rng(0).standard_normal((300, 256)).astype(np.float32),
+                 GGMLQuantizationType.Q8_0))
     ids = torch.tensor([5, 0, 299, 5, 17])
     rows = embedding_from_quant(tensor)(ids)
-    assert rows.dtype == torch.float32 and torch.equal(rows, torch.from_numpy(tensor.dequantize()[ids.numpy()]))
+    assert (rows.dtype == torch.float32
+            and torch.equal(rows, torch.from_numpy(tensor.dequantize()[ids.numpy()])))
 
 
 def test_the_fallbacks_are_exact_and_dispatched(monkeypatch):
@@ -291,7 +298,8 @@ def test_the_fallbacks_are_exact_and_dispatched(monkeypatch):
     monkeypatch.delenv("SPECDEC_CPU_KERNELS")
     layer = Int4BlockLinear.from_blocks("Q4_K", tensor.data, 512)  # the int4 kernel (Q4_K's without numba)
     x = activations(40, 512)
-    monkeypatch.setattr(int4_blocks, "packed_layout_known", lambda: False)  # another packing: the kernel itself
+    # another packing: the kernel itself
+    monkeypatch.setattr(int4_blocks, "packed_layout_known", lambda: False)
     assert torch.equal(layer.tile_forward(x), layer.forward(x))
 
 
@@ -299,7 +307,7 @@ def test_the_fallbacks_are_exact_and_dispatched(monkeypatch):
 def test_vectors_become_fp32_exactly(kind):
     values = np.random.default_rng(3).standard_normal(64).astype(np.float32)
     tensor = QuantTensor("blk.0.attn_norm.weight", GGMLQuantizationType[kind], (64,),
-                         quantize(values[None], GGMLQuantizationType[kind])[0])  # fmt: skip
+                         quantize(values[None], GGMLQuantizationType[kind])[0])
     vector = vector_from_quant(tensor)
     assert vector.dtype == torch.float32 and torch.equal(vector, torch.from_numpy(tensor.dequantize()))
 
@@ -333,14 +341,15 @@ def test_a_native_model_runs_on_the_gguf_layers_with_speculation_exact():
 
     loaded = tiny_llama(hidden=256)
     kinds = {"q_proj": "Q4_0", "k_proj": "Q4_0", "v_proj": "Q4_1", "o_proj": "Q4_1", "gate_proj": "Q4_0",
-             "up_proj": "Q4_0", "down_proj": "Q4_1", "lm_head": "F16"}  # fmt: skip
+             "up_proj": "Q4_0", "down_proj": "Q4_1", "lm_head": "F16"}
     layers, floats = _gguf_state(loaded.model.state_dict(), kinds)
     config = NativeConfig.from_hf(loaded.model.config)
     model, reference = NativeModel(config, layers, "int4"), NativeModel(config, floats, "fp32")
     ids = list(range(3, 43))
 
     fused = NativeModel(config, layers, "int4")  # q|k|v and gate|up each one kernel call
-    fused.layers = [_fused_layer(config, loaded.model.state_dict(), i, kinds) for i in range(config.num_layers)]
+    fused.layers = [_fused_layer(config, loaded.model.state_dict(), i, kinds)
+                    for i in range(config.num_layers)]
 
     def logits(m: NativeModel, chunks: list[int]) -> torch.Tensor:
         seq, out, at = m.new_pool(max_length=64).new_sequence(), [], 0
@@ -372,4 +381,4 @@ def _fused_layer(config, state: dict, i: int, kinds: dict):
     return DecoderLayer(config, state[p + "input_layernorm.weight"].float(), qkv,
                         linear_from_quant(quant("o_proj", "self_attn")),
                         state[p + "post_attention_layernorm.weight"].float(), gate_up,
-                        linear_from_quant(quant("down_proj", "mlp")))  # fmt: skip
+                        linear_from_quant(quant("down_proj", "mlp")))

@@ -88,7 +88,8 @@ def test_decoded_integers_are_the_reference_weights(qtype):
         np.testing.assert_array_equal(tile_weights(layer.tiles, qtype, *tensor.shape), tensor.dequantize())
         return
     w, lo, hi, offset = int8_reference.decode_integers(qtype, layer.raw, layer.scales)
-    lanes = np.concatenate([np.repeat(lo[..., None], 16, -1), np.repeat(hi[..., None], 16, -1)], -1)  # [N, B, 32]
+    lanes = np.concatenate([np.repeat(lo[..., None], 16, -1), np.repeat(hi[..., None], 16, -1)],
+                           -1)  # [N, B, 32]
     weights = lanes * w if offset is None else lanes * w - offset[..., None]
     np.testing.assert_array_equal(weights.reshape(tensor.shape), tensor.dequantize())
 
@@ -139,7 +140,8 @@ def test_logits_keep_top1_and_kl(qtype, kernel):
     x = activations(16, 256, seed=5) * 0.1  # logits of std ~4, as a language model's
     got, want = k8.BlockLinear8(tensor, kernel=kernel)(x), ReferenceLinear(tensor)(x)
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 15 / 16
-    kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True, reduction="batchmean")
+    kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True,
+                                    reduction="batchmean")
     assert kl.item() < (1e-3 if act_block(qtype) == 32 else 5e-3)  # one scale per 256 is coarser
 
 
@@ -242,7 +244,8 @@ def test_keeps_the_file_bytes_without_a_dense_copy(qtype):
         assert layer.raw is None and layer.nbytes() == tensor.data.nbytes
     else:
         assert np.shares_memory(layer.raw, tensor.data)
-        assert layer.nbytes() <= SCALE_SHARE[qtype] * tensor.data.nbytes  # fp32 copies of the fp16 scales only
+        # fp32 copies of the fp16 scales only
+        assert layer.nbytes() <= SCALE_SHARE[qtype] * tensor.data.nbytes
     assert layer.out_features == 64 and layer.act_dtype == torch.float32
 
 
@@ -272,8 +275,9 @@ def test_fallback_is_forced_by_the_environment(monkeypatch):
 @pytest.mark.parametrize("n, k", [(16, 32), (70, 288), (5, 512)])
 def test_tiles_hold_the_blocks_of_16_rows(monkeypatch, qtype, n, k):
     """Tile t, block b, vector v, lane r: row 16 t + r's qs[4 v .. 4 v + 3] (nibbles, or Q8_0's
-    int8); for Q5 a vector of the rows' fifth bits; then the rows' d (and m); rows past N zero. Unpacking gives the
-    file's weights back. Repacked two tiles at a time here, so the parts' seams are crossed."""
+    int8); for Q5 a vector of the rows' fifth bits; then the rows' d (and m); rows past N zero.
+    Unpacking gives the file's weights back. Repacked two tiles at a time here, so the parts' seams
+    are crossed."""
     tensor, qt = make_tensor(qtype, n=n, k=k), quant_type(qtype)
     monkeypatch.setattr(tiles16, "REPACK_TILES", 2)
     tiles = repack(tensor.data, qt, n, k)
@@ -281,7 +285,8 @@ def test_tiles_hold_the_blocks_of_16_rows(monkeypatch, qtype, n, k):
     assert tiles.shape == (-(-n // 16), k // 32 * width) and not tiles.flags.writeable
     blocks = np.asarray(tensor.data).reshape(n, k // 32, file_width)
     first, qs_at = tiles[0, :width], file_width - qt.qs_bytes
-    assert bytes(first[64 + 4 * 3 : 64 + 4 * 3 + 4]) == bytes(blocks[3, 0, qs_at + 4 : qs_at + 8])  # v 1, lane 3
+    # v 1, lane 3
+    assert bytes(first[64 + 4 * 3 : 64 + 4 * 3 + 4]) == bytes(blocks[3, 0, qs_at + 4 : qs_at + 8])
     at = fields_at(qt)
     assert bytes(first[at + 2 * 2 : at + 2 * 3]) == bytes(blocks[2, 0, :2])  # row 2's d
     if qt.high_bits:  # lane 1 of the fifth bits: bit g of byte c is element 4 g + c's
@@ -356,10 +361,12 @@ def test_mixed_8bit_types_share_one_quantization_of_the_input(types, shared, ker
     included), at one row (decode) and at several. Blocks of 32 beside super-blocks of 256
     read two activation formats: separate parts."""
     monkeypatch.setattr("specdec.backends.native.kernels.int8_blocks.kernel_name", lambda: kernel)
-    parts = [make_tensor(t, n, 512, seed=i) for i, (t, n) in enumerate(zip(types, (96, 64, 32)[: len(types)], strict=True))]
+    parts = [make_tensor(t, n, 512, seed=i)
+             for i, (t, n) in enumerate(zip(types, (96, 64, 32)[: len(types)], strict=True))]
     biases = [torch.randn(96), None, torch.randn(32)][: len(parts)]
     fused = linear_from_quant(parts, biases)
-    assert (fused.fused is not None) == shared and isinstance(getattr(fused.fused, "layer", None), k8.MixedBlockLinear8) == shared
+    assert ((fused.fused is not None) == shared
+            and isinstance(getattr(fused.fused, "layer", None), k8.MixedBlockLinear8) == shared)
     for m in (1, 5):
         x = activations(m, 512)
         alone = [linear_from_quant(t, b)(x) for t, b in zip(parts, biases, strict=True)]

@@ -48,7 +48,8 @@ INT8_ACT_TOP1_MIN, INT8_ACT_KL_MAX, Q8_K_ACT_KL_MAX = 0.85, 0.03, 0.06
 def _bounds(qtype: str) -> tuple[float, float]:
     if qtype in ("Q6_K", "Q5_K"):
         return INT8_ACT_TOP1_MIN, Q8_K_ACT_KL_MAX
-    return (INT8_ACT_TOP1_MIN, INT8_ACT_KL_MAX) if runs_int8_activations(quant_type(qtype)) else (TOP1_MIN, KL_MAX)
+    return ((INT8_ACT_TOP1_MIN, INT8_ACT_KL_MAX) if runs_int8_activations(quant_type(qtype))
+            else (TOP1_MIN, KL_MAX))
 
 
 def _write(tmp_path_factory, arch: str, qtype: str, **changes) -> tuple[Path, dict]:
@@ -68,7 +69,8 @@ def _needs_native(arch: str) -> None:
 
 def _kl_top1(reference: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
     lp, lq = reference.double().log_softmax(-1), got.double().log_softmax(-1)
-    return float((lp.exp() * (lp - lq)).sum(-1).mean()), float((reference.argmax(-1) == got.argmax(-1)).double().mean())
+    return (float((lp.exp() * (lp - lq)).sum(-1).mean()),
+            float((reference.argmax(-1) == got.argmax(-1)).double().mean()))
 
 
 def _transformers_logits(path: Path, tokens: list[int], inv_freq: torch.Tensor | None = None) -> torch.Tensor:
@@ -76,8 +78,10 @@ def _transformers_logits(path: Path, tokens: list[int], inv_freq: torch.Tensor |
 
     from specdec.backends.hf import HFBackend
 
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    if inv_freq is not None:  # transformers' GGUF loader does not read rope_freqs: give it the same frequencies
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 dtype=torch.float32).eval()
+    # transformers' GGUF loader does not read rope_freqs: give it the same frequencies
+    if inv_freq is not None:
         model.model.rotary_emb.inv_freq = inv_freq.float()
         model.model.rotary_emb.original_inv_freq = inv_freq.float()
     return HFBackend(model).prefill(tokens)
@@ -98,7 +102,8 @@ def test_reader_tensors_and_config_match_the_file(tmp_path_factory, arch, qtype)
     assert set(model.tensors) == set(weights)
     for name, expected in weights.items():  # q/k rows of llama files are back in transformers' layout
         tensor = model.tensors[name]
-        if len(tensor.shape) == 2 and name != "model.embed_tokens.weight" and not name.endswith("norm.weight"):
+        if (len(tensor.shape) == 2 and name != "model.embed_tokens.weight"
+                and not name.endswith("norm.weight")):
             assert tensor.qtype.name == qtype, name  # kept in the file's type
         np.testing.assert_array_equal(tensor.dequantize(), expected, err_msg=name)
     spec, config = spec_for(arch, qtype), model.config
@@ -112,7 +117,8 @@ def test_reader_tensors_and_config_match_the_file(tmp_path_factory, arch, qtype)
         assert config["sandwich_norms"] and config["activation"] == "gelu_tanh"
         assert config["embedding_scale"] == pytest.approx(16.0) and config["attention_scale"] == 256**-0.5
     elif spec.window:
-        assert config["layer_types"] == ("sliding_attention",) * spec.layers and config["sliding_window"] == spec.window
+        assert (config["layer_types"] == ("sliding_attention",) * spec.layers
+                and config["sliding_window"] == spec.window)
     else:
         assert "layer_types" not in config
 
@@ -135,7 +141,8 @@ def test_unsupported_types_and_architectures_are_named(tmp_path_factory, monkeyp
     path, _ = _write(tmp_path_factory, "llama", "Q8_0")
     only_f32 = {ggml: qt for ggml, qt in quant_types.BY_GGML.items() if qt.name == "F32"}
     monkeypatch.setattr(quant_types, "BY_GGML", only_f32)  # a table without Q8_0
-    with pytest.raises(SpecdecError, match=r"tensor '[\w.]+' has GGUF type Q8_0, which the native backend does not read"):
+    with pytest.raises(SpecdecError, match=r"tensor '[\w.]+' has GGUF type Q8_0, "
+                                           r"which the native backend does not read"):
         read_gguf(path)
     bad = path.with_name("bad.gguf")
     bad.write_bytes(b"GGUF" + bytes(20))
@@ -149,7 +156,7 @@ def test_llama3_rope_freqs_give_transformers_llama3_frequencies(tmp_path_factory
 
     path, _ = _write(tmp_path_factory, "llama", "F32", llama3_rope=True)
     rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
     config = LlamaConfig(hidden_size=256, num_attention_heads=4, head_dim=64, rope_parameters=rope)
     expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config, torch.device("cpu"))
     got = torch.tensor(read_gguf(path).rope_inv_freq)
@@ -204,7 +211,8 @@ def test_prompt_groups_give_the_bits_of_one_pass_per_chunk(tmp_path_factory, qty
     path, _ = _write(tmp_path_factory, "llama", qtype)
     model = NativeModel.from_gguf(path)
     if model.prompt_group_tokens is None:
-        pytest.skip("this CPU's prompt GEMM gives a row different bits in different row counts: one chunk a forward")
+        pytest.skip("this CPU's prompt GEMM gives a row different bits in different row counts: "
+                    "one chunk a forward")
     tokens = [int(t) for t in np.random.default_rng(1).integers(3, VOCAB, length)]
 
     def prefill(group_tokens: int, keep_from: list[int] | None = None):
@@ -216,7 +224,8 @@ def test_prompt_groups_give_the_bits_of_one_pass_per_chunk(tmp_path_factory, qty
             seq.prefill(keep_from)
             keep = 128
         logits = seq.prefill(tokens, keep=keep)
-        return logits, torch.stack([k[seq.slot, ..., : len(tokens)] for k in pool.k])  # [layers, kv_heads, dim, T]
+        return logits, torch.stack([k[seq.slot, ..., : len(tokens)]
+                                    for k in pool.k])  # [layers, kv_heads, dim, T]
 
     grouped, cache = prefill(512)
     for group_tokens, keep_from in ((128, None), (256, None), (512, tokens[:200])):
@@ -252,12 +261,19 @@ def test_a_short_chunk_takes_the_decode_kernels_and_a_warm_prefill_keeps_its_bit
     assert torch.equal(warm, cold[128:])
 
 
-@pytest.mark.parametrize(("arch", "qtype", "whole_layer"),
-                         [("gemma3", "Q8_0", True), ("gemma3", "Q4_K", True), ("qwen2", "Q8_0", True), ("qwen3", "Q5_1", True),
-                          ("mistral", "Q6_K", True), ("phi3", "Q5_K", True), ("llama", "Q4_0", True),
-                          ("llama", "Q4_K", True), ("llama", "F16", False)])  # fmt: skip
-def test_a_lone_chain_row_runs_in_one_call_with_the_bits_of_a_batch(tmp_path_factory, arch, qtype, whole_layer,
-                                                                    monkeypatch):  # fmt: skip
+@pytest.mark.parametrize(("arch", "qtype", "whole_layer"), [
+    ("gemma3", "Q8_0", True),
+    ("gemma3", "Q4_K", True),
+    ("qwen2", "Q8_0", True),
+    ("qwen3", "Q5_1", True),
+    ("mistral", "Q6_K", True),
+    ("phi3", "Q5_K", True),
+    ("llama", "Q4_0", True),
+    ("llama", "Q4_K", True),
+    ("llama", "F16", False),
+])
+def test_a_lone_chain_row_runs_in_one_call_with_the_bits_of_a_batch(tmp_path_factory, arch, qtype,
+                                                                    whole_layer, monkeypatch):
     """A forward of one chain row takes one numba call: the whole layer where every linear is
     a numba 8-bit kernel (model/one_call.py: gemma3's q/k norms, sublayer output norms, GELU and
     sliding windows, a qkv bias (qwen2), q/k norms (qwen3), a window (mistral), phi3's fused
@@ -293,10 +309,12 @@ def test_a_lone_chain_row_runs_in_one_call_with_the_bits_of_a_batch(tmp_path_fac
     a.rollback(30)
     batched = [pool.forward_batch([a, b], [chunk, TOKENS[:1]])[0] for chunk in (TOKENS[30:31], TOKENS[31:35])]
     assert not calls
-    assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(alone, per_layer, batched, strict=True))
+    assert all(torch.equal(x, y) and torch.equal(x, z)
+               for x, y, z in zip(alone, per_layer, batched, strict=True))
 
 
-def test_prompts_take_one_chunk_a_forward_where_the_gemm_rows_are_not_independent(tmp_path_factory, monkeypatch):
+def test_prompts_take_one_chunk_a_forward_where_the_gemm_rows_are_not_independent(tmp_path_factory,
+                                                                                  monkeypatch):
     path, _ = _write(tmp_path_factory, "llama", "Q4_0")
     monkeypatch.setattr(native_model, "gemm_rows_independent", lambda dtype, k, n: False)
     assert NativeModel.from_gguf(path).prompt_group_tokens is None
@@ -343,7 +361,8 @@ def test_an_ort8_head_speculates_exactly(tmp_path_factory, smollm2_tokenizer):
     path, _ = _write(tmp_path_factory, "llama", "Q8_0")
     target = LoadedModel(path.name, tokenizer=smollm2_tokenizer, gguf_path=path)
     assert _exact(target, f"model:{path.name}", {"lm_head": "ort8"}) > 0
-    assert isinstance(make_backend("native", target, lm_head="ort8").pool.model.lm_head.layer, OrtBlockLinear8)
+    assert isinstance(make_backend("native", target, lm_head="ort8").pool.model.lm_head.layer,
+                      OrtBlockLinear8)
 
 
 def test_a_bf16_kv_cache_is_exact_too(tmp_path_factory, smollm2_tokenizer):
@@ -355,7 +374,8 @@ def test_a_bf16_kv_cache_is_exact_too(tmp_path_factory, smollm2_tokenizer):
         make_backend("native", target, kv_dtype="int3")
 
 
-def test_a_draft_file_drafts_for_a_target_file_on_the_native_path(tmp_path_factory, smollm2_tokenizer, monkeypatch):
+def test_a_draft_file_drafts_for_a_target_file_on_the_native_path(tmp_path_factory, smollm2_tokenizer,
+                                                                  monkeypatch):
     """Two files, one model: the target at Q8_0, its Q4_0 sibling as the draft (model:FILE)."""
     target_path, _ = _write(tmp_path_factory, "llama", "Q8_0")
     draft_path, _ = _write(tmp_path_factory, "llama", "Q4_0")
@@ -380,7 +400,7 @@ def test_load_model_reads_the_tokenizer_and_facts_without_weights(tmp_path_facto
     assert loaded.model_type == "qwen2" and loaded.vocab_size == 49152 and loaded.max_length == 2048
     assert loaded.eos_token_ids == {2, 0}  # the file's eos (<|im_end|>) and qwen's <|endoftext|>
     text = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                                add_generation_prompt=True)  # fmt: skip
+                                                add_generation_prompt=True)
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert loaded.tokenizer.encode("Hello world") == load_tokenizer("smollm2-135m").encode("Hello world")
     make_backend("native", loaded).prefill([1, 2, 3])

@@ -45,8 +45,10 @@ def test_memory_after_load_is_bounded_by_the_file(tmp_path_factory):
     path, _ = _write(tmp_path_factory, "llama", "Q4_0", vocab=None, hidden=512, ffn=1536, layers=6)
     model = NativeModel.from_gguf(path)
     if isinstance(model.layers[0].o, ReferenceLinear):
-        pytest.skip("linear_from_quant still returns the dense reference layer (the per-type kernels come separately)")
-    out = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(path)], capture_output=True, text=True, check=True)
+        pytest.skip("linear_from_quant still returns the dense reference layer "
+                    "(the per-type kernels come separately)")
+    out = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(path)], capture_output=True, text=True,
+                         check=True)
     report = json.loads(out.stdout)
     assert report["delta"] <= 1.3 * path.stat().st_size + report["kv"] + 40e6, report
 

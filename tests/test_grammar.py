@@ -49,7 +49,8 @@ ROWS = {  # an array of objects: keys repeat, so drafters that copy the context 
             "maxItems": 6,
             "items": {
                 "type": "object",
-                "properties": {"name": {"type": "string", "enum": ["a", "fox", "dog"]}, "value": {"type": "integer"}},
+                "properties": {"name": {"type": "string", "enum": ["a", "fox", "dog"]},
+                               "value": {"type": "integer"}},
                 "required": ["name", "value"],
                 "additionalProperties": False,
             },
@@ -58,9 +59,11 @@ ROWS = {  # an array of objects: keys repeat, so drafters that copy the context 
     "required": ["items"],
     "additionalProperties": False,
 }
-ENUMS = {"type": "array", "items": {"type": "string", "enum": ["search", "weather in Paris", "quick brown fox"]}}
+ENUMS = {"type": "array",
+         "items": {"type": "string", "enum": ["search", "weather in Paris", "quick brown fox"]}}
 SCHEMAS = {"tool": TOOL, "rows": ROWS, "enums": ENUMS}
-PROMPTS = ['{"name": "search", "arguments": {"query": "weather in Paris"}}', "The quick brown fox", "| name | value |"]
+PROMPTS = ['{"name": "search", "arguments": {"query": "weather in Paris"}}', "The quick brown fox",
+           "| name | value |"]
 MAX_NEW = 48
 
 
@@ -91,7 +94,8 @@ def plain_constrained(target, prompt_ids, schema, max_new_tokens=MAX_NEW):
                 break
             token = fitted[0]
             out.append(token)
-            if token in target.eos_token_ids or matcher.advance([token]) is not None:  # EOS, or the grammar stopped
+            # EOS, or the grammar stopped
+            if token in target.eos_token_ids or matcher.advance([token]) is not None:
                 break
             ids = torch.tensor([[token]])
     _PLAIN[key] = out
@@ -158,7 +162,8 @@ def test_greedy_constrained_speculation_equals_plain_constrained_decoding(target
             # each step emits its accepted and forced tokens plus one, but where the grammar stops
             steps_sum = stats.num_accepted_tokens + stats.num_forced_tokens + stats.num_steps
             assert steps_sum - (result.finish_reason == "stop") <= stats.num_emitted_tokens <= steps_sum
-            drafted, accepted, forced = (drafted + stats.num_draft_tokens, accepted + stats.num_accepted_tokens,
+            drafted, accepted, forced = (drafted + stats.num_draft_tokens,
+                                         accepted + stats.num_accepted_tokens,
                                          forced + stats.num_forced_tokens)
     assert forced > 0, "no forced tokens on schemas with fixed keys"
     if drafter == "none":
@@ -208,7 +213,8 @@ def test_matcher_holds_exactly_the_emitted_tokens_after_each_step(target, drafte
     drafted = accepted = 0
     for prompt in PROMPTS:
         matcher = GrammarMatcher(json_schema(TOOL), tok, engine.eos_token_ids)
-        job = Prepared(Request(prompt, sampling=SamplingParams(temperature), seed=1), tok.encode(prompt), 60, matcher)
+        job = Prepared(Request(prompt, sampling=SamplingParams(temperature), seed=1), tok.encode(prompt), 60,
+                       matcher)
         seq = Sequence(engine.backend, engine.drafter, job, 4, Runtime(tok, engine.eos_token_ids))
         seq.start()
         while (tokens := seq.plan()) is not None:
@@ -239,7 +245,8 @@ def _constrained_first_token(matcher, target_logits, draft_probs, params, gen):
     scored = target_logits[: len(planned.tokens) + 1]  # [1 + accepted drafts, V]
     logits = matcher.mask_logits(scored, [0, *planned.tokens])
     tokens, probs = planned.for_verification()
-    result = verify_sampling(torch.tensor(tokens, dtype=torch.long), probs, logits_to_probs(logits, params), gen)
+    result = verify_sampling(torch.tensor(tokens, dtype=torch.long), probs, logits_to_probs(logits, params),
+                             gen)
     return result.emitted(tokens)[0]
 
 
@@ -294,7 +301,8 @@ def test_sampling_under_a_grammar_matches_the_constrained_target(target, monkeyp
 
 def test_sampling_with_a_grammar_is_seeded_and_valid(target):
     engine = Engine(target, _model_drafter(target, seed=7), k=4)
-    runs = [engine.generate(PROMPTS[0], max_new_tokens=80, temperature=0.9, seed=s, json_schema=TOOL, chat=False)
+    runs = [engine.generate(PROMPTS[0], max_new_tokens=80, temperature=0.9, seed=s, json_schema=TOOL,
+                            chat=False)
             for s in (5, 5, 6)]
     assert runs[0].token_ids == runs[1].token_ids
     for run in runs:
@@ -319,7 +327,8 @@ def test_masks_cover_padding_rows_and_eos(target):
     assert matcher.history == [] and matcher.valid_prefix([*ids, eos, *ids]) == len(ids) + 1
     assert matcher.advance(tok.encode("fox")) is None and matcher.history == tok.encode("fox")
     matcher = GrammarMatcher(grammar('start: "fox" | "fox dog"'), tok, {eos})
-    assert matcher.advance([*tok.encode("fox dog"), eos]) == len(tok.encode("fox dog"))  # stopped: EOS dropped
+    # stopped: EOS dropped
+    assert matcher.advance([*tok.encode("fox dog"), eos]) == len(tok.encode("fox dog"))
     assert matcher.is_stopped and matcher.masks([0], vocab)[0].nonzero().flatten().tolist() == [eos]
 
 
@@ -344,7 +353,8 @@ def test_valid_prefix_table(target, draft, valid):
         {"json_schema": {"type": "foo"}},
         {"json_schema": {"type": "string", "pattern": "("}},  # llguidance's message spans lines
         {"json_schema": {"not": {"type": "string"}}},  # unsupported keyword, strict
-        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}, "strict": True}}},
+        {"response_format": {"type": "json_schema",
+                             "json_schema": {"name": "x", "schema": {"not": {}}, "strict": True}}},
         {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
         {"response_format": {"type": "xml"}},
         {"response_format": "json"},
@@ -365,11 +375,13 @@ def test_response_format_shapes(target):
     lenient = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}, "type": "object"}}}
     assert constraint_from_response_format(lenient).name == "x"  # not strict: unsupported keywords ignored
     engine = Engine(target, "ngram:min=1", k=4)
-    result = engine.generate(PROMPTS[1], max_new_tokens=60, response_format={"type": "json_object"}, chat=False)
+    result = engine.generate(PROMPTS[1], max_new_tokens=60, response_format={"type": "json_object"},
+                             chat=False)
     assert result.text.startswith("{")
     if result.finish_reason == "stop":
         assert isinstance(json.loads(result.text), dict)
-    regex = engine.generate(PROMPTS[1], max_new_tokens=20, response_format={"type": "regex", "regex": "(yes|no)"})
+    regex = engine.generate(PROMPTS[1], max_new_tokens=20,
+                            response_format={"type": "regex", "regex": "(yes|no)"})
     assert regex.text in ("yes", "no") and regex.finish_reason == "stop"
 
 

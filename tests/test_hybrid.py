@@ -69,9 +69,13 @@ def test_factory_parses_children_and_rejects_bad_specs(target):
     assert isinstance(ngram, NgramDrafter) and ngram.max_n == 4
     # its suffix child keeps its own global store, not the one of a standalone `suffix:depth=16`
     assert suffix.store is not make_drafter("suffix:depth=16", target).store
-    for bad, match in [("hybrid", "two or more"), ("hybrid:suffix", "two or more"), ("hybrid:suffix+", "two or more"),
-                       ("hybrid:suffix+colour", "unknown drafter"), ("hybrid:suffix+ngram:min_len=x", "min_len"),
-                       ("hybrid:suffix+hybrid:ngram+none", "another hybrid"), ("hybrid:suffix+ngram:min_len=0", "min_len")]:  # fmt: skip
+    for bad, match in [("hybrid", "two or more"),
+                       ("hybrid:suffix", "two or more"),
+                       ("hybrid:suffix+", "two or more"),
+                       ("hybrid:suffix+colour", "unknown drafter"),
+                       ("hybrid:suffix+ngram:min_len=x", "min_len"),
+                       ("hybrid:suffix+hybrid:ngram+none", "another hybrid"),
+                       ("hybrid:suffix+ngram:min_len=0", "min_len")]:
         with pytest.raises(SpecdecError, match=match):
             make_drafter(bad, target)
 

@@ -27,7 +27,8 @@ def target():
 
 def _lean(target, head: EagleHead, precision: str, backend: str = "native"):
     """The head on a backend's kernels, built through its FeatureModel as the drafter builds it."""
-    return make_backend(backend, target).feature_model().draft_head(head.state_dict(), head.dims, None, precision)
+    return make_backend(backend, target).feature_model().draft_head(head.state_dict(), head.dims, None,
+                                                                    precision)
 
 
 def _plain(target, n=40):
@@ -68,7 +69,8 @@ def test_greedy_output_matches_plain(target, layers):
 
 def test_sampling_returns_the_draft_distributions(target):
     drafter = LayerSkipDrafter(LayerStack(target.model, [0, 3]), target.eos_token_ids)
-    out = Engine(target, drafter, k=3).generate(PROMPT, max_new_tokens=20, chat=False, temperature=1.0, seed=0)
+    out = Engine(target, drafter, k=3).generate(PROMPT, max_new_tokens=20, chat=False, temperature=1.0,
+                                                seed=0)
     assert len(out.token_ids) == 20 and out.stats.num_draft_tokens > 0
 
 
@@ -117,7 +119,8 @@ def test_search_cli_writes_a_loadable_choice(target, tmp_path):
     assert saved["num_layers"] == 4 and saved["layers"] and saved["search"]["calibration_positions"] > 0
     drafter = make_drafter(f"layerskip:{out}", target)
     plain = _plain(target, 24)
-    assert Engine(target, drafter, k=3).generate(PROMPT, max_new_tokens=24, chat=False).token_ids == plain.token_ids
+    assert (Engine(target, drafter, k=3).generate(PROMPT, max_new_tokens=24, chat=False).token_ids
+            == plain.token_ids)
 
 
 def test_untrained_eagle_head_is_lossless(target):
@@ -151,7 +154,7 @@ def test_lean_head_follows_the_trained_module(target, precision, atol, backend):
     with torch.no_grad():
         want = head(feats[None], embeds[None], torch.full((50, 50), float("-inf")).triu(1)[None, None])[0]
     got = torch.cat([lean.forward(feats[:40], embeds[:40], 0), lean.forward(feats[40:41], embeds[40:41], 40),
-                     lean.forward(feats[41:44], embeds[41:44], 41)])  # fmt: skip
+                     lean.forward(feats[41:44], embeds[41:44], 41)])
     torch.testing.assert_close(got, want[:44], atol=atol, rtol=0)
     lean.forward(torch.randn(2, 64), torch.randn(2, 64), 44)  # guesses, then rolled back over
     again = lean.forward(feats[44:50], embeds[44:50], 44)

@@ -48,7 +48,8 @@ ALLOWED_LATE_IMPORTS: dict[tuple[str, str], str] = {
         "jit.layer needs numba (the cpu extra) and compiles its kernels on first use"
     ),
     ("specdec.backends.native.kernels.numba_ops", "specdec.backends.native.kernels.jit.attention"): (
-        "jit.attention needs numba (the cpu extra) and compiles its kernels, loaded on a cache's first kernel call"
+        "jit.attention needs numba (the cpu extra) and compiles its kernels, "
+        "loaded on a cache's first kernel call"
     ),
     ("specdec.backends.native.kernels.numba_ops", "specdec.backends.native.kernels.jit.norms"): (
         "jit.norms needs numba (the cpu extra) and compiles its kernels on a layer's first call"
@@ -176,8 +177,10 @@ def test_no_package_cycle():
 
 def test_package_graph_catches_a_planted_cycle():
     # train -> drafters -> train, through modules that are not each other's
-    graph = {"specdec.train.cli": {"specdec.drafters.retrieval"}, "specdec.drafters.retrieval": {"specdec.errors"},
-             "specdec.drafters.common": {"specdec.train.data"}, "specdec.train.data": set(), "specdec.errors": set()}
+    graph = {"specdec.train.cli": {"specdec.drafters.retrieval"},
+             "specdec.drafters.retrieval": {"specdec.errors"},
+             "specdec.drafters.common": {"specdec.train.data"}, "specdec.train.data": set(),
+             "specdec.errors": set()}
     assert find_cycle(graph) is None
     assert find_cycle(package_graph(graph)) == ["specdec.drafters", "specdec.train", "specdec.drafters"]
 
@@ -201,7 +204,8 @@ def test_dynamic_imports_only_where_allowed():
                 used.add(name)
             else:
                 found.append(f"{path.relative_to(SRC)}:{line}")
-    assert not found, "import specdec modules with import statements (or allowlist with a reason):\n" + "\n".join(found)
+    assert not found, ("import specdec modules with import statements (or allowlist with a reason):\n"
+                       + "\n".join(found))
     assert used == set(ALLOWED_DYNAMIC_IMPORTS), f"stale entries: {set(ALLOWED_DYNAMIC_IMPORTS) - used}"
 
 
@@ -262,7 +266,8 @@ def test_no_function_level_imports_of_the_package():
                 else:
                     found.append(f"{path.relative_to(SRC)}:{node.lineno} imports {target}")
     assert not found, "import these at module level (or allowlist with a reason):\n" + "\n".join(found)
-    assert not set(ALLOWED_LATE_IMPORTS) - used, f"stale allowlist entries: {set(ALLOWED_LATE_IMPORTS) - used}"
+    assert not set(ALLOWED_LATE_IMPORTS) - used, (
+        f"stale allowlist entries: {set(ALLOWED_LATE_IMPORTS) - used}")
 
 
 def test_allowlist_gives_reasons():

@@ -15,10 +15,11 @@ def test_loadbench_runs_every_configuration_and_checks_greedy_replies(tmp_path, 
     loadbench.main([
         "--target", str(model_dir), "--drafter", "ngram:min=1", "--concurrency", "1,2", "--sessions", "3",
         "--turns", "2", "--max-tokens", "12", "--out", str(out),
-    ])  # fmt: skip
+    ])
     summary = json.loads(out.read_text())
     rows = summary["results"]
-    assert [(r["speculation"], r["concurrency"]) for r in rows] == [(True, 1), (True, 2), (False, 1), (False, 2)]
+    assert ([(r["speculation"], r["concurrency"]) for r in rows]
+            == [(True, 1), (True, 2), (False, 1), (False, 2)])
     assert all(r["requests"] == 6 and r["tokens"] > 0 for r in rows)
     assert all(r["exact_match"] == "6/6" for r in rows)  # nothing lost or mixed between requests
     assert rows[0]["tau"] is not None and rows[2]["tau"] == 1.0

@@ -11,7 +11,8 @@ from conftest import tiny_llama
 from specdec import Engine, SpecdecError
 from specdec.logprobs import MIN_LOGPROB, token_logprobs
 
-PROMPTS = ["def add(a, b):\n    return a + b\ndef add(a, b):", "The quick brown fox jumps over the lazy dog. The quick"]
+PROMPTS = ["def add(a, b):\n    return a + b\ndef add(a, b):",
+           "The quick brown fox jumps over the lazy dog. The quick"]
 SCHEMA = {
     "type": "object",
     "properties": {"name": {"type": "string", "enum": ["search", "weather"]}, "query": {"type": "string"}},
@@ -35,7 +36,8 @@ def reference(target, prompt_ids: list[int], token_ids: list[int]) -> torch.Tens
 
 def values(result) -> tuple[list[float], list[list[int]], list[list[float]]]:
     lps = result.logprobs
-    return [e.logprob for e in lps], [[i for i, _ in e.top] for e in lps], [[v for _, v in e.top] for e in lps]
+    return ([e.logprob for e in lps], [[i for i, _ in e.top] for e in lps],
+            [[v for _, v in e.top] for e in lps])
 
 
 @pytest.mark.parametrize(
@@ -80,7 +82,8 @@ def test_sampled_logprobs_are_the_targets_raw_distribution(target):
         result = spec.generate(ids, max_new_tokens=32, temperature=0.7, top_k=20, seed=3, logprobs=2)
         ref = reference(target, ids, result.token_ids)
         picked = ref.gather(-1, torch.tensor(result.token_ids).unsqueeze(-1)).squeeze(-1)
-        torch.testing.assert_close(torch.tensor([e.logprob for e in result.logprobs]), picked, atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor([e.logprob for e in result.logprobs]), picked, atol=1e-4,
+                                   rtol=0)
         torch.testing.assert_close(torch.tensor([[v for _, v in e.top] for e in result.logprobs]),
                                    ref.topk(2, -1).values, atol=1e-4, rtol=0)
 
@@ -107,7 +110,8 @@ def test_constrained_logprobs_follow_the_mask_and_match_plain(target):
     plain = Engine(target, "none", k=0).generate(ids, max_new_tokens=40, json_schema=SCHEMA, logprobs=3)
     spec = Engine(target, "ngram:min=1", k=4).generate(ids, max_new_tokens=40, json_schema=SCHEMA, logprobs=3)
     assert spec.token_ids == plain.token_ids and spec.stats.num_forced_tokens > 0
-    torch.testing.assert_close(torch.tensor(values(spec)[0]), torch.tensor(values(plain)[0]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.tensor(values(spec)[0]), torch.tensor(values(plain)[0]), atol=1e-5,
+                               rtol=0)
     assert sum(e.logprob == 0.0 for e in spec.logprobs) >= spec.stats.num_forced_tokens
     assert any(len(e.top) < 3 for e in spec.logprobs)  # rows with fewer allowed tokens list only those
     assert all(v > MIN_LOGPROB for e in spec.logprobs for _, v in e.top)

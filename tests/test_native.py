@@ -50,7 +50,8 @@ def test_logits_match_transformers(target, prefix, chunks):
     torch.testing.assert_close(native.prefill(tokens[:prefix]), hf.prefill(tokens[:prefix]), **TOL)
     at = prefix
     for size in chunks:
-        torch.testing.assert_close(native.forward(tokens[at : at + size]), hf.forward(tokens[at : at + size]), **TOL)
+        torch.testing.assert_close(native.forward(tokens[at : at + size]), hf.forward(tokens[at : at + size]),
+                                   **TOL)
         at += size
     assert native.length == hf.length == at
 
@@ -62,11 +63,12 @@ def test_other_llama_family_models_match_transformers(kind):
     import transformers
 
     common = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}  # fmt: skip
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
     if kind == "qwen2":
         config, cls = transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
     else:
-        config, cls = transformers.MistralConfig(**common, sliding_window=128), transformers.MistralForCausalLM
+        config, cls = (transformers.MistralConfig(**common, sliding_window=128),
+                       transformers.MistralForCausalLM)
     torch.manual_seed(0)
     hf_model = cls(config).eval()
     if kind == "qwen2":
@@ -96,7 +98,7 @@ def test_forward_after_rollback_equals_fresh_forward(model, prefix, junk, keep):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a GPU"))])  # fmt: skip
+    not torch.cuda.is_available(), reason="needs a GPU"))])
 def test_explicit_device_matches_transformers(target, device):
     tokens = random_tokens(10, seed=3)
     native = make_backend("native", target, device=device, precision="fp32")
@@ -127,13 +129,15 @@ def test_batched_forward_matches_one_by_one(model):
 
 
 @pytest.mark.parametrize("precision", ["int4", "fp32"])
-@pytest.mark.parametrize("unscored", [[[0], [1, 2], []], [[0], [0], [0, 1, 2, 3]]], ids=["some", "whole-sequences"])
+@pytest.mark.parametrize("unscored", [[[0], [1, 2], []], [[0], [0], [0, 1, 2, 3]]],
+                         ids=["some", "whole-sequences"])
 def test_unscored_rows_skip_the_lm_head_and_leave_the_others_as_they_were(target, precision, unscored):
     """forward_batch's `unscored` rows (a grammar allows one token there) come back as zeros;
     every other row has the bits of a forward that scored them all. An fp32 head's GEMM rounds
     a row by the rows around it, so there every row is scored."""
     model = NativeModel.from_hf(target.model, precision)
-    prefixes, steps = [random_tokens(n, seed=n) for n in (3, 5, 2)], [random_tokens(n, seed=70 + n) for n in (1, 3, 4)]
+    prefixes, steps = ([random_tokens(n, seed=n) for n in (3, 5, 2)],
+                       [random_tokens(n, seed=70 + n) for n in (1, 3, 4)])
     pool = model.new_pool(slots=3, max_length=32)
     seqs = [pool.new_sequence() for _ in prefixes]
     pool.forward_batch(seqs, prefixes)
@@ -268,7 +272,12 @@ def test_prompts_run_dense_and_never_share_a_pass_with_steps(target):
 # ---- quantization ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("precision", "bound"), [("bf16", 0.02), ("fp16", 0.002), ("int8", 0.05), ("int4", 0.3)])
+@pytest.mark.parametrize(("precision", "bound"), [
+    ("bf16", 0.02),
+    ("fp16", 0.002),
+    ("int8", 0.05),
+    ("int4", 0.3),
+])
 def test_quantized_backends_track_fp32(target, precision, bound):
     tokens = random_tokens(24, seed=9)
     full = make_backend("native", target, precision="fp32").prefill(tokens)
@@ -296,7 +305,7 @@ def write_tiny_gguf(loaded, path, quantized: bool) -> None:
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
              "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
-             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}  # fmt: skip
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
     for key, value in loaded.model.state_dict().items():
         w = value.detach().numpy()
         parts = key.split(".")
@@ -306,11 +315,12 @@ def write_tiny_gguf(loaded, path, quantized: bool) -> None:
             if heads:
                 w = w.reshape(heads, 2, w.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(w.shape)
         else:
-            name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                    "lm_head.weight": "output.weight"}[key]  # fmt: skip
+            name = {"model.embed_tokens.weight": "token_embd.weight",
+                    "model.norm.weight": "output_norm.weight",
+                    "lm_head.weight": "output.weight"}[key]
         if quantized and name.startswith("blk.") and w.ndim == 2:
             writer.add_tensor(name, gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1),
-                              raw_dtype=gguf.GGMLQuantizationType.Q4_1)  # fmt: skip
+                              raw_dtype=gguf.GGMLQuantizationType.Q4_1)
         else:
             writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
     writer.write_header_to_file()
@@ -323,7 +333,8 @@ def test_gguf_matches_the_transformers_gguf_loader(target, tmp_path):
     from transformers import AutoModelForCausalLM
 
     write_tiny_gguf(target, tmp_path / "tiny.gguf", quantized=True)
-    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf",
+                                                     dtype=torch.float32)
     tokens = random_tokens(16, seed=11)
     expected = HFBackend(reference).prefill(tokens)
     native = NativeModel.from_gguf(tmp_path / "tiny.gguf", "fp32").new_pool().new_sequence()
@@ -351,7 +362,7 @@ def test_safetensors_directory_matches(target, tmp_path):
     ({"colour": "red"}, "unknown native backend option"),
     ({"max_length": 10_000}, "max_length must be"),
     ({"slots": 0}, "at least one slot"),
-])  # fmt: skip
+])
 def test_bad_options_are_specdec_errors(target, options, match):
     with pytest.raises(SpecdecError, match=match):
         make_backend("native", target, **options)
@@ -382,7 +393,8 @@ def test_context_overflow_is_refused(model):
 
 @pytest.mark.slow
 def test_real_model_native_greedy_equals_transformers(smollm2):
-    native = Engine(target=smollm2, drafter="ngram", k=4, backend="native", backend_options={"precision": "fp32"})
+    native = Engine(target=smollm2, drafter="ngram", k=4, backend="native",
+                    backend_options={"precision": "fp32"})
     hf = Engine(target=smollm2, drafter="none", backend="hf")
     accepted = 0
     for prompt in ["List three uses of a hash map.", "Write a Python function that reverses a string."]:

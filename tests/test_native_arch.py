@@ -24,9 +24,10 @@ from specdec.models import LoadedModel
 WINDOW = 8
 COMMON = {"vocab_size": 400, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
-          "initializer_range": 0.15, "bos_token_id": 0, "eos_token_id": 1}  # fmt: skip  # large enough that attention is far from uniform
+          # large enough that attention is far from uniform
+          "initializer_range": 0.15, "bos_token_id": 0, "eos_token_id": 1}
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}  # fmt: skip
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 
 
 def _config(kind: str):
@@ -45,9 +46,11 @@ def _config(kind: str):
     if kind == "gemma3":
         return t.Gemma3TextConfig(**COMMON, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
                                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-                                  rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                                                   "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}},
-                                  final_logit_softcapping=6.0)  # fmt: skip
+                                  rope_parameters={"full_attention": {"rope_type": "default",
+                                                                      "rope_theta": 10000.0},
+                                                   "sliding_attention": {"rope_type": "default",
+                                                                         "rope_theta": 50.0}},
+                                  final_logit_softcapping=6.0)
     if kind == "phi3":
         return t.Phi3Config(**COMMON, pad_token_id=0)
     raise ValueError(kind)
@@ -129,15 +132,18 @@ def _wrong(kind: str) -> list[tuple[str, NativeModel]]:
     if cfg.sliding_window is not None:
         out.append(("no window", NativeModel(dataclasses.replace(cfg, sliding_window=None), state)))
     if cfg.rope_local_theta is not None:
-        out.append(("global rope base on local layers", NativeModel(dataclasses.replace(cfg, rope_local_theta=None), state)))
+        out.append(("global rope base on local layers",
+                    NativeModel(dataclasses.replace(cfg, rope_local_theta=None), state)))
     if cfg.rope_inv_freq is not None:
         out.append(("unscaled rope", NativeModel(dataclasses.replace(cfg, rope_inv_freq=None), state)))
     if kind == "gemma3":
         out.append(("norms without 1 +", NativeModel(cfg, model.state_dict())))
-        out.append(("default attention scale", NativeModel(dataclasses.replace(cfg, attention_scale=None), state)))
+        out.append(("default attention scale",
+                    NativeModel(dataclasses.replace(cfg, attention_scale=None), state)))
         out.append(("no embedding scale", NativeModel(dataclasses.replace(cfg, embedding_scale=1.0), state)))
     if cfg.qk_norm:
-        flat = {**state, **{n: torch.ones_like(v) for n, v in state.items() if n.endswith(("q_norm.weight", "k_norm.weight"))}}
+        flat = {**state, **{n: torch.ones_like(v) for n, v in state.items()
+                            if n.endswith(("q_norm.weight", "k_norm.weight"))}}
         out.append(("q/k norm weights ignored", NativeModel(cfg, flat)))
     return out
 
@@ -195,11 +201,13 @@ def _loaded(kind: str) -> LoadedModel:
     return LoadedModel(name=f"tiny-{kind}", model=hf_model(kind), tokenizer=tok)
 
 
-PROMPTS = ["def add(a, b): return a + b\ndef sub(a, b):", "The quick brown fox jumps over the lazy dog. The quick"]
+PROMPTS = ["def add(a, b): return a + b\ndef sub(a, b):",
+           "The quick brown fox jumps over the lazy dog. The quick"]
 
 
 @pytest.mark.parametrize("path", ["kernel", pytest.param("fallback", marks=pytest.mark.slow)])
-@pytest.mark.parametrize(("kind", "drafter"), [(kind, ("ngram:min=1", "suffix")[i % 2]) for i, kind in enumerate(ARCHS)])
+@pytest.mark.parametrize(("kind", "drafter"),
+                         [(kind, ("ngram:min=1", "suffix")[i % 2]) for i, kind in enumerate(ARCHS)])
 def test_speculation_reproduces_plain_greedy(kind, drafter, path, monkeypatch):
     """Over int4 (row-wise kernels, batch-invariant attention) speculation is lossless, bit for
     bit, with contexts well past the window (the PyTorch fallback's attention, slower: slow)."""
@@ -257,14 +265,15 @@ def test_from_pretrained_reads_a_saved_directory(tmp_path):
     ids = tokens(30, seed=8)
     expected = native_logits(NativeModel.from_hf(model), ids)
     # the same values; fp32 GEMMs over other allocations may round the last bits apart
-    torch.testing.assert_close(native_logits(NativeModel.from_pretrained(tmp_path), ids), expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(native_logits(NativeModel.from_pretrained(tmp_path), ids), expected, rtol=0,
+                               atol=1e-5)
 
 
 def test_unsupported_features_are_refused_by_name():
     import transformers as t
 
-    longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
-                "original_max_position_embeddings": 64}  # fmt: skip
+    longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+                "long_factor": [2.0] * 8, "original_max_position_embeddings": 64}
     cases = [
         (t.Phi3Config(**COMMON, rope_parameters=longrope), "longrope"),
         (t.Phi3Config(**COMMON, partial_rotary_factor=0.5), "partial_rotary_factor"),
@@ -321,7 +330,8 @@ def test_an_embedding_lookup_object_and_a_given_tied_head(kind):
     state = hf_state(right.config.model_type, model.state_dict())
     embed = state["model.embed_tokens.weight"]
     ids = tokens(30, seed=9)
-    lookup = NativeModel(right.config, {**state, "model.embed_tokens.weight": _Lookup(embed), "lm_head.weight": embed})
+    lookup = NativeModel(right.config, {**state, "model.embed_tokens.weight": _Lookup(embed),
+                                        "lm_head.weight": embed})
     assert torch.equal(native_logits(lookup, ids), native_logits(right, ids))
     untied = {n: v for n, v in state.items() if n != "lm_head.weight"}
     with pytest.raises(SpecdecError, match="lm_head.weight"):

@@ -59,7 +59,8 @@ def test_numba_rms_norm_matches_torch_and_is_row_invariant(hidden):
     # within one bf16 step of the fp32 norm (the two sum the squares in different orders)
     torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=1e-6)
     assert not torch.equal(got.float(), (want * 1.02).to(torch.bfloat16).float())  # a wrong scale fails
-    assert all(torch.equal(numba_ops.rms_norm_bf16(x[i : i + 1].clone(), weight, 1e-5)[0], got[i]) for i in range(9))
+    assert all(torch.equal(numba_ops.rms_norm_bf16(x[i : i + 1].clone(), weight, 1e-5)[0], got[i])
+               for i in range(9))
     x[0, 0] = float("nan")
     assert numba_ops.rms_norm_bf16(x[:1].clone(), weight, 1e-5).isnan().all()
 
@@ -93,7 +94,8 @@ def test_numba_fp32_norm_tracks_torch_and_is_row_invariant(hidden):
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # the squares summed in another order
     assert not torch.allclose(got, want * 1.001, rtol=1e-5, atol=1e-6)  # a wrong scale fails
-    assert all(torch.equal(numba_ops.rms_norm_f32(x[i : i + 1].clone(), weight, 1e-6)[0], got[i]) for i in range(9))
+    assert all(torch.equal(numba_ops.rms_norm_f32(x[i : i + 1].clone(), weight, 1e-6)[0], got[i])
+               for i in range(9))
 
 
 @pytest.mark.parametrize("normed", [True, False])
@@ -113,16 +115,18 @@ def test_numba_split_norm_rotate_tracks_the_pytorch_ops(normed):
     qk = qkv[:, : (heads + kv_heads) * dim].view(n, heads + kv_heads, dim)
     if normed:
         qk = torch.cat([F.rms_norm(qk[:, :heads], (dim,), norms[0], 1e-6),
-                        F.rms_norm(qk[:, heads:], (dim,), norms[1], 1e-6)], dim=1)  # fmt: skip
+                        F.rms_norm(qk[:, heads:], (dim,), norms[1], 1e-6)], dim=1)
     want = rope(qk, cos, sin)
-    check = torch.testing.assert_close if normed else lambda a, b: torch.equal(a, b) or pytest.fail("bits differ")
+    check = (torch.testing.assert_close if normed
+             else lambda a, b: torch.equal(a, b) or pytest.fail("bits differ"))
     check(q, want[:, :heads])
     check(k, want[:, heads:])
     assert torch.equal(v, qkv[:, (heads + kv_heads) * dim :].view(n, kv_heads, dim))
     if normed:  # the k weights, not the q weights, scale the k heads
         swapped = numba_ops.split_norm_rotate(qkv, cos, sin, heads, kv_heads, norms[::-1], 1e-6)[1]
         assert not torch.allclose(swapped, want[:, heads:])
-    one = numba_ops.split_norm_rotate(qkv[2:3].clone(), cos[2:3].clone(), sin[2:3].clone(), heads, kv_heads, norms, 1e-6)
+    one = numba_ops.split_norm_rotate(qkv[2:3].clone(), cos[2:3].clone(), sin[2:3].clone(), heads, kv_heads,
+                                      norms, 1e-6)
     assert torch.equal(one[0][0], q[2]) and torch.equal(one[1][0], k[2])
 
 
@@ -281,13 +285,19 @@ def test_real_model_head_is_the_gguf_q8_0_matrix(smollm2):
         pytest.skip("onnxruntime/onnx not installed")
     w = smollm2.model.get_output_embeddings().weight.detach()
     u, scale = quantize_symmetric(w, bits=8)
-    assert torch.equal((u.float() - 128).reshape(w.shape[0], -1, 32) * scale[..., None], w.reshape(w.shape[0], -1, 32))
+    assert torch.equal((u.float() - 128).reshape(w.shape[0], -1, 32) * scale[..., None],
+                       w.reshape(w.shape[0], -1, 32))
 
 
 # ---- quantized linears against their float references -------------------------------------
 
 
-@pytest.mark.parametrize(("precision", "bound"), [("bf16", 0.01), ("fp16", 0.002), ("int8", 0.02), ("int4", 0.15)])
+@pytest.mark.parametrize(("precision", "bound"), [
+    ("bf16", 0.01),
+    ("fp16", 0.002),
+    ("int8", 0.02),
+    ("int4", 0.15),
+])
 @pytest.mark.parametrize("rows", [48, 40])  # 40: int4 pads to a multiple of 16
 def test_quantized_linear_error_is_bounded(precision, bound, rows):
     gen = torch.Generator().manual_seed(0)

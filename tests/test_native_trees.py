@@ -37,7 +37,8 @@ TREES = {
 @pytest.mark.parametrize("shape", list(TREES))
 def test_tree_forward_matches_chain_forwards(model, shape):
     parents = TREES[shape]
-    prefix, nodes, tail = random_tokens(6, seed=1), random_tokens(len(parents), seed=2), random_tokens(3, seed=4)
+    prefix, nodes, tail = (random_tokens(6, seed=1), random_tokens(len(parents), seed=2),
+                           random_tokens(3, seed=4))
     seq = model.new_pool().new_sequence()
     seq.prefill(prefix)
     logits = seq.forward_tree(nodes, parents)  # [T, V]
@@ -60,7 +61,8 @@ def test_tree_scores_every_path_with_the_bits_of_plain_decoding(target, precisio
     path one token per step: token trees stay exact over a quantized target (whose kernels
     are row-wise; fp32 GEMM is not, see test_quantized_scoring_is_batch_invariant)."""
     parents = TREES[shape]
-    prefix, nodes, tail = random_tokens(7, seed=5), random_tokens(len(parents), seed=6), random_tokens(2, seed=7)
+    prefix, nodes, tail = (random_tokens(7, seed=5), random_tokens(len(parents), seed=6),
+                           random_tokens(2, seed=7))
     tree = make_backend("native", target, precision=precision)
     tree.prefill(prefix)
     logits = tree.forward_tree(nodes, parents)  # [T, V]

@@ -34,7 +34,8 @@ def test_llamacpp_peer_feeds_only_what_follows_the_cached_prefix(smollm2, workin
     fed: list[int] = []
     eval_tokens = peer.llm.eval
     peer.llm.eval = lambda tokens: (fed.append(len(tokens)), eval_tokens(tokens))[1]
-    first = smollm2.tokenizer.encode("The harbour office opened at seven, and the ferries waited for the fog.")
+    first = smollm2.tokenizer.encode(
+        "The harbour office opened at seven, and the ferries waited for the fog.")
     reply = peer.run(first, 8, 0.0, 0).token_ids
     fed.clear()
     second = first + reply + smollm2.tokenizer.encode(" Then the captains argued.")

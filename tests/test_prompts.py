@@ -54,6 +54,7 @@ def test_errors_are_one_line_with_a_param(prompt, kwargs, message, param):
 def test_a_template_that_rejects_the_messages_is_a_specdec_error():
     tok = copy.copy(tiny_tokenizer())
     tok.chat_template = "{{ raise_exception('roles must alternate') }}"
-    with pytest.raises(SpecdecError, match="the chat template rejected the messages: roles must alternate") as err:
+    with pytest.raises(SpecdecError,
+                       match="the chat template rejected the messages: roles must alternate") as err:
         encode(tok, [{"role": "user", "content": "x"}])
     assert err.value.param == "messages"

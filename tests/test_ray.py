@@ -59,7 +59,8 @@ def test_jump_hash_is_balanced_and_moves_few_keys():
     three = [jump_hash(k, 3) for k in keys]
     assert 0.45 < sum(two) / len(keys) < 0.55
     moved = sum(a != b for a, b in zip(two, three, strict=True))
-    assert all(b == 2 for a, b in zip(two, three, strict=True) if a != b)  # moved keys go to the new replica only
+    # moved keys go to the new replica only
+    assert all(b == 2 for a, b in zip(two, three, strict=True) if a != b)
     assert 0.28 < moved / len(keys) < 0.39  # about 1/3
     with pytest.raises(ValueError):
         jump_hash("k", 0)
@@ -151,7 +152,7 @@ def test_serve_start_waits_past_rays_own_proxy_timeout(monkeypatch):
 # proxy can take longer to start, so the tests give it two minutes. These are hang guards only.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
        "RAY_USAGE_STATS_ENABLED": "0", "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "120",
-       "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "120"}  # fmt: skip
+       "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "120"}
 SERVE_ARGS = ("--drafter", "ngram:min=1", "--max-batch", "4", "--served-model-name", "tiny")
 
 
@@ -160,7 +161,8 @@ class Server:
 
     def __init__(self, *args: str):
         cmd = [sys.executable, "-m", "specdec.cli", "serve", "--port", "0", *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     env=ENV)
         self.lines: list[str] = []
         self._ready = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
@@ -191,8 +193,8 @@ class Server:
         while time.time() < deadline:
             status, body = self.health()
             pids = {r["replica"]: r.get("pid") for r in body.get("replicas", [])}
-            if status == 200 and body["status"] == "ok" and (changed_pid is None or
-                                                             pids.get(changed_pid[0]) not in (None, changed_pid[1])):
+            if status == 200 and body["status"] == "ok" and (
+                    changed_pid is None or pids.get(changed_pid[0]) not in (None, changed_pid[1])):
                 return body
             time.sleep(0.5)
         raise AssertionError(f"not healthy after {timeout_s}s: {self.health()}")
@@ -221,7 +223,8 @@ def model_dir(tmp_path_factory):
 def servers(model_dir):
     """(two replicas on Ray, one process), started side by side."""
     pytest.importorskip("ray")
-    started = [Server("--target", model_dir, "--replicas", "2", *SERVE_ARGS), Server("--target", model_dir, *SERVE_ARGS)]
+    started = [Server("--target", model_dir, "--replicas", "2", *SERVE_ARGS),
+               Server("--target", model_dir, *SERVE_ARGS)]
     try:
         yield [server.wait_ready() for server in started]
     finally:
@@ -258,15 +261,17 @@ def test_greedy_replies_match_the_single_server(ray_server, single_server):
         messages = [{"role": "user", "content": prompt}]
         want = single_server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=40,
                                                             temperature=0)
-        got = ray_server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=40, temperature=0,
+        got = ray_server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=40,
+                                                        temperature=0,
                                                         extra_body={"return_spec_decode": True})
         assert got.choices[0].message.content == want.choices[0].message.content
         assert got.usage.completion_tokens == want.usage.completion_tokens
         accepted += got.model_extra["spec_decode"]["accepted"]
-        stream = ray_server.client.completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0,
-                                                      stream=True)
+        stream = ray_server.client.completions.create(model="tiny", prompt=prompt, max_tokens=30,
+                                                      temperature=0, stream=True)
         streamed = "".join(c.choices[0].text for c in stream if c.choices)
-        plain = single_server.client.completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0)
+        plain = single_server.client.completions.create(model="tiny", prompt=prompt, max_tokens=30,
+                                                        temperature=0)
         assert streamed == plain.choices[0].text
     assert accepted > 0  # the replicas speculated
 
@@ -275,7 +280,8 @@ def test_greedy_replies_match_the_single_server(ray_server, single_server):
 @pytest.mark.slow
 def test_errors_and_models_match_the_single_server(ray_server, single_server):
     requests = [
-        ("POST", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 3}),
+        ("POST", "/v1/chat/completions",
+         {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 3}),
         ("POST", "/v1/chat/completions", {"model": "other", "messages": [{"role": "user", "content": "x"}]}),
         ("POST", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 100000}),
         ("GET", "/v1/nothing-here", None),
@@ -296,7 +302,8 @@ def test_errors_and_models_match_the_single_server(ray_server, single_server):
 @pytest.mark.slow
 def test_a_conversation_stays_on_its_replica(ray_server):
     before = ray_server.metric("specdec:replica_requests_total", route="affinity")
-    conversations = [[{"role": "system", "content": f"You are agent {i}."}, {"role": "user", "content": PROMPTS[i % 3]}]
+    conversations = [[{"role": "system", "content": f"You are agent {i}."},
+                      {"role": "user", "content": PROMPTS[i % 3]}]
                      for i in range(6)]
 
     def run(messages) -> set[str]:
@@ -326,7 +333,8 @@ def test_a_conversation_stays_on_its_replica(ray_server):
 
 def _accepted(server, replica: int) -> float:
     """Requests the replica holds: decoding or queued in its own scheduler."""
-    return sum(server.metric(f"specdec:num_requests_{state}", replica=str(replica)) for state in ("running", "waiting"))
+    return sum(server.metric(f"specdec:num_requests_{state}", replica=str(replica))
+               for state in ("running", "waiting"))
 
 
 @pytest.mark.ray
@@ -369,8 +377,8 @@ def test_a_killed_replica_fails_its_requests_cleanly_and_comes_back(ray_server):
     assert time.time() - t0 < 60  # no hang
     status, body = ray_server.health()  # the other replica still serves
     assert status == 200
-    survivor = ray_server.client.chat.completions.create(model="tiny", messages=long["messages"], max_tokens=4,
-                                                         user=_user_for(0))
+    survivor = ray_server.client.chat.completions.create(model="tiny", messages=long["messages"],
+                                                         max_tokens=4, user=_user_for(0))
     assert survivor.choices[0].message.content
     # hang guards: Ray restarts the replica, which loads the model again (minutes with the cores busy)
     body = ray_server.wait_healthy(600, changed_pid=(victim, pid))  # restarted by Ray: a new process

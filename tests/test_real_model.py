@@ -89,7 +89,8 @@ def test_compiled_native_trees_and_chains_equal_compiled_plain_decoding(smollm2,
 
     trees = []
     forward_tree = NativeSequence.forward_tree
-    monkeypatch.setattr(NativeSequence, "forward_tree", lambda self, *a: trees.append(a) or forward_tree(self, *a))
+    monkeypatch.setattr(NativeSequence, "forward_tree",
+                        lambda self, *a: trees.append(a) or forward_tree(self, *a))
     from torch._dynamo.utils import counters
 
     from specdec.backends.native.model.batch_runner import COMPILE_BUCKETS

@@ -99,9 +99,11 @@ def test_prepare_binds_the_prompt_budget_and_a_fresh_grammar(engine):
 
 def test_chat_and_completion_bodies():
     chat = chat_request(ChatCompletionRequest(messages=ASK, max_completion_tokens=9, stop="\n", seed=4,
-                                              tools=TOOLS, tool_choice="auto", logprobs=True, top_logprobs=2), "hermes")
-    assert (chat.max_tokens, chat.limit_field, chat.stop, chat.seed, chat.logprobs) == (9, "max_completion_tokens",
-                                                                                        ("\n",), 4, 2)
+                                              tools=TOOLS, tool_choice="auto", logprobs=True,
+                                              top_logprobs=2),
+                        "hermes")
+    assert ((chat.max_tokens, chat.limit_field, chat.stop, chat.seed, chat.logprobs)
+            == (9, "max_completion_tokens", ("\n",), 4, 2))
     assert chat.sampling == SamplingParams(1.0, 0, 1.0) and chat.tools.choice == "auto"
     assert chat_request(ChatCompletionRequest(messages=ASK), "hermes").limit_field is None
     legacy = completion_request(CompletionRequest(prompt=["hello"], temperature=0), vocab_size=100)
@@ -121,7 +123,8 @@ def test_a_responses_body_becomes_the_chat_request_it_means():
                 "id": "fc_1", "status": "completed"},
                {"type": "function_call", "call_id": "c2", "name": "ping", "arguments": "{}"},
                {"type": "function_call_output", "call_id": "c1", "output": "3"},
-               {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "ok"}]}],
+               {"type": "function_call_output", "call_id": "c2",
+                "output": [{"type": "input_text", "text": "ok"}]}],
     )
     chat = to_chat(body)
     messages = [m.model_dump(exclude_none=True) for m in chat.messages]
@@ -137,9 +140,15 @@ def test_a_responses_body_becomes_the_chat_request_it_means():
 
 @pytest.mark.parametrize(
     ("chat_param", "responses_param"),
-    [("max_completion_tokens", "max_output_tokens"), ("response_format", "text.format"), ("messages", "input"),
-     ("tools[1].function.parameters", "tools[1].parameters"), ("tool_choice.function.name", "tool_choice.name"),
-     ("temperature", "temperature"), (None, None)],
+    [
+        ("max_completion_tokens", "max_output_tokens"),
+        ("response_format", "text.format"),
+        ("messages", "input"),
+        ("tools[1].function.parameters", "tools[1].parameters"),
+        ("tool_choice.function.name", "tool_choice.name"),
+        ("temperature", "temperature"),
+        (None, None),
+    ],
 )
 def test_errors_name_the_responses_field(chat_param, responses_param):
     assert rename(chat_param) == responses_param

@@ -146,7 +146,9 @@ MAX_NEW = 40
 
 
 @pytest.mark.parametrize(
-    ("tree", "backend"), [(False, "hf"), (True, "hf"), (True, "native")], ids=["chain", "tree-hf", "tree-native"]
+    ("tree", "backend"),
+    [(False, "hf"), (True, "hf"), (True, "native")],
+    ids=["chain", "tree-hf", "tree-native"],
 )
 def test_greedy_equals_plain(tmp_path, tree, backend):
     from conftest import spy_trees

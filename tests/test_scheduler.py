@@ -61,7 +61,8 @@ class Recorder:
 def make_request(target, prompt: str, emit, max_new: int = 24, **kw) -> GenRequest:
     ids = target.tokenizer.encode(prompt)
     params = kw.pop("params", SamplingParams())
-    job = Prepared.tokens(ids, params, max_new, **{n: kw.pop(n) for n in ("seed", "stop", "logprobs") if n in kw})
+    job = Prepared.tokens(ids, params, max_new,
+                          **{n: kw.pop(n) for n in ("seed", "stop", "logprobs") if n in kw})
     return GenRequest(job, emit, **kw)
 
 
@@ -102,7 +103,8 @@ def test_seeded_sampling_in_a_batch_equals_engine(target):
     """Each request has its own generator: a seeded sample does not depend on its batch mates."""
     params = SamplingParams(temperature=0.9, top_k=50)
     ids = target.tokenizer.encode(PROMPTS[0])
-    want = Engine(target, drafter="ngram:min=1", k=3).generate(ids, max_new_tokens=30, temperature=0.9, top_k=50, seed=11)
+    want = Engine(target, drafter="ngram:min=1", k=3).generate(ids, max_new_tokens=30, temperature=0.9,
+                                                               top_k=50, seed=11)
     sched = Scheduler(target, EngineConfig(drafter="ngram:min=1", k=3), max_batch=4)
     recs = [Recorder() for _ in range(3)]
     sched.submit(make_request(target, PROMPTS[0], recs[0], 30, params=params, seed=11))
@@ -152,7 +154,8 @@ def test_pooled_backend_gets_one_forward_per_step_and_slots_back(target, monkeyp
         sched.submit(make_request(target, prompt, rec, 20))
     run_until_idle(sched)
     for prompt, rec in zip(PROMPTS[:3], recs, strict=True):
-        assert rec.result.token_ids == plain.generate(target.tokenizer.encode(prompt), max_new_tokens=20).token_ids
+        assert (rec.result.token_ids
+                == plain.generate(target.tokenizer.encode(prompt), max_new_tokens=20).token_ids)
     assert max(pool.batch_sizes) == 3  # all three verified in one forward
     assert len(pool.batch_sizes) == sched.num_steps
     assert sched.slots.in_use == 0  # the slots wait, caches kept, for prompts that share a prefix
@@ -214,7 +217,8 @@ def test_load_policy_shrinks_k_and_turns_speculation_off():
 
 def test_speculation_off_under_load_but_on_when_alone(target):
     ids = target.tokenizer.encode(PROMPTS[1])
-    busy = Scheduler(target, EngineConfig(drafter="ngram:min=1", k=4), max_batch=4, policy=LoadPolicy(max_batch_tokens=4))
+    busy = Scheduler(target, EngineConfig(drafter="ngram:min=1", k=4), max_batch=4,
+                     policy=LoadPolicy(max_batch_tokens=4))
     recs = [Recorder() for _ in range(4)]
     for rec in recs:
         busy.submit(GenRequest(Prepared.tokens(list(ids), SamplingParams(), 20), rec))
@@ -250,7 +254,9 @@ def test_native_pool_is_batched_and_lossless(target):
         pytest.skip("no native backend")
     plain = Engine(target, drafter="none", k=0)
     sched = Scheduler(
-        target, EngineConfig(drafter="ngram:min=1", backend="native", backend_options={"slots": 3, "precision": "fp32"}),
+        target,
+        EngineConfig(drafter="ngram:min=1", backend="native",
+                     backend_options={"slots": 3, "precision": "fp32"}),
         max_batch=3,
     )
     assert sched.batched
@@ -259,7 +265,8 @@ def test_native_pool_is_batched_and_lossless(target):
         sched.submit(make_request(target, prompt, rec, 20, **extra))
     run_until_idle(sched)
     for prompt, rec in zip(PROMPTS[:4], recs, strict=True):
-        assert rec.result.token_ids == plain.generate(target.tokenizer.encode(prompt), max_new_tokens=20).token_ids
+        assert (rec.result.token_ids
+                == plain.generate(target.tokenizer.encode(prompt), max_new_tokens=20).token_ids)
     assert sched.max_batch_seen == 3 and sched.slots.in_use == 0 and sched.slots.pool.free_slots == 0
 
 
@@ -315,7 +322,8 @@ def test_a_request_gets_the_slot_that_caches_its_prompt_prefix(target, monkeypat
     sched.submit(GenRequest(Prepared.tokens(turn2, SamplingParams(), 12), rec))
     run_until_idle(sched)
     if mode == "prompt":
-        assert rec.result.stats.cached_prompt_tokens == (len(first) - 1) // 4 * 4  # turn 1's prefill, whole chunks
+        # turn 1's prefill, whole chunks
+        assert rec.result.stats.cached_prompt_tokens == (len(first) - 1) // 4 * 4
     else:  # turn 1's prompt and answer, all but the answer's last token (never fed)
         assert rec.result.stats.cached_prompt_tokens == len(first) + len(recs[0].result.token_ids) - 1
         plain.generate(first, max_new_tokens=12)  # plain decoding through the same conversation

@@ -161,7 +161,8 @@ class FaultyDrafter(Drafter):
 def test_one_failing_request_fails_alone(target, plain, monkeypatch, where, backend):
     monkeypatch.setitem(REGISTRY, "test-faulty", lambda spec, t: FaultyDrafter(t, where))
     options = {"slots": 4, "precision": "fp32"} if backend == "native" else {}
-    sched = Scheduler(target, EngineConfig(drafter="test-faulty", k=3, backend=backend, backend_options=options),
+    sched = Scheduler(target,
+                      EngineConfig(drafter="test-faulty", k=3, backend=backend, backend_options=options),
                       max_batch=4)
     prompts = [target.tokenizer.encode(p) for p in PROMPTS[:3]]
     poisoned = [FaultyDrafter.POISON, *prompts[0]]
@@ -169,7 +170,8 @@ def test_one_failing_request_fails_alone(target, plain, monkeypatch, where, back
     for ids, rec in zip([prompts[0], poisoned, prompts[1], prompts[2]], recs, strict=True):
         sched.submit(GenRequest(Prepared.tokens(list(ids), SamplingParams(), 24), rec))
     run_until_idle(sched)
-    assert isinstance(recs[1].error, RuntimeError | IndexError) and not any(k == "done" for k, _ in recs[1].events)
+    assert (isinstance(recs[1].error, RuntimeError | IndexError)
+            and not any(k == "done" for k, _ in recs[1].events))
     for ids, rec in zip(prompts, [recs[0], recs[2], recs[3]], strict=True):
         assert rec.error is None and rec.result.token_ids == greedy(plain, ids, 24)
     stats = [r.result.stats for r in (recs[0], recs[2], recs[3])]

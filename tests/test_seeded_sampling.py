@@ -37,7 +37,8 @@ def test_draws_depend_on_seed_and_position_only():
 
 
 def test_sample_at_draws_from_probs():
-    probs = logits_to_probs(torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 0.3]), SamplingParams(1.0, top_k=4))  # [6]
+    probs = logits_to_probs(torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 0.3]),
+                            SamplingParams(1.0, top_k=4))  # [6]
     trials = 12000
     counts = torch.zeros(6)
     for i in range(trials):
@@ -150,12 +151,14 @@ def test_soft_drafts_keep_the_residual_with_position_keyed_draws(tiny_rows, para
     position's uniform and resampled from the residual with the position's noise: exact."""
     first, second = _probs(tiny_rows, params)
     draft_probs = torch.linspace(1.0, 3.0, V).softmax(-1)  # [V], far from the target on purpose
-    drafted = torch.multinomial(draft_probs, 6000, replacement=True, generator=torch.Generator().manual_seed(0))
+    drafted = torch.multinomial(draft_probs, 6000, replacement=True,
+                                generator=torch.Generator().manual_seed(0))
     counts = torch.zeros(V)
     accepted = 0
     for seed, token in enumerate(drafted.tolist()):
         rows = torch.stack([first, second[token]])  # [2, V]
-        result = verify_sampling(torch.tensor([token]), draft_probs[None], rows, PositionDraws(seed), seed % 5)
+        result = verify_sampling(torch.tensor([token]), draft_probs[None], rows, PositionDraws(seed),
+                                 seed % 5)
         counts[result.emitted([token])[0]] += 1
         accepted += result.num_accepted
     assert 0 < accepted < len(drafted)
@@ -217,7 +220,8 @@ def _reply(target, drafter, k, seed, trees=None):
 def test_one_seed_one_reply_whatever_k(target, seed):
     """ngram and suffix under k = 1, 4 and adaptive give seeded plain sampling's reply."""
     plain = _reply(target, "none", 0, seed).token_ids
-    greedy = Engine(target, drafter="none", k=0).generate(target.tokenizer.encode(CODE), max_new_tokens=MAX_NEW)
+    greedy = Engine(target, drafter="none", k=0).generate(target.tokenizer.encode(CODE),
+                                                          max_new_tokens=MAX_NEW)
     assert plain != greedy.token_ids  # it samples
     trees: list[list[list[int]]] = []
     for drafter, k in SCHEDULES:
@@ -279,9 +283,10 @@ def test_same_seed_same_reply_under_load(target):
     busy = [Collect() for _ in range(4)]
     others = ["The quick brown fox jumps over the lazy dog. The", "| name | value |\n| a |", "The lazy dog"]
     _serve(sched, [GenRequest(Prepared.tokens(list(ids), params, MAX_NEW, seed=3), busy[0])]
-           + [GenRequest(Prepared.tokens(target.tokenizer.encode(p), params, MAX_NEW, seed=i), c) for i, (p, c) in
-              enumerate(zip(others, busy[1:], strict=True))])
-    want = Engine(target, drafter="none", k=0).generate(ids, max_new_tokens=MAX_NEW, temperature=TEMPERATURE, seed=3)
+           + [GenRequest(Prepared.tokens(target.tokenizer.encode(p), params, MAX_NEW, seed=i), c)
+              for i, (p, c) in enumerate(zip(others, busy[1:], strict=True))])
+    want = Engine(target, drafter="none", k=0).generate(ids, max_new_tokens=MAX_NEW, temperature=TEMPERATURE,
+                                                        seed=3)
     assert alone.result.token_ids == busy[0].result.token_ids == want.token_ids
     assert alone.result.stats.num_accepted_tokens > 0 and busy[0].result.stats.num_accepted_tokens > 0
     assert alone.result.stats.num_draft_tokens != busy[0].result.stats.num_draft_tokens  # k differed

@@ -62,7 +62,8 @@ def test_chat_streamed_equals_not_streamed(client):  # noqa: F811  (fixtures)
     assert full.usage.completion_tokens == 20 or full.choices[0].finish_reason == "stop"
     assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
     spec = full.model_extra["spec_decode"]
-    assert spec["steps"] >= 1 and set(spec) >= {"drafted", "accepted", "acceptance_rate", "mean_accepted_length"}
+    assert spec["steps"] >= 1 and set(spec) >= {"drafted", "accepted", "acceptance_rate",
+                                                 "mean_accepted_length"}
 
     chunks = list(client.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=20, temperature=0, stream=True,
@@ -91,17 +92,21 @@ def test_completions_equal_the_target_and_stop_strings(model_dir, client):  # no
 
     # A stop string that first appears at position i cuts the text there, streamed or not.
     text = want.text
-    i = next(i for i in range(3, len(text) - 2) if text.find(text[i : i + 2]) == i and "\ufffd" not in text[i : i + 2])
+    i = next(i for i in range(3, len(text) - 2)
+             if text.find(text[i : i + 2]) == i and "\ufffd" not in text[i : i + 2])
     stop = text[i : i + 2]
-    cut = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=24, temperature=0, stop=[stop, "zzzz"])
+    cut = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=24, temperature=0,
+                                    stop=[stop, "zzzz"])
     assert cut.choices[0].text == text[:i] and cut.choices[0].finish_reason == "stop"
-    pieces = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=24, temperature=0, stop=stop, stream=True)
+    pieces = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=24, temperature=0,
+                                       stop=stop, stream=True)
     assert "".join(c.choices[0].text for c in pieces) == text[:i]
 
 
 def test_seed_makes_sampling_reproducible(client):  # noqa: F811  (fixtures)
     def sample(seed):
-        r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=16, temperature=1.0, seed=seed)
+        r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=16, temperature=1.0,
+                                      seed=seed)
         return r.choices[0].text
 
     assert sample(7) == sample(7)
@@ -128,8 +133,8 @@ def test_metrics_and_traffic_log(server, client, log_dir):  # noqa: F811  (fixtu
     for name in (
         "specdec:spec_decode_num_drafts_total", "specdec:spec_decode_num_draft_tokens_total",
         "specdec:spec_decode_num_accepted_tokens_total", "specdec:e2e_request_latency_seconds_count",
-        "specdec:time_to_first_token_seconds_count", "specdec:num_requests_waiting", "specdec:num_requests_running",
-        "specdec:generation_tokens_total", "specdec:prompt_tokens_total",
+        "specdec:time_to_first_token_seconds_count", "specdec:num_requests_waiting",
+        "specdec:num_requests_running", "specdec:generation_tokens_total", "specdec:prompt_tokens_total",
     ):
         assert name in m, name
     assert m["specdec:spec_decode_num_draft_tokens_total"] > 0
@@ -160,7 +165,8 @@ def test_real_model_serves_lossless_chat(tmp_path):
         spec = client.chat.completions.create(**base, extra_body={"drafter": "ngram"})
         assert plain.choices[0].message.content == spec.choices[0].message.content
         assert plain.choices[0].message.content.strip()
-        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**base, stream=True))
+        streamed = "".join(c.choices[0].delta.content or ""
+                           for c in client.chat.completions.create(**base, stream=True))
         assert streamed == spec.choices[0].message.content
     finally:
         srv.close()

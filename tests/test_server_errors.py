@@ -91,7 +91,9 @@ def test_openai_client_sees_bad_request_and_size_limits(server, client, http):  
 
 MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "system", "assistant", "tool", "bad"]) | JSON},
-    optional={"content": st.text(max_size=40) | JSON | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=10)}), max_size=2)},
+    optional={"content": st.text(max_size=40) | JSON
+              | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=10)}),
+                         max_size=2)},
 )
 FIELDS = {
     "model": st.sampled_from([MODEL, "other"]) | JSON,
@@ -161,7 +163,8 @@ def test_32_concurrent_clients_with_disconnects(server, http):  # noqa: F811  (f
                     return mode, None
                 return "finished_anyway", None
             if mode == "drop_stream":
-                with c.stream("POST", "/v1/completions", json={**body, "max_tokens": 200, "stream": True}) as r:
+                with c.stream("POST", "/v1/completions",
+                              json={**body, "max_tokens": 200, "stream": True}) as r:
                     next(r.iter_lines())
                 return mode, None
             if mode == "stream":
@@ -195,7 +198,7 @@ def test_32_concurrent_clients_with_disconnects(server, http):  # noqa: F811  (f
     assert m["specdec:num_requests_running"] == 0 and m["specdec:num_requests_waiting"] == 0
     done = sum(v for k, v in m.items() if k.startswith("specdec:request_success_total")) - done_before
     aborted = sum(v for k, v in m.items() if k.startswith("specdec:num_requests_aborted_total")) - sum(
-        v for k, v in before.items() if k.startswith("specdec:num_requests_aborted_total"))  # fmt: skip
+        v for k, v in before.items() if k.startswith("specdec:num_requests_aborted_total"))
     # every request ends once, as a success or an abort (a dropped one may have finished first)
     assert done + aborted == len(plans) and aborted <= sum(mode.startswith("drop") for mode, _ in results)
     assert done >= completed + sum(mode == "finished_anyway" for mode, _ in results)

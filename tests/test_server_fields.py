@@ -45,15 +45,19 @@ CHAT_REFUSED = [  # (extra_body, param); messages replace the default ones
     ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs=true
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"totally_unknown": 1}, "totally_unknown"),
-    ({"stream_options": {"include_usage": True, "continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
+    ({"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
     ({"messages": [{**USER, "foo": 1}]}, "messages[0].foo"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}]}]},
      "messages[0].content[0].cache_control"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+    ({"messages": [{"role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
      "messages[0].content[0].image_url"),
-    ({"messages": [USER, {"role": "assistant", "content": "x", "refusal": "no"}, USER]}, "messages[1].refusal"),
+    ({"messages": [USER, {"role": "assistant", "content": "x", "refusal": "no"}, USER]},
+     "messages[1].refusal"),
     ({"messages": [{**USER, "name": "alice"}]}, "messages[0].name"),
-    ({"messages": [USER, {"role": "assistant", "content": "x", "audio": {"id": "a"}}, USER]}, "messages[1].audio"),
+    ({"messages": [USER, {"role": "assistant", "content": "x", "audio": {"id": "a"}}, USER]},
+     "messages[1].audio"),
 ]
 COMPLETION_REFUSED = [
     ({"echo": True}, "echo"),
@@ -104,10 +108,12 @@ def test_harmless_values_and_metadata_are_accepted(client):
     extras = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "store": False,
               "user": "u-1", "safety_identifier": "s-1", "metadata": {"run": "7"}, "prompt_cache_key": "p",
               "top_k": 0, "drafter": "ngram", "k": 3, "best_of": None}
-    got = client.chat.completions.create(**base, extra_body={k: v for k, v in extras.items() if k != "best_of"})
+    got = client.chat.completions.create(**base,
+                                         extra_body={k: v for k, v in extras.items() if k != "best_of"})
     assert got.choices[0].message.content == plain.choices[0].message.content
     assert got.choices[0].logprobs is None
-    done = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, user="u", extra_body={"best_of": 1})
+    done = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, user="u",
+                                     extra_body={"best_of": 1})
     assert done.choices[0].logprobs is None
 
 
@@ -116,8 +122,9 @@ def test_harmless_values_and_metadata_are_accepted(client):
 
 def _chat(client, drafter: str, stream: bool = False, **kw):
     messages = [{"role": "user", "content": PROMPTS[1]}]
-    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0, stream=stream,
-                                          logprobs=True, top_logprobs=3, extra_body={"drafter": drafter, "return_spec_decode": True},
+    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
+                                          stream=stream, logprobs=True, top_logprobs=3,
+                                          extra_body={"drafter": drafter, "return_spec_decode": True},
                                           **kw)
 
 
@@ -139,21 +146,25 @@ def test_chat_logprobs_equal_under_speculation_and_streamed(client):
             assert bytes(e.bytes).decode("utf-8") == e.token
         except UnicodeDecodeError:
             assert e.token == "bytes:" + "".join(f"\\x{b:02x}" for b in e.bytes)
-        assert [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
+        assert [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs),
+                                                             reverse=True)
     raw = b"".join(bytes(e.bytes) for e in got)
     assert raw.decode("utf-8", errors="replace").startswith(spec.choices[0].message.content)
 
     chunks = list(_chat(client, "ngram:min=1", stream=True, stream_options={"include_usage": True}))
-    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
     assert [e.token for e in streamed] == [e.token for e in got]
     _close([e.logprob for e in streamed], [e.logprob for e in got])
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == spec.choices[0].message.content
+    assert ("".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            == spec.choices[0].message.content)
     assert chunks[0].choices[0].logprobs is None  # the role chunk has no tokens
 
 
 def _completion(client, drafter: str, stream: bool = False):
     return client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0, logprobs=2,
-                                     stream=stream, extra_body={"drafter": drafter, "return_spec_decode": True})
+                                     stream=stream,
+                                     extra_body={"drafter": drafter, "return_spec_decode": True})
 
 
 def test_completion_logprobs_legacy_shape_equal_under_speculation_and_streamed(client):
@@ -166,7 +177,8 @@ def test_completion_logprobs_legacy_shape_equal_under_speculation_and_streamed(c
     assert got.text_offset == want.text_offset and got.text_offset[0] == 0
     assert got.text_offset == sorted(got.text_offset) and got.text_offset[-1] <= len(spec.choices[0].text)
     for token, lp, top in zip(got.tokens, got.token_logprobs, got.top_logprobs, strict=True):
-        assert 1 <= len(top) <= 3 and top[token] == pytest.approx(lp) and max(top.values()) == pytest.approx(lp)
+        assert (1 <= len(top) <= 3 and top[token] == pytest.approx(lp)
+                and max(top.values()) == pytest.approx(lp))
 
     chunks = list(_completion(client, "ngram:min=1", stream=True))
     lps = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
@@ -180,7 +192,8 @@ def test_completion_logprobs_legacy_shape_equal_under_speculation_and_streamed(c
 
 SCHEMA = {
     "type": "object",
-    "properties": {"name": {"type": "string", "enum": ["search", "weather"]}, "query": {"type": "string", "maxLength": 20}},
+    "properties": {"name": {"type": "string", "enum": ["search", "weather"]},
+                   "query": {"type": "string", "maxLength": 20}},
     "required": ["name", "query"],
     "additionalProperties": False,
 }
@@ -190,7 +203,9 @@ def test_forced_tokens_are_a_metric_and_a_per_request_count(server, client):
     before = server.metrics().get("specdec:spec_decode_num_forced_tokens_total", 0.0)
     reply = client.chat.completions.create(
         model=MODEL, messages=[USER], max_tokens=60, temperature=0,
-        extra_body={"drafter": "none", "return_spec_decode": True}, response_format={"type": "json_schema", "json_schema": {"name": "call", "schema": SCHEMA, "strict": True}},
+        extra_body={"drafter": "none", "return_spec_decode": True},
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "call", "schema": SCHEMA, "strict": True}},
     )
     spec = reply.model_extra["spec_decode"]
     assert spec["forced_tokens"] > 0 and spec["drafted"] == 0 and spec["accepted"] == 0

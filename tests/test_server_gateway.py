@@ -70,7 +70,8 @@ def test_a_tenant_learns_from_its_own_traffic_and_no_other_tenant_does(server):
             model=MODEL, prompt=PROMPTS[3], max_tokens=40, temperature=0,
             extra_body={"k": 4, "return_spec_decode": True, **extra})
         spec = reply.model_extra["spec_decode"]
-        return reply.choices[0].text, (spec["drafted"], spec["accepted"]), reply.usage.prompt_tokens_details.cached_tokens
+        return (reply.choices[0].text, (spec["drafted"], spec["accepted"]),
+                reply.usage.prompt_tokens_details.cached_tokens)
 
     alice1 = ask("sk-alice")
     alice2 = ask("sk-alice")
@@ -85,10 +86,11 @@ def test_spec_decode_is_opt_in(server):
     client = client_for(server, "sk-alice")
     plain = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0)
     assert "spec_decode" not in plain.model_extra
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0, stream=True))
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                            stream=True))
     assert not any("spec_decode" in c.model_extra for c in chunks)
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0, stream=True,
-                                            extra_body={"return_spec_decode": True}))
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                            stream=True, extra_body={"return_spec_decode": True}))
     assert chunks[-1].model_extra["spec_decode"]["steps"] >= 1
 
 
@@ -99,12 +101,14 @@ SURROGATE_BODIES = [  # (route, body, the param the 400 names)
     ("chat", {"messages": [{"role": "user", "content": LONE}]}, "messages[0].content"),
     ("chat", {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "\udfff"},
                            {"role": "user", "content": "x"}]}, "messages[1].content"),
-    ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": LONE}]}]}, "messages[0].content[0].text"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": LONE}]}]},
+     "messages[0].content[0].text"),
     ("chat", {"messages": [{"role": "user", "content": "hi"}], "stop": ["ok", LONE]}, "stop[1]"),
     ("chat", {"messages": [{"role": "user", "content": "hi"}], "user": LONE}, "user"),
     ("chat", {"messages": [{"role": "user", "content": "hi"}], "cache_salt": LONE}, "cache_salt"),
     ("chat", {"messages": [{"role": "user", "content": "hi"}],
-              "tools": [{"type": "function", "function": {"name": "f", "description": LONE}}]}, "tools[0].function.description"),
+              "tools": [{"type": "function", "function": {"name": "f", "description": LONE}}]},
+     "tools[0].function.description"),
     ("chat", {"messages": [{"role": "user", "content": "hi"}],
               "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {LONE: 1}}}},
      "response_format.json_schema.schema"),
@@ -120,7 +124,8 @@ SURROGATE_BODIES = [  # (route, body, the param the 400 names)
 def test_a_lone_surrogate_is_a_400_naming_the_field(server, route, body, param):
     """Fault 7: JSON's \\ud800 escape parses to a lone surrogate, which no tokenizer encodes:
     a 400 naming the field, never a 500."""
-    r = post(server, "/v1/chat/completions" if route == "chat" else "/v1/completions", {"max_tokens": 2, **body})
+    r = post(server, "/v1/chat/completions" if route == "chat" else "/v1/completions",
+             {"max_tokens": 2, **body})
     assert r.status_code == 400, r.text
     err = assert_error_shape(r.json(), 400)
     assert err["param"] == param and "surrogate" in err["message"], err
@@ -143,12 +148,14 @@ TEXT_FIELDS = {
         "tool_result": lambda t: {"messages": [
             {"role": "user", "content": "hi"},
             {"role": "assistant", "content": None, "tool_calls": [
-                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": json.dumps({"x": t})}}]},
+                {"id": "c1", "type": "function",
+                 "function": {"name": "f", "arguments": json.dumps({"x": t})}}]},
             {"role": "tool", "tool_call_id": "c1", "content": t}]},
         "stop": lambda t: {"messages": [{"role": "user", "content": "hi"}], "stop": [t]},
         "user": lambda t: {"messages": [{"role": "user", "content": "hi"}], "user": t},
         "tool": lambda t: {"messages": [{"role": "user", "content": "hi"}], "tools": [
-            {"type": "function", "function": {"name": "f", "description": t, "parameters": {"type": "object"}}}]},
+            {"type": "function",
+             "function": {"name": "f", "description": t, "parameters": {"type": "object"}}}]},
     },
     "completions": {
         "prompt": lambda t: {"prompt": t},
@@ -179,7 +186,8 @@ def test_request_ids_version_and_cors(server):
     assert r.status_code == 200 and r.headers["x-request-id"] == "trace-42"
     made = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).headers["x-request-id"]
     assert re.fullmatch(r"[0-9a-f]{32}", made)
-    refused = post(server, "/v1/completions", {"prompt": "hi"}, **{"X-Request-Id": "x" * 500})  # too long: replaced
+    # too long: replaced
+    refused = post(server, "/v1/completions", {"prompt": "hi"}, **{"X-Request-Id": "x" * 500})
     assert re.fullmatch(r"[0-9a-f]{32}", refused.headers["x-request-id"])
     assert httpx.get(server.url + "/version").json() == {"version": __version__}
 
@@ -192,7 +200,8 @@ def test_request_ids_version_and_cors(server):
     assert "access-control-allow-origin" not in other.headers
     r = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2}, Origin=ORIGIN)
     assert r.headers["access-control-allow-origin"] == ORIGIN
-    r = post(server, "/v1/completions", {"prompt": "hi"}, key="sk-eve", Origin=ORIGIN)  # refusals carry it too
+    # refusals carry it too
+    r = post(server, "/v1/completions", {"prompt": "hi"}, key="sk-eve", Origin=ORIGIN)
     assert r.status_code == 401 and r.headers["access-control-allow-origin"] == ORIGIN
 
 
@@ -205,10 +214,12 @@ def test_json_access_log_has_id_tenant_route_status_latency_tokens(server):
         assert time.time() < deadline, "no access log line"
         time.sleep(0.05)
     entry = json.loads(lines[0])
-    assert entry["request_id"] == "log-me-1" and entry["route"] == "/v1/completions" and entry["status"] == 200
+    assert (entry["request_id"] == "log-me-1" and entry["route"] == "/v1/completions"
+            and entry["status"] == 200)
     assert entry["tenant"].startswith("bob#salt-") and "s1" not in entry["tenant"]  # the salt is hashed
     usage = r.json()["usage"]
-    assert (entry["prompt_tokens"], entry["completion_tokens"]) == (usage["prompt_tokens"], usage["completion_tokens"])
+    assert ((entry["prompt_tokens"], entry["completion_tokens"])
+            == (usage["prompt_tokens"], usage["completion_tokens"]))
     assert entry["latency_s"] > 0
 
 
@@ -219,7 +230,8 @@ def test_metrics_carry_the_model_name_and_the_new_series(server):
                       json={"prompt": PROMPTS[2], "max_tokens": 200, "stream": True}) as r:
         next(r.iter_lines())  # then hang up mid-stream
     deadline = time.time() + 20
-    while (m := server.metrics()).get('specdec:num_requests_aborted_total{reason="client_disconnect"}', 0) < 1:
+    while (m := server.metrics()).get('specdec:num_requests_aborted_total'
+                                      '{reason="client_disconnect"}', 0) < 1:
         assert time.time() < deadline, "the disconnect was not counted"
         time.sleep(0.1)
     assert m["specdec:inter_token_latency_seconds_count"] > 0

@@ -60,8 +60,8 @@ def test_a_request_whose_drafter_raises_fails_alone_on_a_real_server(model_dir):
     four get what they get when served alone, and the server keeps serving."""
     prompts = [f"Request {i}: the quick brown fox jumps over the lazy dog. The quick brown" for i in range(4)]
     poison = "POISON: the quick brown fox jumps over the lazy dog. The quick brown"
-    server = ServerProcess(model_dir, "--drafter", "test-faulty", "--max-batch", "8", "--served-model-name", "tiny",
-                           plugin="faulty_drafter_plugin")
+    server = ServerProcess(model_dir, "--drafter", "test-faulty", "--max-batch", "8",
+                           "--served-model-name", "tiny", plugin="faulty_drafter_plugin")
     try:
         client = server.client()
 

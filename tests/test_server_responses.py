@@ -26,7 +26,8 @@ SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model_dir = save_loaded(tiny_llama(0, max_positions=2048), tmp_path_factory.mktemp("tiny-responses"))
-    srv = ServerProcess(model_dir, "--served-model-name", MODEL, "--drafter", "ngram:min=1", "--max-batch", "4")
+    srv = ServerProcess(model_dir, "--served-model-name", MODEL, "--drafter", "ngram:min=1",
+                        "--max-batch", "4")
     yield srv
     srv.close()
 
@@ -46,7 +47,8 @@ def test_text_in_text_out(client):
     assert r.object == "response" and r.id.startswith("resp_") and r.model == MODEL
     assert r.status in ("completed", "incomplete") and r.output_text
     assert r.output[0].type == "message" and r.output[0].content[0].type == "output_text"
-    assert r.usage.output_tokens <= 12 and r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    assert (r.usage.output_tokens <= 12
+            and r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens)
     if r.status == "incomplete":
         assert r.incomplete_details.reason == "max_output_tokens"
 
@@ -61,7 +63,8 @@ def test_function_call_round_trip(client):
     assert valid_args(call.arguments, TOOLS[0])
     history = [{"role": "user", "content": "What is the weather in Paris?"},
                *[item.model_dump(exclude_none=True) for item in first.output],
-               {"type": "function_call_output", "call_id": call.call_id, "output": '{"temp": 21, "sky": "clear"}'}]
+               {"type": "function_call_output", "call_id": call.call_id,
+                "output": '{"temp": 21, "sky": "clear"}'}]
     final = create(client, input=history, tools=FLAT, tool_choice="none", max_output_tokens=16)
     assert final.output_text and not [i for i in final.output if i.type == "function_call"]
     assert final.usage.input_tokens > first.usage.input_tokens  # the call and its result were in the prompt
@@ -147,7 +150,8 @@ def test_defaults_the_clients_send_are_accepted(server):
     omitted or false, and echoed output items with their ids and statuses."""
     echoed = {"id": "msg_1", "type": "message", "role": "assistant", "status": "completed",
               "content": [{"type": "output_text", "text": "Hi.", "annotations": [], "logprobs": []}]}
-    body = {"model": MODEL, "input": [{"role": "user", "content": "hi"}, echoed, {"role": "user", "content": "again"}],
+    body = {"model": MODEL,
+            "input": [{"role": "user", "content": "hi"}, echoed, {"role": "user", "content": "again"}],
             "include": [], "tools": [], "store": False, "max_output_tokens": 4, "truncation": "disabled"}
     r = httpx.post(server.url + "/v1/responses", json=body, timeout=60)
     assert r.status_code == 200, r.text
@@ -163,9 +167,11 @@ def test_the_openai_client_raises_on_a_refusal(client):
 def test_a_responses_conversation_keeps_its_replica():
     """`--replicas` routes a Responses conversation by its instructions and first input, as chat's."""
     turn1 = {"instructions": "Be brief.", "input": "Plan my trip."}
-    turn2 = {"instructions": "Be brief.", "input": [{"role": "user", "content": "Plan my trip."},
-                                                    {"type": "function_call_output", "call_id": "c", "output": "ok"}]}
-    chat = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Plan my trip."}]}
+    turn2 = {"instructions": "Be brief.",
+             "input": [{"role": "user", "content": "Plan my trip."},
+                       {"type": "function_call_output", "call_id": "c", "output": "ok"}]}
+    chat = {"messages": [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": "Plan my trip."}]}
     assert conversation_key(turn1) == conversation_key(turn2) == conversation_key(chat)
     assert conversation_key({**turn1, "input": "Something else."}) != conversation_key(turn1)
 
@@ -178,16 +184,18 @@ def test_real_model_round_trip_through_responses():
     srv = ServerProcess("smollm2-135m", "--served-model-name", "smol", backend="auto")
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-        base = dict(model="smol", input="What's the weather in Paris, in celsius?", tools=FLAT, tool_choice=NAMED,
-                    parallel_tool_calls=False, temperature=0, max_output_tokens=60)
+        base = dict(model="smol", input="What's the weather in Paris, in celsius?", tools=FLAT,
+                    tool_choice=NAMED, parallel_tool_calls=False, temperature=0, max_output_tokens=60)
         plain = client.responses.create(**base, extra_body={"drafter": "none"})
         call = next(i for i in plain.output if i.type == "function_call")
         assert plain.status == "completed" and valid_args(call.arguments, TOOLS[0])
         for drafter in ("ngram", "suffix"):
-            spec = client.responses.create(**base, extra_body={"drafter": drafter, "return_spec_decode": True})
+            spec = client.responses.create(**base,
+                                           extra_body={"drafter": drafter, "return_spec_decode": True})
             assert next(i for i in spec.output if i.type == "function_call").arguments == call.arguments
         events = list(client.responses.create(**base, stream=True))
-        assert "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta") == call.arguments
+        assert ("".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+                == call.arguments)
         history = [{"role": "user", "content": base["input"]}, call.model_dump(exclude_none=True),
                    {"type": "function_call_output", "call_id": call.call_id, "output": '{"temp": 21}'}]
         final = client.responses.create(**{**base, "input": history, "tool_choice": "none"})

@@ -33,7 +33,8 @@ def _capped(body):
     if isinstance(body, dict):
         for name in ("max_tokens", "max_completion_tokens"):
             value = body.get(name)
-            if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > MAX_TOKENS):
+            if value is None or (isinstance(value, int) and not isinstance(value, bool)
+                                 and value > MAX_TOKENS):
                 body[name] = MAX_TOKENS
     return body
 

@@ -105,7 +105,8 @@ def test_a_stuck_traffic_log_stalls_nobody(endless_model_dir, tmp_path):
     reader = None
     try:
         for i in range(3):
-            r = httpx.post(srv.url + "/v1/completions", json={"prompt": PROMPTS[i], "max_tokens": 4}, timeout=20)
+            r = httpx.post(srv.url + "/v1/completions", json={"prompt": PROMPTS[i], "max_tokens": 4},
+                           timeout=20)
             assert r.status_code == 200
         assert httpx.get(srv.url + "/health", timeout=5).status_code == 200
     finally:
@@ -154,7 +155,8 @@ def test_tokenization_runs_side_by_side_with_its_own_tokenizers():
         return tokenizer.encode(prompt)
 
     def prompt_ids(body) -> list[int]:  # what build_request runs on a pool thread
-        return gw.request(body, "completion").prepare(tiny_tokenizer(), set(), encoder=gw.tokenizers.local()).prompt_ids
+        return gw.request(body, "completion").prepare(tiny_tokenizer(), set(),
+                                                      encoder=gw.tokenizers.local()).prompt_ids
 
     async def two():
         body = CompletionRequest(prompt="The quick brown fox")
@@ -202,6 +204,7 @@ def test_sigterm_ends_what_still_runs_at_the_deadline(endless_model_dir):
         assert srv.proc.wait(HANG_GUARD_S) == 0
         running.thread.join(10)
         errors = [c["error"] for c in running.chunks() if "error" in c]
-        assert errors and errors[0]["code"] == 503 and "shutting down" in errors[0]["message"], running.lines[-3:]
+        assert (errors and errors[0]["code"] == 503
+                and "shutting down" in errors[0]["message"]), running.lines[-3:]
     finally:
         srv.close()

@@ -50,7 +50,8 @@ def test_serve_flags_and_config_keys(tmp_path, monkeypatch):
     keys = tmp_path / "keys"
     keys.write_text("sk-a alice\n")
     config_file = tmp_path / "serve.yaml"
-    config_file.write_text("target: smollm2-135m\nserve:\n  allowed_origins: [http://a.example, http://b.example]\n"
+    config_file.write_text("target: smollm2-135m\nserve:\n"
+                           "  allowed_origins: [http://a.example, http://b.example]\n"
                            "  access_log: \"off\"\n  shutdown_timeout: 5\n  api_key_env: TEST_KEY\n")
     monkeypatch.setenv("TEST_KEY", "sk-env")
     args = build_parser().parse_args(["serve", "--config", str(config_file), "--api-key-file", str(keys)])
@@ -58,7 +59,8 @@ def test_serve_flags_and_config_keys(tmp_path, monkeypatch):
     assert config.allowed_origins == ["http://a.example", "http://b.example"]
     assert (config.access_log, config.shutdown_timeout) == ("off", 5.0)
     assert config.keys() == {"sk-a": "alice", "sk-env": key_tenant("sk-env")}
-    config = serve_config(build_parser().parse_args(["serve", "--target", "smollm2-135m", "--allowed-origins", "*"]))
+    config = serve_config(build_parser().parse_args(["serve", "--target", "smollm2-135m",
+                                                     "--allowed-origins", "*"]))
     assert config.allowed_origins == ["*"] and config.access_log == "json" and config.keys() == {}
     with pytest.raises(SystemExit):  # argparse: the flag's value is checked
         build_parser().parse_args(["serve", "--shutdown-timeout", "0"])
@@ -66,12 +68,15 @@ def test_serve_flags_and_config_keys(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(("model", "body", "param"), [
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "ok"}]}, None),
-    (ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "text", "text": "é\ud800"}]}]},
+    (ChatCompletionRequest,
+     {"messages": [{"role": "user", "content": [{"type": "text", "text": "é\ud800"}]}]},
      "messages[0].content[0].text"),
-    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "ok"}],
-                             "tools": [{"type": "function", "function": {"name": "f", "parameters": {"\udc00": {}}}}]},
+    (ChatCompletionRequest,
+     {"messages": [{"role": "user", "content": "ok"}],
+      "tools": [{"type": "function", "function": {"name": "f", "parameters": {"\udc00": {}}}}]},
      "tools[0].function.parameters"),
-    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "ok"}], "tool_choice": "\ud83d"}, "tool_choice"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "ok"}], "tool_choice": "\ud83d"},
+     "tool_choice"),
     (CompletionRequest, {"prompt": ["ok", "😀", "x\udfff"]}, "prompt[2]"),
     (CompletionRequest, {"prompt": "😀 is a whole pair"}, None),
 ])

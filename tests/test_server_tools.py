@@ -31,7 +31,8 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model_dir = save_loaded(tiny_llama(0, max_positions=2048), tmp_path_factory.mktemp("tiny-tools"))
-    srv = ServerProcess(model_dir, "--served-model-name", MODEL, "--drafter", "ngram:min=1", "--max-batch", "4")
+    srv = ServerProcess(model_dir, "--served-model-name", MODEL, "--drafter", "ngram:min=1",
+                        "--max-batch", "4")
     yield srv
     srv.close()
 
@@ -51,12 +52,15 @@ def check_calls(calls, names=None):
     for call in calls:
         assert call.type == "function" and call.id.startswith("call_")
         tool = next(t for t in TOOLS + [NOTE] if t["function"]["name"] == call.function.name)
-        assert valid_args(call.function.arguments, tool) if tool is not NOTE else json.loads(call.function.arguments)
+        assert (valid_args(call.function.arguments, tool) if tool is not NOTE
+                else json.loads(call.function.arguments))
         assert names is None or call.function.name in names
 
 
-@pytest.mark.parametrize(("choice", "names"), [("required", None), ({"type": "function", "function": {"name": "add"}},
-                                                                     {"add"})])
+@pytest.mark.parametrize(("choice", "names"), [
+    ("required", None),
+    ({"type": "function", "function": {"name": "add"}}, {"add"}),
+])
 def test_forced_choices_return_calls_that_follow_the_schema(client, choice, names):
     reply = create(client, tool_choice=choice, parallel_tool_calls=False)
     choice0 = reply.choices[0]
@@ -83,8 +87,11 @@ def _minimum(server, field: str, **body) -> int:
 
 
 @pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
-@pytest.mark.parametrize("ask", [{"tool_choice": NAMED, "parallel_tool_calls": False}, {"tool_choice": "required"},
-                                 {"tools": None, "response_format": {"type": "json_object"}}])
+@pytest.mark.parametrize("ask", [
+    {"tool_choice": NAMED, "parallel_tool_calls": False},
+    {"tool_choice": "required"},
+    {"tools": None, "response_format": {"type": "json_object"}},
+])
 def test_a_budget_below_the_closing_completion_is_a_400_naming_the_field(server, field, ask):
     need = _minimum(server, field, **ask)
     payload = {"model": MODEL, "messages": ASK, "tools": TOOLS, field: need, "temperature": 0, **ask}
@@ -98,7 +105,8 @@ def test_a_reply_closed_by_the_budget_is_complete_and_marked(server, client):
     the call, valid, with finish_reason tool_calls, the choice's specdec field, the header,
     the final chunk's field when streamed, and the metric; the same with and without drafts."""
     base = dict(messages=[{"role": "user", "content": "Note: the quick brown fox."}], tools=[NOTE],
-                tool_choice={"type": "function", "function": {"name": "take_note"}}, parallel_tool_calls=False)
+                tool_choice={"type": "function", "function": {"name": "take_note"}},
+                parallel_tool_calls=False)
     need = _minimum(server, "max_tokens", **base)
     before = server.metrics().get("specdec:num_requests_closed_by_budget_total", 0.0)
     replies = []
@@ -112,9 +120,11 @@ def test_a_reply_closed_by_the_budget_is_complete_and_marked(server, client):
         replies.append([c.function.model_dump() for c in reply.choices[0].message.tool_calls])
         check_calls(reply.choices[0].message.tool_calls)
     assert replies[0] == replies[1]
-    chunks = list(client.chat.completions.create(model=MODEL, temperature=0, max_tokens=need + 6, stream=True, **base))
+    chunks = list(client.chat.completions.create(model=MODEL, temperature=0, max_tokens=need + 6, stream=True,
+                                                 **base))
     final = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
-    assert [f.finish_reason for f in final] == ["tool_calls"] and final[0].model_extra["specdec"]["closed_by_budget"]
+    assert ([f.finish_reason for f in final] == ["tool_calls"]
+            and final[0].model_extra["specdec"]["closed_by_budget"])
     assert server.metrics()["specdec:num_requests_closed_by_budget_total"] == before + 3
 
 
@@ -143,7 +153,8 @@ def test_streamed_tool_calls_reassemble_to_the_non_streamed_ones(client):
 
 def test_speculation_changes_no_tool_call(client):
     base = dict(messages=[{"role": "user", "content": "Note: the quick brown fox."}], tools=[NOTE],
-                tool_choice={"type": "function", "function": {"name": "take_note"}}, parallel_tool_calls=False)
+                tool_choice={"type": "function", "function": {"name": "take_note"}},
+                parallel_tool_calls=False)
     plain = create(client, **base, extra_body={"drafter": "none", "return_spec_decode": True})
     want = [c.function.model_dump() for c in plain.choices[0].message.tool_calls]
     accepted = 0
@@ -163,8 +174,8 @@ def test_auto_and_none(client):
     assert message.content or message.tool_calls
     none = create(client, tool_choice="none", max_tokens=30)
     assert none.choices[0].message.tool_calls is None and none.choices[0].finish_reason in ("stop", "length")
-    streamed = "".join(c.choices[0].delta.content or "" for c in create(client, tool_choice="none", max_tokens=30,
-                                                                         stream=True) if c.choices)
+    streamed = "".join(c.choices[0].delta.content or ""
+                       for c in create(client, tool_choice="none", max_tokens=30, stream=True) if c.choices)
     assert streamed == none.choices[0].message.content
 
 
@@ -178,7 +189,8 @@ def test_a_conversation_with_calls_and_results(client):
     check_calls(second.choices[0].message.tool_calls)
     assert second.usage.prompt_tokens > create(client, tool_choice="required", parallel_tool_calls=False,
                                                max_tokens=64).usage.prompt_tokens  # room for a whole call
-    plain = create(client, messages=[*messages, {"role": "assistant", "content": "Sunny."}], tools=None, max_tokens=5)
+    plain = create(client, messages=[*messages, {"role": "assistant", "content": "Sunny."}], tools=None,
+                   max_tokens=5)
     assert plain.choices[0].finish_reason in ("stop", "length")
 
 
@@ -191,8 +203,8 @@ def test_response_format(client):
     data = json.loads(reply.choices[0].message.content)
     assert data["answer"] in ("yes", "no") and len(data["why"]) <= 20 and set(data) == {"answer", "why"}
     assert reply.choices[0].finish_reason == "stop"
-    streamed = "".join(c.choices[0].delta.content or "" for c in create(client, tools=None, response_format=fmt,
-                                                                         stream=True) if c.choices)
+    streamed = "".join(c.choices[0].delta.content or ""
+                       for c in create(client, tools=None, response_format=fmt, stream=True) if c.choices)
     assert streamed == reply.choices[0].message.content
     obj = create(client, tools=None, response_format={"type": "json_object"}, max_tokens=20).choices[0]
     assert obj.finish_reason == "stop"  # JSON mode: the random model's keys run long, the budget closes them
@@ -200,10 +212,11 @@ def test_response_format(client):
 
 
 BAD = [
-    ({"tools": [TOOLS[0], {"type": "function", "function": {"name": "no spaces"}}]}, "tools[1].function.name"),
+    ({"tools": [TOOLS[0], {"type": "function", "function": {"name": "no spaces"}}]},
+     "tools[1].function.name"),
     ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-        "a": {"type": "strin"}}}}}]}, "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "strin"}}}}}]}, "tools[0].function.parameters"),
     ({"tools": "all of them"}, "tools"),
     ({"tool_choice": "always"}, "tool_choice"),
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
@@ -212,7 +225,8 @@ BAD = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
      "response_format"),
     ({"response_format": {"type": "xml"}}, "response_format"),
-    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": 7}]}]},
+    ({"messages": [{"role": "assistant", "content": None,
+                    "tool_calls": [{"type": "function", "function": 7}]}]},
      "messages[0].tool_calls[0]"),
     ({"parallel_tool_calls": "sometimes"}, "parallel_tool_calls"),
 ]
@@ -237,9 +251,10 @@ def test_the_json_tool_call_parser(tmp_path):
     """--tool-call-parser json: the model is told to reply with a bare JSON call, and that is
     what the grammar forces and the server parses; an unknown parser is refused at startup."""
     model_dir = save_loaded(tiny_llama(0, max_positions=2048), tmp_path / "m")
-    bad = subprocess.run([sys.executable, "-m", "specdec.cli", "serve", "--target", model_dir, "--tool-call-parser",
-                          "xml"], capture_output=True, text=True, timeout=120)
-    assert bad.returncode != 0 and "unknown tool-call parser 'xml'" in bad.stderr and "Traceback" not in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "specdec.cli", "serve", "--target", model_dir,
+                          "--tool-call-parser", "xml"], capture_output=True, text=True, timeout=120)
+    assert (bad.returncode != 0 and "unknown tool-call parser 'xml'" in bad.stderr
+            and "Traceback" not in bad.stderr)
     srv = ServerProcess(model_dir, "--served-model-name", MODEL, "--tool-call-parser", "json")
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -247,7 +262,8 @@ def test_the_json_tool_call_parser(tmp_path):
         assert reply.finish_reason == "tool_calls" and reply.message.content is None
         check_calls(reply.message.tool_calls, {"get_weather"})
         streamed = list(create(client, tool_choice=NAMED, parallel_tool_calls=False, stream=True))
-        args = "".join(p.function.arguments or "" for c in streamed if c.choices for p in c.choices[0].delta.tool_calls or [])
+        args = "".join(p.function.arguments or "" for c in streamed if c.choices
+                       for p in c.choices[0].delta.tool_calls or [])
         assert args == reply.message.tool_calls[0].function.arguments
     finally:
         srv.close()
@@ -258,21 +274,25 @@ SCHEMA = st.fixed_dictionaries({}, optional={
     "type": st.sampled_from(["object", "array", "strin"]) | JSON,
     "properties": st.dictionaries(st.sampled_from(["a", "b"]), st.fixed_dictionaries({}, optional={
         "type": st.sampled_from(["string", "integer", "boolean", "nope"]) | JSON,
-        "maxLength": st.integers(-1, 5) | JSON, "enum": st.lists(JSON, max_size=3), "$ref": st.text(max_size=8)}),
+        "maxLength": st.integers(-1, 5) | JSON, "enum": st.lists(JSON, max_size=3),
+        "$ref": st.text(max_size=8)}),
         max_size=2) | JSON,
     "required": st.lists(st.sampled_from(["a", "b", "c"]), max_size=2) | JSON,
     "additionalProperties": st.booleans() | JSON,
 })
 TOOL = st.fixed_dictionaries({"type": st.just("function") | JSON}, optional={
     "function": st.fixed_dictionaries({"name": NAMES | JSON}, optional={
-        "description": st.text(max_size=10) | JSON, "parameters": SCHEMA | JSON, "strict": st.booleans() | JSON}) | JSON,
+        "description": st.text(max_size=10) | JSON, "parameters": SCHEMA | JSON,
+        "strict": st.booleans() | JSON}) | JSON,
 }) | JSON
 CALL_SHAPED = st.fixed_dictionaries({"id": st.text(max_size=6) | JSON, "type": st.just("function") | JSON},
                                     optional={"function": st.fixed_dictionaries(
-                                        {"name": NAMES | JSON}, optional={"arguments": st.text(max_size=10) | JSON}) | JSON})
+                                        {"name": NAMES | JSON},
+                                        optional={"arguments": st.text(max_size=10) | JSON}) | JSON})
 TOOL_MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "assistant", "tool"])},
-    optional={"content": st.none() | st.text(max_size=10), "tool_calls": st.lists(CALL_SHAPED, max_size=2) | JSON,
+    optional={"content": st.none() | st.text(max_size=10),
+              "tool_calls": st.lists(CALL_SHAPED, max_size=2) | JSON,
               "tool_call_id": st.text(max_size=6) | JSON, "name": st.text(max_size=6) | JSON},
 )
 TOOL_BODY = st.fixed_dictionaries(
@@ -282,7 +302,8 @@ TOOL_BODY = st.fixed_dictionaries(
         "tool_choice": st.sampled_from(["none", "auto", "required", "x"]) | st.fixed_dictionaries(
             {"type": st.just("function"), "function": st.fixed_dictionaries({"name": NAMES})}) | JSON,
         "parallel_tool_calls": st.booleans() | JSON,
-        "response_format": st.sampled_from([{"type": "json_object"}, {"type": "text"}, {"type": "json_schema"}]) | JSON,
+        "response_format": st.sampled_from([{"type": "json_object"}, {"type": "text"},
+                                            {"type": "json_schema"}]) | JSON,
         "stream": st.booleans(),
     },
 )
@@ -309,7 +330,8 @@ def test_real_model_calls_tools_losslessly():
     srv = ServerProcess("smollm2-135m", "--served-model-name", "smol", backend="auto")
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-        base = dict(model="smol", messages=[{"role": "user", "content": "What's the weather in Paris, in celsius?"}],
+        base = dict(model="smol",
+                    messages=[{"role": "user", "content": "What's the weather in Paris, in celsius?"}],
                     tools=TOOLS, tool_choice=NAMED, parallel_tool_calls=False, temperature=0, max_tokens=60)
         plain = client.chat.completions.create(**base, extra_body={"drafter": "none"})
         call = plain.choices[0].message.tool_calls[0].function
@@ -318,7 +340,8 @@ def test_real_model_calls_tools_losslessly():
             spec = client.chat.completions.create(**base, extra_body={"drafter": drafter})
             assert spec.choices[0].message.tool_calls[0].function == call
         streamed = list(client.chat.completions.create(**base, stream=True))
-        args = "".join(p.function.arguments or "" for c in streamed if c.choices for p in c.choices[0].delta.tool_calls or [])
+        args = "".join(p.function.arguments or "" for c in streamed if c.choices
+                       for p in c.choices[0].delta.tool_calls or [])
         assert args == call.arguments
     finally:
         srv.close()

@@ -1,8 +1,8 @@
 """The soak test (tests/soak.py, also a script for any server): 64 concurrent clients
 against a real `specdec serve` process, with random disconnects, long and short prompts
-mixed and malformed requests mixed in. It passes with no 5xx, every completed greedy reply equal to its prompt's
-reply served alone, /health ok afterwards and RSS back within a bound; it prints the report,
-inter-token latency p99 of running streams included.
+mixed and malformed requests mixed in. It passes with no 5xx, every completed greedy reply
+equal to its prompt's reply served alone, /health ok afterwards and RSS back within a bound;
+it prints the report, inter-token latency p99 of running streams included.
 
 The model is the tiny random Llama with a 4096-token context, so long prompts (a few thousand
 tokens) go through chunked prefill. Marked `soak` (and `slow`): minutes on a 2-core machine.

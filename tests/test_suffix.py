@@ -203,7 +203,8 @@ def test_propose_cost_on_a_4k_context():
         draft = drafter.propose(context[:pos], 8)
         times.append(time.perf_counter() - start)
         drafted += len(draft)
-        accepted = next((i for i, t in enumerate(draft.tokens) if context[pos + i : pos + i + 1] != [t]), len(draft))
+        accepted = next((i for i, t in enumerate(draft.tokens) if context[pos + i : pos + i + 1] != [t]),
+                        len(draft))
         pos += accepted + 1
     assert drafted > 0
     times.sort()
@@ -227,7 +228,9 @@ def _plain(target, prompt, backend="hf"):
 
 
 @pytest.mark.parametrize(
-    ("tree", "backend"), [(False, "hf"), (True, "hf"), (True, "native")], ids=["chain", "tree-hf", "tree-native"]
+    ("tree", "backend"),
+    [(False, "hf"), (True, "hf"), (True, "native")],
+    ids=["chain", "tree-hf", "tree-native"],
 )
 def test_greedy_equals_plain_and_learns_across_requests(target, tree, backend):
     prompt = '{"name": "search", "arguments": {"query": "weather in Paris"}} ' * 2
@@ -285,7 +288,8 @@ def test_sampling_with_tree_drafts(target):
         store = SuffixStore(depth=24, max_nodes=100_000)
         store.add(ids)
         store.add(ids[:12] + [(t + 1) % 300 for t in ids[12:]])  # a second answer to branch to
-        drafter = SuffixDrafter(store, depth=24, tree=True, branch_prob=0.1, eos_token_ids=target.eos_token_ids)
+        drafter = SuffixDrafter(store, depth=24, tree=True, branch_prob=0.1,
+                                eos_token_ids=target.eos_token_ids)
         engine = Engine(target=target, drafter=drafter, k=6)
         tree_calls = spy_trees(engine.backend)
         result = engine.generate(prompt, max_new_tokens=MAX_NEW, temperature=0.3, seed=3, chat=False)

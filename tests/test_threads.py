@@ -59,12 +59,14 @@ def _digests_at_one_and_two_threads(paths: list) -> tuple[dict, dict]:
     output goes to files, so that neither blocks on a full pipe while the other is read."""
     digests = {}
     with tempfile.TemporaryDirectory() as folder:
-        logs = {threads: (Path(folder, f"{threads}.out"), Path(folder, f"{threads}.err")) for threads in (1, 2)}
+        logs = {threads: (Path(folder, f"{threads}.out"), Path(folder, f"{threads}.err"))
+                for threads in (1, 2)}
         runs = {}
         for threads, (out, err) in logs.items():
             with out.open("w") as stdout, err.open("w") as stderr:
-                runs[threads] = subprocess.Popen([sys.executable, "-c", THREADS_SCRIPT, str(threads), *map(str, paths)],
-                                                 stdout=stdout, stderr=stderr)  # fmt: skip
+                runs[threads] = subprocess.Popen([sys.executable, "-c", THREADS_SCRIPT, str(threads),
+                                                  *map(str, paths)],
+                                                 stdout=stdout, stderr=stderr)
         try:
             for threads, run in runs.items():
                 out, err = logs[threads]
@@ -84,7 +86,7 @@ def test_whole_models_give_the_same_bits_at_one_and_two_threads(tmp_path_factory
     verify chain, every architecture with a quant type each: bit-identical logits at 1 and 2
     threads on the CPU at hand."""
     pairs = [("llama", "Q4_K"), ("mistral", "Q4_0"), ("qwen2", "Q8_0"), ("qwen3", "Q6_K"), ("gemma3", "Q5_K"),
-             ("phi3", "Q4_1"), ("llama", "F16")]  # fmt: skip
+             ("phi3", "Q4_1"), ("llama", "F16")]
     paths = [_write(tmp_path_factory, arch, qtype)[0] for arch, qtype in pairs]
     one, two = _digests_at_one_and_two_threads(paths)
     assert one == two
@@ -124,7 +126,7 @@ def _hf_directory(path) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=2048, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
-                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=1024)  # fmt: skip
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=1024)
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(str(path))
     return str(path)
@@ -132,7 +134,7 @@ def _hf_directory(path) -> str:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m, k, n", [(4, 576, 576), (40, 2048, 2048), (128, 1536, 576), (40, 8960, 1536),
-                                     (270, 1536, 256), (1, 576, 1000)])  # fmt: skip
+                                     (270, 1536, 256), (1, 576, 1000)])
 def test_the_prompt_gemm_gives_the_same_bits_at_any_thread_count(dtype, m, k, n):
     """Shapes where oneDNN's or MKL's own GEMM changed its bits between 1 and 2 threads on an AMX
     Xeon: the same bits at 1, 2 and 1 threads, and the process's count comes back."""
@@ -155,7 +157,8 @@ def test_a_failing_gemm_raises_and_restores_the_thread_count():
     try:
         torch.set_num_threads(2)
         with pytest.raises(RuntimeError):  # an out of another dtype
-            cpu.one_thread_mm(torch.ones(3, 64), torch.ones(64, 600), torch.empty(3, 600, dtype=torch.float64))
+            cpu.one_thread_mm(torch.ones(3, 64), torch.ones(64, 600),
+                              torch.empty(3, 600, dtype=torch.float64))
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)

@@ -48,7 +48,8 @@ TOOLS = [WEATHER, ADD, PING]
 # SmolLM2-135M-Instruct's template: ChatML, any role string, no tool support.
 CHATML = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, "
+    "trained by Hugging Face<|im_end|>\n' }}"
     "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
@@ -67,7 +68,8 @@ def valid_args(arguments: str, tool: dict) -> bool:
             return False
         if rule.get("type") == "string" and not (isinstance(value, str) and len(value) <= rule["maxLength"]):
             return False
-        if rule.get("type") == "integer" and not (isinstance(value, int) and rule["minimum"] <= value <= rule["maximum"]):
+        if rule.get("type") == "integer" and not (isinstance(value, int)
+                                                  and rule["minimum"] <= value <= rule["maximum"]):
             return False
     return True
 
@@ -88,8 +90,8 @@ def tok_with(template: str):
         ({"tools": [1]}, "tools[0]", "expected an object"),
         ({"tools": [{"type": "code_interpreter"}]}, "tools[0].type", "only 'function' tools"),
         ({"tools": [{"type": "function"}]}, "tools[0].function", "expected an object"),
-        ({"tools": [WEATHER, {"type": "function", "function": {"name": "bad name"}}]}, "tools[1].function.name",
-         "letters, digits"),
+        ({"tools": [WEATHER, {"type": "function", "function": {"name": "bad name"}}]},
+         "tools[1].function.name", "letters, digits"),
         ({"tools": [{"type": "function", "function": {"name": "x" * 65}}]}, "tools[0].function.name", "1-64"),
         ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name", "duplicate"),
         ({"tools": [{"type": "function", "function": {"name": "f", "description": 3}}]},
@@ -102,15 +104,16 @@ def tok_with(template: str):
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
             "type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}]},
          "tools[0].function.parameters", "invalid JSON schema"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]}, "tools[0].function.strict",
-         "boolean"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]},
+         "tools[0].function.strict", "boolean"),
         ({"tools": [PING] * 129}, "tools", "at most 128"),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "must be none, auto, required"),
         ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice", "expected"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
          "tool_choice.function.name", "no tool is named 'nope'"),
         ({"tool_choice": "required"}, "tool_choice", "needs tools"),
-        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "only allowed when tools"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice",
+         "only allowed when tools"),
         ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls", "boolean"),
         ({"tools": TOOLS, "parser": "xml"}, "tool_parser", "unknown tool-call parser"),
     ],
@@ -143,9 +146,11 @@ HERMES = [  # (text, content, [(name, arguments)])
     ("  padded  ", "  padded  ", []),
     (CALL, "", [("get_weather", '{"city": "Paris", "unit": "c"}')]),
     ("Let me look.\n" + CALL + "\n" + CALL.replace("Paris", "Rome") + "\n",
-     "Let me look.", [("get_weather", '{"city": "Paris", "unit": "c"}'), ("get_weather", '{"city": "Rome", "unit": "c"}')]),
+     "Let me look.",
+     [("get_weather", '{"city": "Paris", "unit": "c"}'), ("get_weather", '{"city": "Rome", "unit": "c"}')]),
     (CALL + " Done.", "Done.", [("get_weather", '{"city": "Paris", "unit": "c"}')]),
-    ('<tool_call>{"arguments": {"x": [1, {"y": "}"}]}, "name": "f"}</tool_call>', "", [("f", '{"x": [1, {"y": "}"}]}')]),
+    ('<tool_call>{"arguments": {"x": [1, {"y": "}"}]}, "name": "f"}</tool_call>', "",
+     [("f", '{"x": [1, {"y": "}"}]}')]),
     ('<tool_call>{"name": "f", "parameters": {}}</tool_call>', "", [("f", "{}")]),
     ('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', "", [("f", '{"a": 1}')]),
     ('<tool_call>{"name": "f", "arguments": {"a": "\\"<tool_call>\\""}}</tool_call>', "",
@@ -205,7 +210,8 @@ def test_streaming_in_any_split_agrees_with_parse(parser, text, content, calls):
             assert len(d) == 1
             for piece in d.get("tool_calls", []):
                 if piece["index"] not in opened:
-                    assert set(piece) == {"index", "id", "type", "function"} and piece["function"]["arguments"] == ""
+                    assert (set(piece) == {"index", "id", "type", "function"}
+                            and piece["function"]["arguments"] == "")
                     opened.add(piece["index"])
                     rebuilt[piece["index"]] = [piece["function"]["name"], ""]
                 else:
@@ -231,15 +237,18 @@ def test_tools_render_in_a_system_block_for_a_template_without_tool_support():
     tok = tok_with(CHATML)
     plan = tool_plan(TOOLS)
     text = tok.decode(encode(tok, "Weather in Paris?", tools=plan))
-    assert text.startswith("<|im_start|>system\n# Tools\n") and "SmolLM" not in text  # it replaces the default
+    # it replaces the default
+    assert text.startswith("<|im_start|>system\n# Tools\n") and "SmolLM" not in text
     assert text.count('{"type": "function", "function": {"name": ') == 3 and "<tool_call>" in text
     assert text.endswith("<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n")
     merged = tok.decode(encode(tok, [{"role": "system", "content": "Be brief."},
                                      {"role": "user", "content": "Hi"}], tools=plan))
-    assert merged.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n") and merged.count("<|im_start|>system") == 1
+    assert (merged.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
+            and merged.count("<|im_start|>system") == 1)
     json_plan = tool_plan(TOOLS, parser="json")
     assert "JSON list of such objects" in tok.decode(encode(tok, "Hi", tools=json_plan))
-    assert tok.decode(encode(tok, "Hi")).startswith("<|im_start|>system\nYou are a helpful")  # no tools: unchanged
+    # no tools: unchanged
+    assert tok.decode(encode(tok, "Hi")).startswith("<|im_start|>system\nYou are a helpful")
 
 
 HISTORY = [
@@ -263,7 +272,8 @@ def test_history_with_calls_and_results():
     assert CALL in no_tools and "# Tools" not in no_tools
     # A template that refuses the tool role gets the result as a user message.
     strict = tok_with("{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
-                      "{{ raise_exception('bad role') }}{% endif %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}")
+                      "{{ raise_exception('bad role') }}{% endif %}"
+                      "[{{ m['role'] }}]{{ m['content'] }}{% endfor %}")
     assert "[user]<tool_response>" in strict.decode(encode(strict, HISTORY))
     with pytest.raises(SpecdecError) as err:
         encode(tok, [{"role": "assistant", "content": None, "tool_calls": [{"function": "x"}]}])
@@ -277,7 +287,8 @@ def test_a_template_with_tool_support_renders_them_itself():
     tok = tok_with(
         "{% if tools %}[tools:{% for t in tools %}{{ t.function.name }};{% endfor %}]{% endif %}"
         "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% if m.tool_calls %}"
-        "{% for c in m.tool_calls %}<{{ c.function.name }} {{ c.function.arguments.city }}>{% endfor %}{% endif %}"
+        "{% for c in m.tool_calls %}<{{ c.function.name }} {{ c.function.arguments.city }}>{% endfor %}"
+        "{% endif %}"
         "{% if m.name %}({{ m.name }}){% endif %}{% endfor %}"
     )
     messages, extra = chat_messages(tok, HISTORY, tool_plan(TOOLS))
@@ -316,7 +327,8 @@ ARGS = '{"city": "Paris", "unit": "c"}'
         ("hermes", False, False, "Let me see. " + CALL, True),
         ("hermes", False, False, CALL + " more", False),  # one call ends the reply
         ("json", True, False, '{"name": "get_weather", "arguments": ' + ARGS + "}", True),
-        ("json", True, True, '[{"name": "ping", "arguments": {}}, {"name": "add", "arguments": {"a": 1, "b": 2}}]', True),
+        ("json", True, True,
+         '[{"name": "ping", "arguments": {}}, {"name": "add", "arguments": {"a": 1, "b": 2}}]', True),
         ("json", True, False, '{"name": "add", "arguments": {"a": 100, "b": 2}}', False),  # above the maximum
         ("json", False, True, "No call needed.", True),
         ("json", False, True, '{"answer": 1}', False),  # a reply that starts like JSON is a call
@@ -338,7 +350,8 @@ def target():
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_forced_choices_produce_valid_calls_exactly_under_speculation(target, parser, choice):
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    kwargs = dict(max_new_tokens=120, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False, tool_parser=parser)
+    kwargs = dict(max_new_tokens=120, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False,
+                  tool_parser=parser)
     plain = Engine(target, drafter="none", k=0).generate(messages, **kwargs)
     assert plain.finish_reason == "tool_calls" and len(plain.tool_calls) == 1 and plain.content is None
     call = plain.tool_calls[0]
@@ -358,7 +371,8 @@ def test_forced_choices_produce_valid_calls_exactly_under_speculation(target, pa
 def test_auto_and_none(target):
     engine = Engine(target, drafter="ngram", k=4)
     auto = engine.generate("Hi", max_new_tokens=40, tools=TOOLS, tool_choice="auto")
-    plain = Engine(target, drafter="none", k=0).generate("Hi", max_new_tokens=40, tools=TOOLS, tool_choice="auto")
+    plain = Engine(target, drafter="none", k=0).generate("Hi", max_new_tokens=40, tools=TOOLS,
+                                                         tool_choice="auto")
     assert auto.token_ids == plain.token_ids
     assert auto.content == auto.text and auto.tool_calls == [] and auto.finish_reason in ("stop", "length")
     none = engine.generate("Hi", max_new_tokens=20, tools=TOOLS, tool_choice="none")
@@ -367,6 +381,7 @@ def test_auto_and_none(target):
         engine.generate("Hi", tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})
     assert err.value.param == "response_format"
     formatted = engine.generate("Hi", max_new_tokens=30, tools=TOOLS, response_format={"type": "json_object"})
-    assert formatted.text.startswith("{") and formatted.tool_calls == [] and formatted.content == formatted.text
+    assert (formatted.text.startswith("{") and formatted.tool_calls == []
+            and formatted.content == formatted.text)
     if formatted.finish_reason == "stop":  # the random model's keys may run past max_new_tokens
         json.loads(formatted.text)

@@ -182,7 +182,8 @@ def test_tree_sampling_greedy_params_follow_argmax():
     params = SamplingParams()  # one-hot target distributions
     rows = torch.cat([FIRST_LOGITS[None], NEXT_LOGITS[FIXED_TOKENS]])  # [n+1, V]
     target_probs = logits_to_probs(rows, params)
-    result = verify_tree_sampling(FIXED_TOKENS, FIXED_PARENTS, None, target_probs, torch.Generator().manual_seed(0))
+    result = verify_tree_sampling(FIXED_TOKENS, FIXED_PARENTS, None, target_probs,
+                                  torch.Generator().manual_seed(0))
     greedy = verify_tree_greedy(FIXED_TOKENS, FIXED_PARENTS, target_probs.argmax(-1))
     assert (result.accepted, result.next_token) == (greedy.accepted, greedy.next_token)
 

@@ -120,7 +120,8 @@ def test_deterministic_when_seeded():
     target_probs = logits_to_probs(TARGET_LOGITS, SamplingParams(temperature=1.0))
     draft = torch.tensor([1])
     runs = [
-        [verify_sampling(draft, DRAFT_PROBS[:1], target_probs, torch.Generator().manual_seed(s)) for s in range(20)]
+        [verify_sampling(draft, DRAFT_PROBS[:1], target_probs, torch.Generator().manual_seed(s))
+         for s in range(20)]
         for _ in range(2)
     ]
     assert runs[0] == runs[1]

@@ -36,9 +36,10 @@ def add_generate_parser(sub) -> None:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="a user chat message (plain text with --raw)")
     source.add_argument("--messages", metavar="FILE",
-                        help="a JSON list of chat messages, OpenAI's form (assistant tool_calls, role tool results)")
-    add_engine_args(p, drafter="none | ngram[:min=N][:max=N] | suffix[:tree=1] | retrieval:DIR | model:PATH_OR_NAME | "
-                               "layerskip[:FILE] | eagle:DIR (default ngram)")
+                        help="a JSON list of chat messages, OpenAI's form "
+                             "(assistant tool_calls, role tool results)")
+    add_engine_args(p, drafter="none | ngram[:min=N][:max=N] | suffix[:tree=1] | retrieval:DIR | "
+                               "model:PATH_OR_NAME | layerskip[:FILE] | eagle:DIR (default ngram)")
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -47,13 +48,17 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--stop", nargs="+", default=None, help="stop strings")
     p.add_argument("--raw", action="store_true", help="feed the prompt as plain text, not a chat message")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
-    p.add_argument("--compare-plain", action="store_true", help="also decode without speculation and report the speedup")
+    p.add_argument("--compare-plain", action="store_true",
+                   help="also decode without speculation and report the speedup")
     p.add_argument("--json", action="store_true", help="end stdout with one JSON object")
-    p.add_argument("--log-dir", help="append the prompt and output to a traffic log here (for distill --from-logs)")
+    p.add_argument("--log-dir",
+                   help="append the prompt and output to a traffic log here (for distill --from-logs)")
     p.add_argument("--json-schema", metavar="FILE", help="constrain the reply to this JSON schema (strict)")
-    p.add_argument("--tools", metavar="FILE", help="a JSON file with an OpenAI `tools` list; the calls print as JSON")
+    p.add_argument("--tools", metavar="FILE",
+                   help="a JSON file with an OpenAI `tools` list; the calls print as JSON")
     p.add_argument("--tool-choice", metavar="auto|required|none|NAME",
-                   help="auto (default): the model may call; required: at least one call; NAME: call that tool")
+                   help="auto (default): the model may call; required: at least one call; "
+                        "NAME: call that tool")
     p.add_argument("--no-parallel-tool-calls", action="store_true", help="at most one call in the reply")
     p.set_defaults(func=run_generate)
 
@@ -80,7 +85,8 @@ def generate_request(args: argparse.Namespace) -> Request:
         prompt = read_json_file(args.messages, "--messages")
         prompt = prompt.get("messages") if isinstance(prompt, dict) else prompt
         if not isinstance(prompt, list) or not prompt or not all(isinstance(m, dict) for m in prompt):
-            raise SpecdecError(f"--messages {args.messages}: expected a non-empty list of chat messages", "messages")
+            raise SpecdecError(f"--messages {args.messages}: expected a non-empty list of chat messages",
+                               "messages")
     constraint = plan = None
     if args.json_schema:
         with _blame("--json-schema", args.json_schema):
@@ -92,12 +98,13 @@ def generate_request(args: argparse.Namespace) -> Request:
         choice = args.tool_choice
         with _blame("--tools", args.tools):
             plan = tool_plan(tools.get("tools") if isinstance(tools, dict) else tools,
-                             choice if choice in (None, *CHOICES) else {"type": "function", "function": {"name": choice}},
+                             choice if choice in (None, *CHOICES)
+                             else {"type": "function", "function": {"name": choice}},
                              False if args.no_parallel_tool_calls else None)
             if plan is not None:
                 plan.constraint(constraint)  # a forced tool choice cannot take a schema too
-    base = Request.build(prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.stop, args.seed,
-                         chat=not args.raw)
+    base = Request.build(prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.stop,
+                         args.seed, chat=not args.raw)
     return dataclasses.replace(base, tools=plan, response_format=constraint)
 
 
@@ -145,7 +152,8 @@ def plain_run(engine: Engine, config: EngineConfig, request: Request):
     neither finds the timed prompt in its cache."""
     baseline = Engine(engine.target, "none", config=config, k=0, draft_forced=False)
     # the warm-up is free text: a structure would not fit its 8 tokens (and is warmed by its first step)
-    warmup = dataclasses.replace(request, prompt=WARMUP_PROMPT, max_tokens=8, tools=None, response_format=None)
+    warmup = dataclasses.replace(request, prompt=WARMUP_PROMPT, max_tokens=8, tools=None,
+                                 response_format=None)
     for warm in (baseline, engine):
         warm.generate(warmup)
     return baseline.generate(request)
@@ -173,7 +181,8 @@ def _print_result(args: argparse.Namespace, engine: Engine, result, plain) -> No
     if plain is not None:
         summary["plain_tokens_per_second"] = plain.stats.summary()["tokens_per_second"]
         plain_tps = plain.stats.tokens_per_second
-        summary["speedup_vs_plain"] = round(result.stats.tokens_per_second / plain_tps, 3) if plain_tps else None
+        summary["speedup_vs_plain"] = (round(result.stats.tokens_per_second / plain_tps, 3)
+                                       if plain_tps else None)
         summary["matches_plain"] = plain.token_ids == result.token_ids
         # speculation cannot shorten the prompt's prefill, which both runs pay: the speedup without it
         decode, plain_decode = (r.stats.wall_s - r.stats.prefill_s for r in (result, plain))

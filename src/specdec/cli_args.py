@@ -41,8 +41,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def add_engine_args(p: argparse.ArgumentParser, drafter: str | None = None) -> None:
     """--config and the EngineConfig flags. A flag left out keeps the file's value, else
     EngineConfig's default; `drafter` is the --drafter help (None: no --drafter flag)."""
-    p.add_argument("--config", metavar="FILE", help="YAML engine settings (see README, Configuration); flags override it")
-    p.add_argument("--target", help=f"built-in name, .gguf file or HF model directory (default {DEFAULT_TARGET})")
+    p.add_argument("--config", metavar="FILE",
+                   help="YAML engine settings (see README, Configuration); flags override it")
+    p.add_argument("--target",
+                   help=f"built-in name, .gguf file or HF model directory (default {DEFAULT_TARGET})")
     if drafter is not None:
         p.add_argument("--drafter", help=drafter)
     p.add_argument("--k", help="draft length: auto (adaptive, the default) or an integer")
@@ -53,21 +55,23 @@ def add_engine_args(p: argparse.ArgumentParser, drafter: str | None = None) -> N
 
 
 def add_backend_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", help="model backend: auto (the default: native for llama, mistral, qwen2/3, gemma3 "
-                                      "and phi3 targets, else hf, with a notice), native (lean PyTorch) or hf "
-                                      "(transformers)")  # fmt: skip
+    p.add_argument("--backend", help="model backend: auto (the default: native for llama, mistral, qwen2/3, "
+                                     "gemma3 and phi3 targets, else hf, with a notice), native (lean "
+                                     "PyTorch) or hf (transformers)")
     p.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="backend option, repeatable (native: precision=gguf|fp32|bf16|int8|int4, gguf: a GGUF's "
-                        "own types, the default for GGUF files on a cpu; device=cuda, max_length=N (default: the "
-                        "model's window up to 4096), kv_dtype=fp32|bf16|fp16, compile=1: torch.compile the decode "
-                        "step, for faster single streams; no token trees, and a batch runs one sequence at a time)")
+                   help="backend option, repeatable (native: precision=gguf|fp32|bf16|int8|int4, gguf: a "
+                        "GGUF's own types, the default for GGUF files on a cpu; device=cuda, max_length=N "
+                        "(default: the model's window up to 4096), kv_dtype=fp32|bf16|fp16, compile=1: "
+                        "torch.compile the decode step, for faster single streams; no token trees, and a "
+                        "batch runs one sequence at a time)")
     p.add_argument("--draft-device", metavar="DEVICE",
-                   help="where a model drafter runs, e.g. cpu while the target is on cuda (default: cpu for a "
-                        "GGUF draft, else the draft model's)")
+                   help="where a model drafter runs, e.g. cpu while the target is on cuda (default: cpu for "
+                        "a GGUF draft, else the draft model's)")
     p.add_argument("--prefix-cache", choices=PREFIX_CACHE_MODES,
-                   help="reuse the cached start of a prompt: prompt tokens only, bit-exact against a cold start "
-                        "(default); decoded: the previous answers too, so a conversation's next turn skips "
-                        "re-reading them (a warm conversation may then differ from a cold one in the last bits)")
+                   help="reuse the cached start of a prompt: prompt tokens only, bit-exact against a cold "
+                        "start (default); decoded: the previous answers too, so a conversation's next turn "
+                        "skips re-reading them (a warm conversation may then differ from a cold one in the "
+                        "last bits)")
 
 
 ENGINE_FLAGS = ("target", "drafter", "k", "backend", "prefix_cache", "draft_device", "verify_strategy")
@@ -86,10 +90,12 @@ def engine_config(args: argparse.Namespace, data: dict | None = None) -> EngineC
         if not eq or not key.isidentifier():
             raise SpecdecError(f"--backend-option expects KEY=VALUE, got {item!r}", "backend_option")
         options[key] = value
-    config = config.override(**{name: getattr(args, name, None) for name in ENGINE_FLAGS}, backend_options=options)
+    config = config.override(**{name: getattr(args, name, None) for name in ENGINE_FLAGS},
+                             backend_options=options)
     if getattr(args, "backend", None) is None and data.get("backend") is None:
         config = config.override(backend=CLI_BACKEND)
     if config.backend not in available_backends():
-        raise SpecdecError(f"unknown backend {config.backend!r}; choose one of: {', '.join(available_backends())}",
-                           "backend")
-    return config.override(backend=resolve_backend(config.backend, config.target))  # auto: native or hf, by name
+        raise SpecdecError(f"unknown backend {config.backend!r}; "
+                           f"choose one of: {', '.join(available_backends())}", "backend")
+    # auto: native or hf, by name
+    return config.override(backend=resolve_backend(config.backend, config.target))

@@ -74,7 +74,8 @@ def closing_vocab(ll: llguidance.LLTokenizer, eos_token_ids: set[int]) -> Closin
                         frozenset(eos_token_ids))
 
 
-def find_closing(matcher: llguidance.LLMatcher, vocab: ClosingVocab, limit: int = MAX_CLOSING) -> list[int] | None:
+def find_closing(matcher: llguidance.LLMatcher, vocab: ClosingVocab,
+                 limit: int = MAX_CLOSING) -> list[int] | None:
     """Tokens that take `matcher` from its state to an accepting one (empty when it accepts
     already), or None when none is found within `limit` tokens. The matcher ends as it began."""
     out: list[int] = []

@@ -33,8 +33,8 @@ MAX_K = 64  # the longest fixed draft anyone may ask for, server clients include
 VERIFY_STRATEGIES = ("rejection", "greedy")
 SECTIONS = ("serve",)  # file sections that other commands read
 
-_FIELDS = ("target", "drafter", "k", "backend", "backend_options", "prefix_cache", "draft_device", "verify_strategy",
-           "draft_forced")
+_FIELDS = ("target", "drafter", "k", "backend", "backend_options", "prefix_cache", "draft_device",
+           "verify_strategy", "draft_forced")
 ALIASES = {  # file key -> field
     **{name: name for name in _FIELDS},
     "score_model": "target", "model": "target",
@@ -42,7 +42,8 @@ ALIASES = {  # file key -> field
     "num_propose_tokens": "k", "num_speculative_tokens": "k",
 }
 SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
-_DRAFTER_KEYS = ("method", "prompt_lookup_min", "prompt_lookup_max")  # top-level vLLM keys that pick a drafter
+# top-level vLLM keys that pick a drafter
+_DRAFTER_KEYS = ("method", "prompt_lookup_min", "prompt_lookup_max")
 METHODS = ("ngram", "draft_model", "eagle", "suffix")  # vLLM method names we map
 
 
@@ -104,12 +105,15 @@ class EngineConfig:
             raise SpecdecError(f"verify_strategy must be one of {', '.join(VERIFY_STRATEGIES)}, "
                                f"got {self.verify_strategy!r}", "verify_strategy")
         if not isinstance(self.draft_forced, bool):
-            raise SpecdecError(f"draft_forced must be true or false, got {self.draft_forced!r}", "draft_forced")
+            raise SpecdecError(f"draft_forced must be true or false, got {self.draft_forced!r}",
+                               "draft_forced")
         if self.draft_device is not None and not isinstance(self.draft_device, str):
             raise SpecdecError(f"draft_device must be a string, got {self.draft_device!r}", "draft_device")
         options = self.backend_options or {}
-        if not isinstance(options, dict) or not all(isinstance(key, str) and key.isidentifier() for key in options):
-            raise SpecdecError(f"backend_options must map option names to values, got {options!r}", "backend_options")
+        if (not isinstance(options, dict)
+                or not all(isinstance(key, str) and key.isidentifier() for key in options)):
+            raise SpecdecError(f"backend_options must map option names to values, got {options!r}",
+                               "backend_options")
         set_ = object.__setattr__  # frozen: normalize once, here
         set_(self, "drafter", drafter)
         set_(self, "k", spec_k if spec_k is not None else k)
@@ -145,7 +149,8 @@ class EngineConfig:
     @classmethod
     def _from_dict(cls, data: dict) -> EngineConfig:
         if not isinstance(data, dict):
-            raise SpecdecError(f"a config must be a mapping of keys to values, got {type(data).__name__}", "config")
+            raise SpecdecError(f"a config must be a mapping of keys to values, got {type(data).__name__}",
+                               "config")
         unknown = [key for key in data if key not in ALIASES and key not in SPECULATIVE_KEYS
                    and key not in SECTIONS and key != "speculative_config"]
         if unknown:
@@ -214,7 +219,8 @@ def _speculative(data: dict) -> dict[str, tuple[str, object]]:
 def _vllm_method(keys: dict[str, tuple[str, object]]) -> str:
     """Our drafter string for vLLM's method, model and prompt_lookup_min/max."""
     values = {key: value for key, (_, value) in keys.items()}
-    lookup = {key: values.pop(f"prompt_lookup_{key}") for key in ("min", "max") if f"prompt_lookup_{key}" in values}
+    lookup = {key: values.pop(f"prompt_lookup_{key}") for key in ("min", "max")
+              if f"prompt_lookup_{key}" in values}
     method = values.get("method") or ("ngram" if lookup else "draft_model")
     model = values.get("model")
     if method not in METHODS:
@@ -227,7 +233,8 @@ def _vllm_method(keys: dict[str, tuple[str, object]]) -> str:
             raise SpecdecError(f"method {method!r} takes no draft model, got model={model!r}", "model")
         for key, value in lookup.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise SpecdecError(f"prompt_lookup_{key} must be an integer >= 1, got {value!r}", f"prompt_lookup_{key}")
+                raise SpecdecError(f"prompt_lookup_{key} must be an integer >= 1, got {value!r}",
+                                   f"prompt_lookup_{key}")
         return ":".join([method, *(f"{key}={value}" for key, value in lookup.items())])
     if not isinstance(model, str) or not model:
         raise SpecdecError(f"method {method!r} needs speculative_config.model (the draft's path)", "model")

@@ -119,7 +119,8 @@ class ScoreCosts:
         """The n timed in the bucket of `context`."""
         return set(self._tables.get(context_bucket(context), {}))
 
-    def calibrate(self, backend: RollbackLM, sizes: tuple[int, ...] = CALIBRATION_SIZES, repeats: int = 3) -> None:
+    def calibrate(self, backend: RollbackLM, sizes: tuple[int, ...] = CALIBRATION_SIZES,
+                  repeats: int = 3) -> None:
         """Time target forwards of each size on `backend` (median of `repeats`, interleaved so
         that a noisy moment does not hit one size only) and roll the cache back after each."""
         if self.frozen:
@@ -307,7 +308,8 @@ class AdaptiveK:
         self._rejected = self.decay * self._rejected + (1 if num_accepted < num_drafted else 0)
 
 
-def make_controller(k: str | int, costs: ScoreCosts | None = None, prior_alpha: float | None = None) -> FixedK | AdaptiveK:
+def make_controller(k: str | int, costs: ScoreCosts | None = None,
+                    prior_alpha: float | None = None) -> FixedK | AdaptiveK:
     """FixedK for an integer; AdaptiveK for "auto", starting from a shared cost model and
     the acceptance rate the drafter had on earlier requests, when given."""
     k = "auto" if k is None else parse_k(k)

@@ -97,16 +97,19 @@ class Engine:
         loaded = target if isinstance(target, LoadedModel) else None
         instance = drafter if isinstance(drafter, Drafter) else None
         self.config = (config or EngineConfig()).override(
-            target=loaded.name if loaded else target, drafter=instance.name if instance else drafter, **settings
+            target=loaded.name if loaded else target, drafter=instance.name if instance else drafter,
+            **settings
         )
         cfg = self.config
         self.target = loaded or load_model(cfg.target)
         self.tokenizer = self.target.tokenizer
-        self.backend = make_backend(cfg.backend, self.target, prefix_cache=cfg.prefix_cache, **cfg.backend_options)
+        self.backend = make_backend(cfg.backend, self.target, prefix_cache=cfg.prefix_cache,
+                                    **cfg.backend_options)
         if instance is not None:
             self.drafter, self.drafter_name = instance, instance.name
         else:
-            self.drafter, self.drafter_name = make_drafter(cfg.drafter, self.target, cfg.draft_device), cfg.drafter
+            self.drafter = make_drafter(cfg.drafter, self.target, cfg.draft_device)
+            self.drafter_name = cfg.drafter
         self.drafter.bind_target(self.backend)  # drafters that read the target's states keep it
         self.k = cfg.k
         self.eos_token_ids = self.target.eos_token_ids
@@ -144,8 +147,9 @@ class Engine:
         `json_schema` (a schema, enforced strictly) constrain it: see grammar.py. `logprobs=n`
         fills `result.logprobs`: each token's logprob and its n likeliest rivals (logprobs.py)."""
         request = _as_request(prompt, dict(
-            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop, seed=seed,
-            chat=chat, response_format=response_format, json_schema=json_schema, logprobs=logprobs, **tool_args))
+            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
+            seed=seed, chat=chat, response_format=response_format, json_schema=json_schema, logprobs=logprobs,
+            **tool_args))
         stream = self.stream(request, _text=bool(request.stop))
         for _ in stream:
             pass
@@ -177,8 +181,8 @@ class Engine:
         OpenAI API (see tools.py): the result then has `tool_calls`; the deltas stay raw text
         (`tools.ToolStream` turns them into OpenAI deltas)."""
         request = _as_request(prompt, dict(
-            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop, seed=seed,
-            chat=chat, response_format=response_format, json_schema=json_schema, tools=tools,
+            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
+            seed=seed, chat=chat, response_format=response_format, json_schema=json_schema, tools=tools,
             tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls, tool_parser=tool_parser,
             logprobs=logprobs))
         job = request.prepare(self.tokenizer, self.eos_token_ids, max_length=self.backend.max_length)
@@ -221,7 +225,8 @@ def _as_request(prompt: Prompt | Request, arguments: dict) -> Request:
         return Request.build(prompt, **arguments)
     given = sorted(name for name, value in arguments.items() if value != _BUILD_DEFAULTS.get(name))
     if given:
-        raise SpecdecError(f"a Request carries its own settings; do not pass {', '.join(given)} too", given[0])
+        raise SpecdecError(f"a Request carries its own settings; do not pass {', '.join(given)} too",
+                           given[0])
     return prompt
 
 
@@ -231,7 +236,8 @@ class Runtime:
 
     tokenizer: object
     eos_token_ids: set[int]
-    config: EngineConfig = field(default_factory=EngineConfig)  # decode_params (verify_strategy), draft_forced
+    # decode_params (verify_strategy), draft_forced
+    config: EngineConfig = field(default_factory=EngineConfig)
     costs: ScoreCosts | None = None  # the target's scoring costs, shared by the adaptive controllers
 
 
@@ -271,7 +277,8 @@ class Sequence:
         self.finish_reason = "length"
         self.done = False
         self.result: GenerationResult | None = None
-        self._step: tuple | None = None  # (k, draft_tokens, draft_probs, cache_len, propose_s) between plan and advance
+        # (k, draft_tokens, draft_probs, cache_len, propose_s) between plan and advance
+        self._step: tuple | None = None
         self.tree_parents: list[int] | None = None  # parents of the planned tokens when they form a tree
         self.grammar, self.draft_forced = job.grammar, runtime.config.draft_forced
         self._constrained: ConstrainedDraft | None = None  # the grammar's view of the planned draft
@@ -379,7 +386,8 @@ class Sequence:
         self._step = None
         constrained, self._constrained = self._constrained, None
         if constrained is not None:  # mask every scored row; the grammar-rejected token joins unscored
-            logits = self.grammar.mask_logits(logits, [self.context[-1], *draft_tokens], allowed=self._allowed)  # [k+1, V]
+            logits = self.grammar.mask_logits(logits, [self.context[-1], *draft_tokens],
+                                              allowed=self._allowed)  # [k+1, V]
             draft_tokens, draft_probs = constrained.for_verification()
         num_forced = constrained.num_forced if constrained is not None else 0
         t2 = time.perf_counter()
@@ -397,7 +405,8 @@ class Sequence:
         if len(new) >= remaining:
             new, done = new[:remaining], True
         if self.finish_reason == "length" and len(new) >= self._budget and self._accepting():
-            done, self.finish_reason, self.closed_by_budget = True, "stop", True  # complete at the budget's end
+            # complete at the budget's end
+            done, self.finish_reason, self.closed_by_budget = True, "stop", True
         if self.track_text:
             keep = self.tracker.add(new)
             if keep is not None:
@@ -424,7 +433,8 @@ class Sequence:
     def _verify(self, logits: torch.Tensor, draft_tokens: list[int], draft_probs, cache_len: int):
         """Verify the planned chain or tree against logits [k+1, V] and keep the accepted
         tokens' cache; return the result and the number of drafted positions (a tree's depth)."""
-        params, backend, at = self.params, self.backend, len(self.generated)  # at: the step's first output position
+        # at: the step's first output position
+        params, backend, at = self.params, self.backend, len(self.generated)
         if self.tree_parents is not None:
             parents = [p - 1 for p in self.tree_parents[1:]]
             result = verify_tree(draft_tokens, parents, draft_probs, logits, params, self.draws, at)

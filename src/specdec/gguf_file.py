@@ -43,9 +43,10 @@ class QuantTensor:
 
 
 # GGUF metadata value types: fixed-size scalars (struct format), 8 = string, 9 = array
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32, 7: np.bool_,
-          10: np.uint64, 11: np.int64, 12: np.float64}  # fmt: skip
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+            10: "<Q", 11: "<q", 12: "<d"}
+_NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
+          6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 # types held as numpy floats; every other (BF16 included, as the gguf package reads it) is raw
 # bytes, [N, bytes per row]
 _FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16}
@@ -124,7 +125,8 @@ class GGUFFile:
             pos += 8 * dims + 12
         align = int(metadata.get("general.alignment", 32))
         start = -(-pos // align) * align
-        return metadata, {name: self._tensor(name, ne, kind, start + offset) for name, ne, kind, offset in infos}
+        return metadata, {name: self._tensor(name, ne, kind, start + offset)
+                          for name, ne, kind, offset in infos}
 
     def _tensor(self, name: str, ne: tuple[int, ...], kind: int, offset: int) -> QuantTensor:
         try:

@@ -87,7 +87,7 @@ def _checked(grammar: str, kind: str, name: str | None = None) -> Constraint:
 def json_object() -> Constraint:
     """Any JSON object (OpenAI's JSON mode)."""
     return replace(_checked(llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, JSON_OPTIONS),
-                            "json_object"), closes=True)  # fmt: skip
+                            "json_object"), closes=True)
 
 
 def json_schema(schema: dict | str, strict: bool = False, name: str | None = None) -> Constraint:
@@ -99,7 +99,8 @@ def json_schema(schema: dict | str, strict: bool = False, name: str | None = Non
         except ValueError as e:
             raise SpecdecError(f"invalid json schema: not JSON ({e})", "response_format") from None
     if not isinstance(schema, dict):
-        raise SpecdecError(f"invalid json schema: expected an object, got {type(schema).__name__}", "response_format")
+        raise SpecdecError(f"invalid json schema: expected an object, got {type(schema).__name__}",
+                           "response_format")
     grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, JSON_OPTIONS, {"lenient": not strict})
     return replace(_checked(grammar, "json_schema", name), closes=True)
 
@@ -113,7 +114,8 @@ def grammar(text: str, syntax: str = "lark") -> Constraint:
     elif syntax == "llguidance":
         compiled = text
     else:
-        raise SpecdecError(f"grammar syntax must be lark, regex or llguidance, got {syntax!r}", "response_format")
+        raise SpecdecError(f"grammar syntax must be lark, regex or llguidance, got {syntax!r}",
+                           "response_format")
     return _checked(compiled, "grammar")
 
 
@@ -143,7 +145,8 @@ def constraint_from_response_format(response_format: dict | Constraint | None) -
     )
 
 
-def request_constraint(response_format: dict | Constraint | None = None, schema: dict | None = None) -> Constraint | None:
+def request_constraint(response_format: dict | Constraint | None = None,
+                       schema: dict | None = None) -> Constraint | None:
     """Engine.generate's two ways to ask for structure: an OpenAI `response_format` (or a
     Constraint), or a bare JSON schema, enforced strictly."""
     if response_format is not None and schema is not None:
@@ -275,8 +278,8 @@ class GrammarMatcher:
             return
         kind = self.constraint.kind.replace("_", " ") if self.constraint.kind != "grammar" else "tool call"
         if context:
-            raise SpecdecError(f"the context leaves {budget} tokens for the reply, but a complete {kind} needs at "
-                               f"least {need}; shorten the {param}", param)
+            raise SpecdecError(f"the context leaves {budget} tokens for the reply, but a complete {kind} "
+                               f"needs at least {need}; shorten the {param}", param)
         raise SpecdecError(f"{param} is {budget}, but a complete {kind} needs at least {need} tokens; "
                            f"set {param} to {need} or more", param)
 
@@ -314,8 +317,8 @@ class GrammarMatcher:
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many leading tokens the grammar accepts from the current state. An EOS counts
         when the grammar is accepting there; nothing after it does."""
-        end = next((i for i, t in enumerate(tokens) if t in self.eos_token_ids or not 0 <= t < self.vocab_size),
-                   len(tokens))
+        end = next((i for i, t in enumerate(tokens)
+                    if t in self.eos_token_ids or not 0 <= t < self.vocab_size), len(tokens))
         n = self.matcher.validate_tokens(tokens[:end]) if end else 0
         if n == end < len(tokens) and tokens[end] in self.eos_token_ids:
             self.matcher.consume_tokens(tokens[:n])
@@ -397,7 +400,8 @@ class GrammarMatcher:
                 if token in self.eos_token_ids:
                     return None
                 if not self.matcher.consume_token(token):
-                    raise RuntimeError(f"the grammar rejected emitted token {token}: {self.matcher.get_error()}")
+                    raise RuntimeError(f"the grammar rejected emitted token {token}: "
+                                       f"{self.matcher.get_error()}")
                 self.history.append(token)
             return len(tokens) if self.matcher.is_stopped() else None
         finally:  # the cached completions of the states ahead of the new one, re-keyed from it

@@ -24,7 +24,8 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()  # the row's likeliest tokens, likeliest first; never masked ones
 
 
-def token_logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], top_n: int) -> list[TokenLogprob]:
+def token_logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int],
+                   top_n: int) -> list[TokenLogprob]:
     """logits: [T, V] a step's scored rows; rows[i]: the row that predicted tokens[i].
     Returns each token's logprob and the row's `top_n` likeliest tokens."""
     if not tokens:

@@ -46,7 +46,7 @@ END_OF_TURN_TOKENS: dict[str, tuple[str, ...]] = {
     "llama": ("<|eot_id|>", "<|eom_id|>"), "mistral": (),
     "qwen2": ("<|im_end|>", "<|endoftext|>"), "qwen3": ("<|im_end|>", "<|endoftext|>"),
     "gemma3_text": ("<end_of_turn>",), "phi3": ("<|end|>", "<|endoftext|>"),
-}  # fmt: skip
+}
 
 
 @dataclass(frozen=True)
@@ -78,10 +78,12 @@ class LoadedModel:
     """
 
     def __init__(self, name: str, model: torch.nn.Module | None = None, tokenizer: object = None, *,
-                 gguf_path: Path | None = None, directory: Path | None = None, dtype: torch.dtype = torch.float32):
+                 gguf_path: Path | None = None, directory: Path | None = None,
+                 dtype: torch.dtype = torch.float32):
         if tokenizer is None or (model is None and gguf_path is None and directory is None):
             raise ValueError("a LoadedModel needs a tokenizer and a model, a GGUF path or a directory")
-        self.name, self.tokenizer, self.gguf_path, self.directory, self.dtype = name, tokenizer, gguf_path, directory, dtype
+        self.name, self.tokenizer, self.dtype = name, tokenizer, dtype
+        self.gguf_path, self.directory = gguf_path, directory
         self._model = model
         self._facts: ModelFacts | None = None
 
@@ -140,7 +142,7 @@ def _model_facts(model: torch.nn.Module, tokenizer) -> ModelFacts:
     config = model.config
     eos = _eos_ids(tokenizer, model.generation_config.eos_token_id, config.eos_token_id)
     return ModelFacts(config.model_type, int(model.get_output_embeddings().weight.shape[0]),
-                      int(getattr(config, "max_position_embeddings", 2048)), eos)  # fmt: skip
+                      int(getattr(config, "max_position_embeddings", 2048)), eos)
 
 
 def _directory_facts(directory: Path, tokenizer) -> ModelFacts:
@@ -152,8 +154,8 @@ def _directory_facts(directory: Path, tokenizer) -> ModelFacts:
     except OSError:  # no generation_config.json
         generation_eos = None
     eos = _eos_ids(tokenizer, generation_eos, config.eos_token_id)
-    return ModelFacts(config.model_type, int(config.vocab_size), int(getattr(config, "max_position_embeddings", 2048)),
-                      eos)  # fmt: skip
+    return ModelFacts(config.model_type, int(config.vocab_size),
+                      int(getattr(config, "max_position_embeddings", 2048)), eos)
 
 
 def _gguf_facts(path: Path, tokenizer) -> ModelFacts:
@@ -166,7 +168,8 @@ def _gguf_facts(path: Path, tokenizer) -> ModelFacts:
     head = f.tensors.get("output.weight", embed)
     vocab = int(head.shape[0]) if head is not None else len(tokenizer)
     keys = ("eos_token_id", "eot_token_id", "eom_token_id")
-    file_eos = [int(f.meta(f"tokenizer.ggml.{key}")) for key in keys if f.meta(f"tokenizer.ggml.{key}") is not None]
+    file_eos = [int(f.meta(f"tokenizer.ggml.{key}")) for key in keys
+                if f.meta(f"tokenizer.ggml.{key}") is not None]
     known = tokenizer.get_vocab()
     turn_ends = [known[t] for t in END_OF_TURN_TOKENS.get(model_type, ()) if t in known]
     context = int(f.meta(f"{arch}.context_length", 2048))
@@ -268,7 +271,8 @@ def _load_hf_model(directory: Path, dtype: torch.dtype) -> torch.nn.Module:
 
 def _cache_key(gguf_path: Path) -> str:
     stat = gguf_path.stat()
-    return hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    key = f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
 def _converted_tokenizer_dir(gguf_path: Path) -> Path:

@@ -15,7 +15,8 @@ Prompt = str | list[dict] | list[int]
 
 
 def encode(
-    tokenizer, prompt: Prompt, *, chat: bool = True, max_length: int | None = None, tools: ToolPlan | None = None
+    tokenizer, prompt: Prompt, *, chat: bool = True, max_length: int | None = None,
+    tools: ToolPlan | None = None
 ) -> list[int]:
     """Token ids for `prompt`. Raises SpecdecError when it is empty, when the chat template
     rejects its messages, or when it leaves no room for a new token in `max_length`.

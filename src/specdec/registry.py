@@ -41,6 +41,6 @@ class Registry(dict[str, T]):
         self.load_builtins()
         entry = self.get(name) if isinstance(name, str) else None
         if entry is None:
-            raise SpecdecError(f"unknown {self.kind} {str(name)[:64]!r}; choose one of: {', '.join(self.available())}",
-                               self.param)
+            raise SpecdecError(f"unknown {self.kind} {str(name)[:64]!r}; "
+                               f"choose one of: {', '.join(self.available())}", self.param)
         return entry

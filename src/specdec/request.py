@@ -98,7 +98,8 @@ class Request:
     @property
     def prompt_param(self) -> str:
         """The field an error about the prompt names: messages for a conversation, else prompt."""
-        conversation = self.chat and isinstance(self.prompt, list) and bool(self.prompt) and isinstance(self.prompt[0], dict)
+        conversation = (self.chat and isinstance(self.prompt, list) and bool(self.prompt)
+                        and isinstance(self.prompt[0], dict))
         return "messages" if conversation else "prompt"
 
     def budget(self, n_prompt: int, context: int | None) -> int:
@@ -120,8 +121,9 @@ class Request:
         if self.max_tokens > room:
             raise SpecdecError(
                 f"This model's maximum context length is {context} tokens. However, you requested "
-                f"{n_prompt + self.max_tokens} tokens ({n_prompt} in the {prompt_param}, {self.max_tokens} in the "
-                f"completion). Please reduce the length of the {prompt_param} or completion.",
+                f"{n_prompt + self.max_tokens} tokens ({n_prompt} in the {prompt_param}, "
+                f"{self.max_tokens} in the completion). "
+                f"Please reduce the length of the {prompt_param} or completion.",
                 self.limit_field,
             )
         return self.max_tokens
@@ -169,6 +171,6 @@ class Prepared:
         stop, logprobs)."""
         if "stop" in fields and fields["stop"] is not None:
             fields["stop"] = tuple(fields["stop"])
-        request = Request(list(prompt_ids), False, sampling or SamplingParams(), max_new_tokens, "max_new_tokens",
-                          **fields)
+        request = Request(list(prompt_ids), False, sampling or SamplingParams(), max_new_tokens,
+                          "max_new_tokens", **fields)
         return cls(request, list(prompt_ids), max_new_tokens)

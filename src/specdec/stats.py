@@ -34,7 +34,8 @@ class SpecStats:
     verify_s: float = 0.0
     wall_s: float = 0.0
 
-    def observe_step(self, num_drafted: int, num_accepted: int, num_emitted: int, k: int, forced: int = 0) -> None:
+    def observe_step(self, num_drafted: int, num_accepted: int, num_emitted: int, k: int,
+                     forced: int = 0) -> None:
         """num_drafted / num_accepted: the drafter's tokens; forced: grammar-forced ones."""
         self.num_steps += 1
         self.num_forced_tokens += forced

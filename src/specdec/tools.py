@@ -131,7 +131,8 @@ def check_choice(choice, names: list[str]) -> str:
             _fail("'required' needs tools", "tool_choice")
         return choice
     fn = choice.get("function") if isinstance(choice, dict) else None
-    if not isinstance(fn, dict) or choice.get("type", "function") != "function" or not isinstance(fn.get("name"), str):
+    if (not isinstance(fn, dict) or choice.get("type", "function") != "function"
+            or not isinstance(fn.get("name"), str)):
         _fail("expected {'type': 'function', 'function': {'name': ...}}", "tool_choice")
     if fn["name"] not in names:
         _fail(f"no tool is named {fn['name'][:64]!r}", "tool_choice.function.name")
@@ -190,7 +191,8 @@ class ToolPlan:
         return result
 
 
-def tool_plan(tools=None, tool_choice=None, parallel_tool_calls=None, parser=DEFAULT_PARSER) -> ToolPlan | None:
+def tool_plan(tools=None, tool_choice=None, parallel_tool_calls=None,
+              parser=DEFAULT_PARSER) -> ToolPlan | None:
     """Check a request's tool fields; None when it has no tools (and no choice needing them)."""
     parser_cls = get_parser(parser or DEFAULT_PARSER)
     if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
@@ -204,7 +206,8 @@ def tool_plan(tools=None, tool_choice=None, parallel_tool_calls=None, parser=DEF
             _fail("tool_choice is only allowed when tools are specified", "tool_choice")
         return None
     checked = check_tools(tools)
-    choice = check_choice("auto" if tool_choice is None else tool_choice, [t["function"]["name"] for t in checked])
+    choice = check_choice("auto" if tool_choice is None else tool_choice,
+                          [t["function"]["name"] for t in checked])
     return ToolPlan(checked, choice, True if parallel_tool_calls is None else parallel_tool_calls, parser_cls)
 
 
@@ -246,7 +249,8 @@ class ToolStream:
                 self._content.append(event.text)
                 deltas.append({"content": event.text})
             elif event.kind == "call":
-                call = {"id": new_call_id(), "type": "function", "function": {"name": event.text, "arguments": ""}}
+                call = {"id": new_call_id(), "type": "function",
+                        "function": {"name": event.text, "arguments": ""}}
                 self.calls.append(call)
                 opened = {"index": event.index, "id": call["id"], "type": "function",
                           "function": {"name": event.text, "arguments": ""}}
@@ -313,7 +317,8 @@ def chat_messages(tokenizer, messages: list, plan: ToolPlan | None = None, tool_
     if plan is None or native:
         return out, ({"tools": plan.tools} if plan else {})
     block = parser.instructions(plan.tools)
-    if out and isinstance(out[0], dict) and out[0].get("role") == "system" and isinstance(out[0]["content"], str):
+    if (out and isinstance(out[0], dict) and out[0].get("role") == "system"
+            and isinstance(out[0]["content"], str)):
         out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{block}" if out[0]["content"] else block}
     else:
         out.insert(0, {"role": "system", "content": block})
@@ -338,7 +343,8 @@ def _check_calls(calls, i: int) -> list[dict]:
                 args = json.dumps(args, ensure_ascii=False)
             except (TypeError, ValueError):
                 _fail("must be a JSON string", f"{where}[{j}].function.arguments")
-        out.append({"id": call.get("id") or "", "type": "function", "function": {"name": fn["name"], "arguments": args}})
+        out.append({"id": call.get("id") or "", "type": "function",
+                    "function": {"name": fn["name"], "arguments": args}})
     return out
 
 

@@ -40,12 +40,14 @@ class TrafficLog:
 
     def __init__(self, directory: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES):
         if max_bytes < 1024:
-            raise SpecdecError(f"the traffic log bound must be at least 1024 bytes, got {max_bytes}", "log_dir")
+            raise SpecdecError(f"the traffic log bound must be at least 1024 bytes, got {max_bytes}",
+                               "log_dir")
         self.directory = Path(directory)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise SpecdecError(f"cannot create the log directory {directory}: {e.strerror}", "log_dir") from None
+            raise SpecdecError(f"cannot create the log directory {directory}: {e.strerror}",
+                               "log_dir") from None
         self.max_bytes = max_bytes
         self.segment_bytes = max(512, max_bytes // _SEGMENTS_PER_BOUND)
         self._lock = threading.Lock()

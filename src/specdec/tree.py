@@ -138,7 +138,8 @@ class TreeVerifyResult:
         return [draft_tokens[i] for i in self.accepted] + [self.next_token]
 
 
-def verify_tree_greedy(draft_tokens: list[int], parents: list[int], target_argmax: torch.Tensor) -> TreeVerifyResult:
+def verify_tree_greedy(draft_tokens: list[int], parents: list[int],
+                       target_argmax: torch.Tensor) -> TreeVerifyResult:
     """Follow the target's argmax down the tree.
 
     draft_tokens:  [n] node tokens; parents: [n]
@@ -197,7 +198,8 @@ def verify_tree_sampling(
             token = sample_at(target_probs[node + 1], draws, at)
             child = next((c for c in kids if draft_tokens[c] == token), None)
         else:
-            child, token = _sibling_rejection(kids, draft_tokens, draft_probs, target_probs[node + 1], draws, at)
+            child, token = _sibling_rejection(kids, draft_tokens, draft_probs, target_probs[node + 1],
+                                              draws, at)
         if child is None:
             return TreeVerifyResult(accepted, token, len(parents))
         accepted.append(child)
@@ -291,7 +293,8 @@ def tree_depth(parents: list[int]) -> int:
     return max(tree_depths(parents), default=-1) + 1
 
 
-def verify_tree(draft_tokens, parents, draft_probs, logits, params, draws, position: int = 0) -> TreeVerifyResult:
+def verify_tree(draft_tokens, parents, draft_probs, logits, params, draws,
+                position: int = 0) -> TreeVerifyResult:
     """Greedy or sampling tree verification from the target's logits [n+1, V]; the roots
     decide output position `position`."""
     if params.greedy:

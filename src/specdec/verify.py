@@ -69,7 +69,8 @@ def verify_sampling(
     return VerifyResult(k, sample_at(target_probs[k], draws, position + k), k)
 
 
-def _verify_one_hot(draft_tokens: list[int], target_probs: torch.Tensor, draws: Draws, position: int) -> VerifyResult:
+def _verify_one_hot(draft_tokens: list[int], target_probs: torch.Tensor, draws: Draws,
+                    position: int) -> VerifyResult:
     """Accept while each draft token equals the target's sample at its position; the first
     sample that differs (or the one after the last draft) is the next token."""
     k = len(draft_tokens)

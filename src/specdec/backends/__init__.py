@@ -5,8 +5,9 @@ next-token logit row per input token; `rollback` truncates the cache to an earli
 Speculative decoding relies on rollback, so every backend must implement and test it.
 
 `Backend` is the whole contract the engine, the server's scheduler, the drafters and the
-benchmarks use (with `FeatureModel` and `DraftHead` for drafters that read the target's features); both built-in backends (hf.py, native/) implement every member. Adding a
-backend is one module with a class that satisfies `Backend` and a factory registered with
+benchmarks use (with `FeatureModel` and `DraftHead` for drafters that read the target's
+features); both built-in backends (hf.py, native/) implement every member. Adding a backend
+is one module with a class that satisfies `Backend` and a factory registered with
 `@register("name")` that validates the backend's own options.
 """
 
@@ -57,7 +58,7 @@ class DraftHead(Protocol):
         ...
 
     def forward_nodes(self, features: torch.Tensor, embeds: torch.Tensor, positions: list[int], store: int,
-                      visible: torch.Tensor) -> torch.Tensor:  # fmt: skip
+                      visible: torch.Tensor) -> torch.Tensor:
         """Draft-tree nodes [T, H] -> their predicted next features [T, H]. Node j is rotated
         for positions[j], its keys and values go to slot store + j, and it attends to the slots
         that visible [T, store + T] marks (the context, its ancestors' slots and its own)."""
@@ -88,7 +89,7 @@ class FeatureModel(Protocol):
         ...
 
     def draft_head(self, state: dict[str, torch.Tensor], dims: dict, vocab_ids: torch.Tensor | None,
-                   precision: str | None = None) -> DraftHead:  # fmt: skip
+                   precision: str | None = None) -> DraftHead:
         """A head from its trained weights (`drafters.eagle.EagleHead`'s state_dict names) and
         dimensions (its config); with `vocab_ids` its logits cover only those LM-head rows
         (FR-Spec). precision fp32 | bf16 | int8, or None for the backend's choice."""
@@ -187,7 +188,8 @@ def forward_batch(sequences: list[Backend], token_lists: list[list[int]],
     pool = sequences[0].pool if sequences else None
     if pool is not None and all(s.pool is pool for s in sequences):
         return pool.forward_batch(sequences, token_lists, unscored)
-    return [seq.forward(tokens, rows) for seq, tokens, rows in zip(sequences, token_lists, unscored, strict=True)]
+    return [seq.forward(tokens, rows)
+            for seq, tokens, rows in zip(sequences, token_lists, unscored, strict=True)]
 
 
 # A factory builds a fresh backend (its own KV cache) over a loaded target's weights, with a

@@ -51,7 +51,8 @@ def backend_for(target: LoadedModel) -> str:
             return _native_or_hf(target.model.config, target.name)
         from transformers import AutoConfig
 
-        return _native_or_hf(AutoConfig.from_pretrained(str(target.directory), trust_remote_code=False), target.name)
+        return _native_or_hf(AutoConfig.from_pretrained(str(target.directory), trust_remote_code=False),
+                             target.name)
     return _choose(target.model_type, target.name)
 
 
@@ -70,7 +71,7 @@ def _choose(model_type: str | None, name: str) -> str:
         return "native"
     # with no handler configured, logging's last resort writes the warning to stderr
     log.warning("specdec: backend auto: the native backend does not run %r models (%s); using the hf "
-                "backend (transformers)", model_type, name)  # fmt: skip
+                "backend (transformers)", model_type, name)
     return "hf"
 
 

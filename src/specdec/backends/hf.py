@@ -84,7 +84,8 @@ class HFBackend:
         return self.forward(chunk, last_only=last_only)
 
     @torch.inference_mode()
-    def forward(self, token_ids: list[int], unscored: list[int] | tuple = (), *, last_only: bool = False) -> torch.Tensor:
+    def forward(self, token_ids: list[int], unscored: list[int] | tuple = (), *,
+                last_only: bool = False) -> torch.Tensor:
         # `unscored` rows are scored anyway: transformers' forward computes every row's logits
         if not token_ids:
             return torch.empty(0, self.vocab_size)
@@ -135,7 +136,8 @@ class HFBackend:
         if self._length + n > self.max_length:
             raise ValueError(f"context overflow: {self._length} + {n} > {self.max_length}")
         if not self.supports_tree:
-            raise ValueError("this model's cache or attention takes no tree mask; token trees need full attention")
+            raise ValueError("this model's cache or attention takes no tree mask; "
+                             "token trees need full attention")
         if self._tree_base is not None:
             raise ValueError("call keep() or rollback() after forward_tree before appending")
         dtype = self.model.get_input_embeddings().weight.dtype
@@ -196,7 +198,7 @@ class HFFeatures:
     def softcap(self) -> float | None:
         config = self.model.config
         return getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
-                       "final_logit_softcapping", None)  # fmt: skip
+                       "final_logit_softcapping", None)
 
     @torch.inference_mode()
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -208,7 +210,7 @@ class HFFeatures:
         return torch.tanh(logits / self.softcap) * self.softcap if self.softcap else logits
 
     def draft_head(self, state: dict[str, torch.Tensor], dims: dict, vocab_ids: torch.Tensor | None,
-                   precision: str | None = None) -> NativeDraftHead:  # fmt: skip
+                   precision: str | None = None) -> NativeDraftHead:
         weight = self.model.get_output_embeddings().weight
         rows = None if vocab_ids is None else weight[vocab_ids.to(weight.device)].detach()
         return NativeDraftHead(state, dims, precision, weight.device, self.logits, rows, self.softcap)

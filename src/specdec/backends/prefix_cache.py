@@ -165,14 +165,15 @@ class Prefilled(Protocol):
     def rollback(self, length: int) -> None: ...
 
 
-def chunked_prefill(backend: Prefilled, feed: Callable[[list[list[int]], bool], torch.Tensor], token_ids: list[int],
-                    all_logits: bool, keep: int, group_tokens: int | None = None) -> torch.Tensor:
+def chunked_prefill(backend: Prefilled, feed: Callable[[list[list[int]], bool], torch.Tensor],
+                    token_ids: list[int], all_logits: bool, keep: int,
+                    group_tokens: int | None = None) -> torch.Tensor:
     """A backend's `prefill`: reset (or roll back to `keep` cached tokens, as its prefix cache
     allows) and feed the rest of `token_ids` with feed(chunks, last_only): one chunk of
     `prefill_chunks` at a time, or with `group_tokens` consecutive chunks of up to that many
-    tokens, for a backend that gives each chunk of a group the bits it would get alone. Returns logits [T - keep, V],
-    or with all_logits=False only [1, V] of the last token, which skips the LM head for the
-    rest of a long prompt."""
+    tokens, for a backend that gives each chunk of a group the bits it would get alone. Returns
+    logits [T - keep, V], or with all_logits=False only [1, V] of the last token, which skips
+    the LM head for the rest of a long prompt."""
     record = backend.prefix_cache
     if keep:
         try:

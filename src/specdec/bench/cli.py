@@ -17,7 +17,8 @@ from specdec.cli_args import add_engine_args, engine_config, nonneg_int, positiv
 from specdec.errors import SpecdecError
 from specdec.models import load_model
 
-DEFAULT_MAX_NEW_TOKENS = 64  # short enough for a full run of the shipped set on a CPU (docs/performance-notes.md)
+# short enough for a full run of the shipped set on a CPU (docs/performance-notes.md)
+DEFAULT_MAX_NEW_TOKENS = 64
 
 
 def add_parser(sub) -> None:
@@ -30,7 +31,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=DEFAULT_MAX_NEW_TOKENS)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (and checks exact matches)")
     add_engine_args(p)  # k applies to the methods without a `k=` of their own
-    p.add_argument("--peers", default=None, help="hf,hf-pld,hf-assisted,llamacpp or none (default: all that apply)")
+    p.add_argument("--peers", default=None,
+                   help="hf,hf-pld,hf-assisted,llamacpp or none (default: all that apply)")
     p.add_argument("--out", default="out/bench", help="output directory")
     p.add_argument("--warmup", type=nonneg_int, default=1, help="warm-up generations per runner")
     p.add_argument("--seed", type=int, default=0)

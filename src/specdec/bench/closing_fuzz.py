@@ -59,7 +59,8 @@ def preference(tokenizer, eos_token_ids: set[int], seed: int) -> torch.Tensor:
         for token in range(len(tokenizer)):
             text = tokenizer.decode([token])
             content = sum(ch.isalnum() for ch in text) / max(1, len(text))
-            score = 3.0 * content + 2.0 * sum(ch in ",[{:" for ch in text) - 3.0 * sum(ch in '"}]' for ch in text)
+            score = (3.0 * content + 2.0 * sum(ch in ",[{:" for ch in text)
+                     - 3.0 * sum(ch in '"}]' for ch in text))
             scores.append(-6.0 if token in eos_token_ids else score)
         _BASE[key] = torch.tensor(scores)
     noise = torch.randn(len(_BASE[key]), generator=torch.Generator().manual_seed(seed))
@@ -134,7 +135,8 @@ class PushyDrafter(Drafter):
             prefix = [context_ids[-1], *tokens]
             row = self.backend.row(prefix[-1], len(context_ids) + len(tokens))  # [V]
             if self.matcher is not None:
-                row = self.matcher.mask_logits(row.unsqueeze(0), prefix, allowed=self.matcher.masks(prefix, len(row))[-1:])[0]
+                row = self.matcher.mask_logits(row.unsqueeze(0), prefix,
+                                               allowed=self.matcher.masks(prefix, len(row))[-1:])[0]
             tokens.append(int(row.argmax()))
         return Draft(tokens)
 
@@ -171,18 +173,21 @@ def cases():
 
     def bounded(kind: str):
         lo = st.integers(-20, 20)
-        return st.builds(lambda a, b, use: {"type": kind, **({"minimum": min(a, b), "maximum": max(a, b)} if use
-                                                               else {})}, lo, lo, st.booleans())
+        return st.builds(lambda a, b, use: {"type": kind,
+                                            **({"minimum": min(a, b), "maximum": max(a, b)} if use else {})},
+                         lo, lo, st.booleans())
 
     strings = st.one_of(
         st.just({"type": "string"}),
         st.builds(lambda lo, extra: {"type": "string", "minLength": lo, "maxLength": lo + extra},
                   st.integers(0, 4), st.integers(0, 8)),
-        st.builds(lambda words: {"type": "string", "enum": sorted(set(words))}, st.lists(st.sampled_from(WORDS), min_size=1, max_size=3)),
+        st.builds(lambda words: {"type": "string", "enum": sorted(set(words))},
+                  st.lists(st.sampled_from(WORDS), min_size=1, max_size=3)),
     )
     leaves = st.one_of(strings, bounded("integer"), bounded("number"), st.just({"type": "boolean"}),
-                       st.just({"type": "null"}), st.builds(lambda v: {"enum": sorted(set(v))},
-                                                            st.lists(st.integers(-5, 99), min_size=1, max_size=3)))
+                       st.just({"type": "null"}),
+                       st.builds(lambda v: {"enum": sorted(set(v))},
+                                 st.lists(st.integers(-5, 99), min_size=1, max_size=3)))
 
     @st.composite
     def objects(draw, children):
@@ -196,8 +201,10 @@ def cases():
                                                          **({"maxItems": lo + extra} if bound else {})},
                          children, st.integers(0, 2), st.integers(0, 3), st.booleans())
 
-    values = st.recursive(leaves, lambda children: st.one_of(objects(children), arrays(children)), max_leaves=8)
-    return st.builds(Case, objects(values), st.sampled_from(["json_schema", "tool", "parallel_tools", "json_object"]),
+    values = st.recursive(leaves, lambda children: st.one_of(objects(children), arrays(children)),
+                          max_leaves=8)
+    return st.builds(Case, objects(values),
+                     st.sampled_from(["json_schema", "tool", "parallel_tools", "json_object"]),
                      st.integers(-4, 40), st.sampled_from([0.0, 0.0, 0.8]), st.integers(0, 2**31 - 1),
                      st.sampled_from(["grammar", "blind"]))
 
@@ -261,8 +268,8 @@ def _generate(case, constraint, tokenizer, eos_token_ids, prompt_ids, pref, budg
 
     matcher.fit = counting_fit
     drafter = PushyDrafter(backend, matcher if case.drafter == "grammar" else None, silent=not speculative)
-    job = dataclasses.replace(Prepared.tokens(prompt_ids, SamplingParams(case.temperature), budget, seed=case.seed),
-                              grammar=matcher)
+    prepared = Prepared.tokens(prompt_ids, SamplingParams(case.temperature), budget, seed=case.seed)
+    job = dataclasses.replace(prepared, grammar=matcher)
     runtime = Runtime(tokenizer, eos_token_ids, EngineConfig(draft_forced=speculative))
     seq = Sequence(backend, drafter, job, K if speculative else 0, runtime, track_text=True)
     seq.start()

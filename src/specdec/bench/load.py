@@ -127,7 +127,8 @@ async def run_config(url, sessions, concurrency, drafter, args, headers) -> dict
             for turn, user in enumerate(turns):
                 messages.append({"role": "user", "content": user})
                 body = {"model": args.model, "messages": messages, "max_tokens": args.max_tokens,
-                        "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True},
+                        "temperature": args.temperature, "stream": True,
+                        "stream_options": {"include_usage": True},
                         "return_spec_decode": True}  # the per-request statistics are opt-in
                 if drafter is not None:
                     body["drafter"] = drafter
@@ -200,10 +201,12 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m specdec.bench.load", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="a running server; otherwise one is started with --target")
     p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--backend", default="auto", help="as specdec serve (auto: native for Llama-family targets, else hf)")
+    p.add_argument("--backend", default="auto",
+                   help="as specdec serve (auto: native for Llama-family targets, else hf)")
     p.add_argument("--backend-option", action="append", default=[])
     p.add_argument("--drafter", default="ngram", help="the started server's default drafter")
-    p.add_argument("--drafter-on", default=None, help="drafter to request when speculation is on (default: server's)")
+    p.add_argument("--drafter-on", default=None,
+                   help="drafter to request when speculation is on (default: server's)")
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--model", default="bench", help="served model name")
     p.add_argument("--api-key-env", default=None)
@@ -255,8 +258,9 @@ def _run_configs(url: str, args: argparse.Namespace, headers: dict) -> list[dict
         for c in levels:
             row = asyncio.run(run_config(url, sessions, c, drafter, args, headers))
             rows.append(row)
-            print(f"spec {mode:3} c={c:<3} {row['tok_per_s']:8.1f} tok/s  latency p50 {row['latency_p50_s']:.3f}s "
-                  f"p99 {row['latency_p99_s']:.3f}s  ttft p50 {row['ttft_p50_s']:.3f}s p99 {row['ttft_p99_s']:.3f}s  "
+            print(f"spec {mode:3} c={c:<3} {row['tok_per_s']:8.1f} tok/s  "
+                  f"latency p50 {row['latency_p50_s']:.3f}s p99 {row['latency_p99_s']:.3f}s  "
+                  f"ttft p50 {row['ttft_p50_s']:.3f}s p99 {row['ttft_p99_s']:.3f}s  "
                   f"accept {row['acceptance_rate']:.2f} tau {row['tau']}", file=sys.stderr, flush=True)
     return rows
 
@@ -273,20 +277,21 @@ def _report(rows: list[dict], args: argparse.Namespace) -> dict:
               f"{', '.join(r['exact_match'] for r in rows)}")
     for r in rows:
         r.pop("texts")
-    print("\n| speculation | concurrency | tok/s | latency p50 (s) | p99 (s) | TTFT p50 (s) | p99 (s) | TPOT (s) "
-          "| accept | tau | exact |")
+    print("\n| speculation | concurrency | tok/s | latency p50 (s) | p99 (s) | TTFT p50 (s) | p99 (s) | "
+          "TPOT (s) | accept | tau | exact |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {'on' if r['speculation'] else 'off'} | {r['concurrency']} | {r['tok_per_s']} | {r['latency_p50_s']} | "
-              f"{r['latency_p99_s']} | {r['ttft_p50_s']} | {r['ttft_p99_s']} | {r['tpot_mean_s']} | "
-              f"{r['acceptance_rate']} | {r['tau']} | {r.get('exact_match', '–')} |")
+        print(f"| {'on' if r['speculation'] else 'off'} | {r['concurrency']} | {r['tok_per_s']} | "
+              f"{r['latency_p50_s']} | {r['latency_p99_s']} | {r['ttft_p50_s']} | {r['ttft_p99_s']} | "
+              f"{r['tpot_mean_s']} | {r['acceptance_rate']} | {r['tau']} | {r.get('exact_match', '–')} |")
     by = {(r["speculation"], r["concurrency"]): r["tok_per_s"] for r in rows}
     summary = {"sessions": args.sessions, "turns": args.turns, "max_tokens": args.max_tokens, "results": rows}
     for spec in (True, False):
         if (spec, 1) in by and (spec, 8) in by:
             key = "concurrent8_vs_serial_" + ("spec_on" if spec else "spec_off")
             summary[key] = round(by[(spec, 8)] / by[(spec, 1)], 3)
-            print(f"\n8 concurrent vs serial (speculation {'on' if spec else 'off'}): {summary[key]}x aggregate tok/s")
+            print(f"\n8 concurrent vs serial (speculation {'on' if spec else 'off'}): "
+                  f"{summary[key]}x aggregate tok/s")
     return summary
 
 

@@ -57,7 +57,8 @@ def parse_peers(text: str | None, methods: Sequence[str], target_name: str) -> t
         if llamacpp_available() and _gguf_path(target_name) is not None:
             peers.append("llamacpp")
         elif not llamacpp_available():
-            notes.append("llamacpp peer skipped: llama-cpp-python is not installed (pip install llama-cpp-python)")
+            notes.append("llamacpp peer skipped: llama-cpp-python is not installed "
+                         "(pip install llama-cpp-python)")
         return peers, notes
     if text.strip() == "none":
         return [], notes
@@ -68,10 +69,12 @@ def parse_peers(text: str | None, methods: Sequence[str], target_name: str) -> t
     if len(set(peers)) != len(peers):
         raise SpecdecError(f"a peer is listed twice in {text!r}", "peers")
     if "hf-assisted" in peers and not has_model:
-        raise SpecdecError("peer 'hf-assisted' needs a model:PATH method to take its draft model from", "peers")
+        raise SpecdecError("peer 'hf-assisted' needs a model:PATH method to take its draft model from",
+                           "peers")
     if "llamacpp" in peers:
         if not llamacpp_available():
-            notes.append("llamacpp peer skipped: llama-cpp-python is not installed (pip install llama-cpp-python)")
+            notes.append("llamacpp peer skipped: llama-cpp-python is not installed "
+                         "(pip install llama-cpp-python)")
             peers.remove("llamacpp")
         elif _gguf_path(target_name) is None:
             notes.append(f"llamacpp peer skipped: target {target_name!r} is not a GGUF file")
@@ -145,7 +148,8 @@ class LlamaCppPeer(Runner):
         return TurnRecord(tokens)
 
 
-def make_peers(peers: Sequence[str], target, target_name: str, methods: Sequence[str], engines: dict) -> list[Runner]:
+def make_peers(peers: Sequence[str], target, target_name: str, methods: Sequence[str],
+               engines: dict) -> list[Runner]:
     """Build peer runners. `engines` maps method string -> Engine (for the assisted draft)."""
     out: list[Runner] = []
     for name in peers:
@@ -155,9 +159,11 @@ def make_peers(peers: Sequence[str], target, target_name: str, methods: Sequence
             out.append(HFPeer("hf-pld", target, prompt_lookup=PLD_TOKENS))
         elif name == "hf-assisted":
             method = next(m for m in methods if DrafterSpec.parse(m).name == "model")
-            out.append(HFPeer("hf-assisted", target, assistant=_draft_model(method, engines.get(method), target)))
+            out.append(HFPeer("hf-assisted", target,
+                              assistant=_draft_model(method, engines.get(method), target)))
         elif name == "llamacpp":
-            out.append(LlamaCppPeer(_gguf_path(target_name), target.eos_token_ids, n_ctx=min(target.max_length, 8192)))
+            out.append(LlamaCppPeer(_gguf_path(target_name), target.eos_token_ids,
+                                    n_ctx=min(target.max_length, 8192)))
     return out
 
 

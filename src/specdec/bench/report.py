@@ -78,9 +78,10 @@ def markdown(results: dict) -> str:
     calls = _has_calls(results)
     if calls:
         lines += [f"Tool sessions decoded {'with' if s.get('grammar', True) else 'without'} their grammars. "
-                  "Valid calls: of the turns that must call, those whose calls all parse and validate against "
-                  "their tool's schema; forced: the share of emitted tokens the grammar forced.", ""]
-    head = ["Method", *cats, "Overall", "τ", "Accept", "tok/s", "Exact match", *(_CALL_HEAD if calls else [])]
+                  "Valid calls: of the turns that must call, those whose calls all parse and validate "
+                  "against their tool's schema; forced: the share of emitted tokens the grammar forced.", ""]
+    head = ["Method", *cats, "Overall", "τ", "Accept", "tok/s", "Exact match",
+            *(_CALL_HEAD if calls else [])]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, e in _rows(results):
         cells = [f"`{name}`", *(_fmt(e["per_category"][c]["speedup"], ".2f", "x") for c in cats)]
@@ -236,7 +237,8 @@ def print_table(results: dict, file=sys.stdout) -> None:
     for name, e in _rows(results):
         valid, forced = _call_cells(e)
         print(
-            f"{name:<28} speedup {_fmt(e['speedup'], '.2f', 'x'):>7}  {_fmt(e['tokens_per_second'], '.1f'):>7} tok/s  "
+            f"{name:<28} speedup {_fmt(e['speedup'], '.2f', 'x'):>7}  "
+            f"{_fmt(e['tokens_per_second'], '.1f'):>7} tok/s  "
             f"decode-only {_fmt(e.get('decode_speedup'), '.2f', 'x'):>6}  "
             f"tau {_fmt(e['mean_accepted_length']):>5}  exact {e['exact_match']}"
             + (f"  valid calls {valid}  forced {forced}" if calls else ""),

@@ -41,7 +41,8 @@ DEFAULT_DATA = Path(__file__).parent / "data" / "bench.jsonl"
 # size of the long-document categories have run once before anything is timed.
 WARMUP_PROMPTS = (
     "Name three things a cache is good for, one line each.",
-    " ".join(f"Item {i}: the value is {i * 7 % 13}." for i in range(60)) + " Which item has the largest value?",
+    " ".join(f"Item {i}: the value is {i * 7 % 13}." for i in range(60))
+    + " Which item has the largest value?",
 )
 
 
@@ -99,7 +100,8 @@ def load_questions(
         unknown = [c for c in categories if c not in present]
         if unknown:
             raise SpecdecError(
-                f"unknown category {unknown[0]!r} in {path.name}; choose from: {', '.join(present)}", "categories"
+                f"unknown category {unknown[0]!r} in {path.name}; choose from: {', '.join(present)}",
+                "categories",
             )
         questions = [q for q in questions if q.category in set(categories)]
     if limit is not None:
@@ -187,8 +189,8 @@ class EngineRunner(Runner):
         self.name, self.engine = name, engine
 
     def run(self, prompt_ids, max_new_tokens, temperature, seed, constraint=None) -> TurnRecord:
-        result = self.engine.generate(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                                      response_format=constraint)
+        result = self.engine.generate(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                                      seed=seed, response_format=constraint)
         s = result.stats
         return TurnRecord(
             list(result.token_ids), prefill_s=s.prefill_s, steps=s.num_steps, drafted=s.num_draft_tokens,
@@ -198,7 +200,8 @@ class EngineRunner(Runner):
         )
 
 
-def make_engine_runners(target, methods: Sequence[str], config: EngineConfig | None = None) -> list[EngineRunner]:
+def make_engine_runners(target, methods: Sequence[str],
+                        config: EngineConfig | None = None) -> list[EngineRunner]:
     """One Engine per method, all sharing the loaded target's weights: `config` with the
     method as its drafter (a `k=` in the method wins). `none` is plain decoding: k = 0, and a
     grammar's forced tokens scored one per forward too, as every other method drafts them."""
@@ -242,7 +245,8 @@ def run_benchmark(
     baseline = runners[0].name
     records: dict[str, dict[int, list[TurnRecord]]] = {r.name: {} for r in runners}
     mismatches: list[dict] = []
-    bar = tqdm(total=len(questions) * len(runners), desc="bench", unit="run", file=sys.stderr, disable=not progress)
+    bar = tqdm(total=len(questions) * len(runners), desc="bench", unit="run", file=sys.stderr,
+               disable=not progress)
     say = log or (lambda msg: bar.write(msg, file=sys.stderr))
 
     bar.set_description("warm-up")
@@ -256,8 +260,8 @@ def run_benchmark(
         for runner in [*runners[shift:], *runners[:shift]]:
             bar.set_postfix_str(f"{question.question_id} {runner.name}", refresh=False)
             turn_seeds = [seed * 1_000_003 + qi * 64 + ti for ti in range(len(question.turns))]
-            records[runner.name][qi] = _run_turns(target, runner, question, max_new_tokens, temperature, turn_seeds,
-                                                  grammar)
+            records[runner.name][qi] = _run_turns(target, runner, question, max_new_tokens, temperature,
+                                                  turn_seeds, grammar)
             bar.update(1)
         if greedy:
             for runner in runners[1:]:
@@ -343,8 +347,8 @@ def _compare(question, runner, base_turns, turns, tokenizer, say) -> list[dict]:
         found.append(item)
         say(
             f"specdec bench: {'MISMATCH' if runner.exact else 'differs (other weights)'} {runner.kind} "
-            f"{runner.name!r} question {question.question_id!r} turn {ti + 1}: first difference at token {pos} "
-            f"(baseline {tok(base.token_ids)}, {runner.name} {tok(rec.token_ids)})"
+            f"{runner.name!r} question {question.question_id!r} turn {ti + 1}: first difference at token "
+            f"{pos} (baseline {tok(base.token_ids)}, {runner.name} {tok(rec.token_ids)})"
         )
     return found
 
@@ -378,7 +382,8 @@ def _add_lists(total: list[int], part: Sequence[int]) -> None:
 
 
 def aggregate(
-    run_turns: dict[int, list[TurnRecord]], base_turns: dict[int, list[TurnRecord]], greedy: bool, is_method: bool
+    run_turns: dict[int, list[TurnRecord]], base_turns: dict[int, list[TurnRecord]], greedy: bool,
+    is_method: bool
 ) -> dict:
     """Speedup, tok/s, τ, acceptance and exact matches over the given questions."""
     qis = sorted(run_turns)
@@ -460,7 +465,8 @@ def question_records(run: BenchRun) -> list[dict]:
                     "exact_match": t.exact_match, "first_diff": t.first_diff,
                     "accept_lengths": t.accept_lengths, "k_history": t.k_history,
                     "text": t.text, "token_ids": t.token_ids,
-                    **({"forced": t.forced, "tool_calls": t.calls, "valid_call": t.valid_call} if q.session else {}),
+                    **({"forced": t.forced, "tool_calls": t.calls, "valid_call": t.valid_call}
+                       if q.session else {}),
                 }
                 for t in run.records[runner.name][qi]
             ]

@@ -67,7 +67,8 @@ def parse_session(obj: dict, where: str) -> ToolSession:
         at = f"{where}: turns[{i}]"
         unknown = sorted(set(turn) - set(_TURN_KEYS))
         if unknown:
-            raise SpecdecError(f"{at}: unknown key {unknown[0]!r}; a turn has {', '.join(_TURN_KEYS)}", "data")
+            raise SpecdecError(f"{at}: unknown key {unknown[0]!r}; a turn has {', '.join(_TURN_KEYS)}",
+                               "data")
         user = turn.get("user")
         if (user is not None or i == 0) and (not isinstance(user, str) or not user.strip()):
             raise SpecdecError(f"{at}: user must be a non-empty string (the first turn needs one)", "data")
@@ -114,10 +115,12 @@ def exchange(content: str, calls: list[dict], result, ti: int) -> list[dict]:
     """The assistant's reply as the API shows it (content, tool_calls with ids), then the
     scripted result as a role:tool message for each call (one with a fresh id when the reply
     made none, as an agent harness would still report the tool's output)."""
-    ids = [f"call_{ti + 1}_{j + 1}" for j in range(len(calls))]  # fixed ids: every runner sees the same prompt
+    # fixed ids: every runner sees the same prompt
+    ids = [f"call_{ti + 1}_{j + 1}" for j in range(len(calls))]
     reply: dict = {"role": "assistant", "content": (content.strip() or None) if calls else content}
     if calls:
-        reply["tool_calls"] = [{"id": i, "type": "function", "function": dict(c)} for i, c in zip(ids, calls, strict=True)]
+        reply["tool_calls"] = [{"id": i, "type": "function", "function": dict(c)}
+                               for i, c in zip(ids, calls, strict=True)]
     out = [reply]
     if result is not None:
         text = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)

@@ -95,7 +95,8 @@ class DrafterSpec:
 # shared weights).
 DrafterFactory = Callable[[DrafterSpec, object], Drafter]
 REGISTRY: Registry[DrafterFactory] = Registry(
-    "drafter", __name__, ("none", "ngram", "draft_model", "layerskip", "eagle", "suffix", "retrieval", "hybrid"),
+    "drafter", __name__,
+    ("none", "ngram", "draft_model", "layerskip", "eagle", "suffix", "retrieval", "hybrid"),
     "drafter",
 )
 register, available = REGISTRY.register, REGISTRY.available

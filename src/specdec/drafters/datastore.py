@@ -126,7 +126,8 @@ class Datastore:
             )
         try:
             # Plain ndarray views of the mappings: np.memmap's own indexing is several times slower.
-            self.tokens = np.load(directory / "tokens.npy", mmap_mode="r", allow_pickle=False).view(np.ndarray)
+            self.tokens = np.load(directory / "tokens.npy", mmap_mode="r",
+                                  allow_pickle=False).view(np.ndarray)
             self.ends = np.load(directory / "ends.npy", mmap_mode="r", allow_pickle=False).view(np.ndarray)
         except (OSError, ValueError) as e:
             raise SpecdecError(f"datastore {str(directory)!r} is damaged: {e}", "drafter") from e
@@ -148,7 +149,8 @@ class Datastore:
         """Within ends[lo:hi] (sorted by tokens[e - offset]) the sub-range equal to `token`."""
         if hi - lo <= 64:  # small: gather the column once
             column = self.tokens[self.ends[lo:hi] - offset]
-            return lo + int(np.searchsorted(column, token, "left")), lo + int(np.searchsorted(column, token, "right"))
+            return (lo + int(np.searchsorted(column, token, "left")),
+                    lo + int(np.searchsorted(column, token, "right")))
         tokens, ends = self.tokens, self.ends
 
         def key(i: int) -> int:
@@ -218,7 +220,8 @@ def read_corpus(paths: list[str]) -> tuple[list[str], int]:
         path = Path(raw).expanduser()
         if path.is_dir():
             found = (p for p in path.rglob("*") if p.is_file())
-            files.extend(sorted(p for p in found if not any(s.startswith(".") for s in p.relative_to(path).parts)))
+            files.extend(sorted(p for p in found
+                                if not any(s.startswith(".") for s in p.relative_to(path).parts)))
         elif path.is_file():
             files.append(path)
         else:
@@ -248,7 +251,8 @@ def _jsonl_docs(text: str, path: Path) -> list[str]:
         if isinstance(record, dict) and isinstance(record.get("text"), str):
             docs.append(record["text"])
         elif isinstance(record, dict) and isinstance(record.get("messages"), list):
-            docs.append("\n".join(str(m.get("content", "")) for m in record["messages"] if isinstance(m, dict)))
+            docs.append("\n".join(str(m.get("content", "")) for m in record["messages"]
+                                  if isinstance(m, dict)))
         elif isinstance(record, str):
             docs.append(record)
         else:

@@ -135,7 +135,8 @@ def load_head(directory: str | Path) -> tuple[EagleHead, torch.Tensor | None, di
     config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
     if not config_path.exists() or not weights_path.exists():
         raise SpecdecError(
-            f"{directory} has no {CONFIG_FILE} + {WEIGHTS_FILE}; train one with `specdec distill --kind eagle`",
+            f"{directory} has no {CONFIG_FILE} + {WEIGHTS_FILE}; "
+            "train one with `specdec distill --kind eagle`",
             "drafter",
         )
     config = json.loads(config_path.read_text())
@@ -151,8 +152,8 @@ def load_head(directory: str | Path) -> tuple[EagleHead, torch.Tensor | None, di
 class EagleDrafter(Drafter):
     name = "eagle"
 
-    def __init__(self, head: EagleHead, vocab_ids: torch.Tensor | None, eos_token_ids, precision: str | None = None,
-                 tree: bool = False, width: int = 4, max_nodes: int = 24):  # fmt: skip
+    def __init__(self, head: EagleHead, vocab_ids: torch.Tensor | None, eos_token_ids,
+                 precision: str | None = None, tree: bool = False, width: int = 4, max_nodes: int = 24):
         self.trained, self.vocab_ids, self.precision = head, vocab_ids, precision
         self.eos_token_ids = set(eos_token_ids)
         # EAGLE-2 trees: each level expands the `width` likeliest open nodes by their `width`
@@ -173,10 +174,12 @@ class EagleDrafter(Drafter):
         if features == self.features:
             return
         if self.trained.dims["hidden_size"] != features.hidden_size:
-            raise SpecdecError(f"the EAGLE head was trained for hidden size {self.trained.dims['hidden_size']}, "
-                               f"the target has {features.hidden_size}", "drafter")  # fmt: skip
+            raise SpecdecError("the EAGLE head was trained for hidden size "
+                               f"{self.trained.dims['hidden_size']}, the target has {features.hidden_size}",
+                               "drafter")
         # FR-Spec: only the frequent rows of the LM head, which keeps drafting cheap for large vocabularies
-        self.head = features.draft_head(self.trained.state_dict(), self.trained.dims, self.vocab_ids, self.precision)
+        self.head = features.draft_head(self.trained.state_dict(), self.trained.dims, self.vocab_ids,
+                                        self.precision)
         self.features = features
         self._reset()
 
@@ -250,12 +253,14 @@ class EagleDrafter(Drafter):
         logp = torch.log_softmax(self._logits(feature), -1)  # [V'] scores of the roots
         best = logp.topk(min(self.width, logp.shape[-1]))
         # nodes: (score, depth, token, parent node or -1); node i's input feature is feeds[i]
-        nodes = [(float(s), 0, self._token(int(i)), -1) for s, i in zip(best.values, best.indices, strict=True)]
+        nodes = [(float(s), 0, self._token(int(i)), -1)
+                 for s, i in zip(best.values, best.indices, strict=True)]
         feeds = [feature] * len(nodes)
         slot_of: dict[int, int] = {}  # node -> the head slot holding its keys and values
         level = list(range(len(nodes)))
         for d in range(depth - 1):
-            level = sorted((i for i in level if nodes[i][2] not in self.eos_token_ids), key=lambda i: -nodes[i][0])
+            level = sorted((i for i in level if nodes[i][2] not in self.eos_token_ids),
+                           key=lambda i: -nodes[i][0])
             level = level[: self.width]
             if not level:
                 break
@@ -307,8 +312,8 @@ class EagleDrafter(Drafter):
 @register("eagle")
 def _make(spec: DrafterSpec, target) -> Drafter:
     if not spec.arg:
-        raise SpecdecError("the eagle drafter needs a directory: eagle:DIR (made by `specdec distill --kind eagle`)",
-                           "drafter")
+        raise SpecdecError("the eagle drafter needs a directory: eagle:DIR "
+                           "(made by `specdec distill --kind eagle`)", "drafter")
     head, vocab_ids, config = load_head(spec.arg)
     if config.get("vocab_size") not in (None, target.vocab_size):
         raise SpecdecError(f"the EAGLE head in {spec.arg} was trained for another vocabulary", "drafter")

@@ -25,8 +25,8 @@ from specdec.errors import SpecdecError
 class HybridDrafter(Drafter):
     name = "hybrid"
 
-    def __init__(self, children: list[Drafter], min_len: int = 2, min_alpha: float = 0.3, probe_every: int = 16,
-                 decay: float = 0.95):
+    def __init__(self, children: list[Drafter], min_len: int = 2, min_alpha: float = 0.3,
+                 probe_every: int = 16, decay: float = 0.95):
         if len(children) < 2:
             raise ValueError("a hybrid needs at least two drafters")
         if min_len < 1:
@@ -113,7 +113,7 @@ def _make(spec: DrafterSpec, target) -> Drafter:
         parts[-1] = last
     if len(parts) < 2 or not all(parts):
         raise SpecdecError(f"a hybrid names two or more drafters joined by '+': hybrid:suffix+eagle:DIR, "
-                           f"not {spec.text!r}", "drafter")  # fmt: skip
+                           f"not {spec.text!r}", "drafter")
     if any(DrafterSpec.parse(p).name == "hybrid" for p in parts):
         raise SpecdecError(f"a hybrid cannot contain another hybrid: {spec.text!r}", "drafter")
     children = []

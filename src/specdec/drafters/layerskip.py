@@ -101,7 +101,8 @@ def parse_layers(text: str) -> list[int]:
     return ids
 
 
-def save_choice(path: str | Path, target_name: str, num_layers: int, layer_ids: list[int], report: dict) -> None:
+def save_choice(path: str | Path, target_name: str, num_layers: int, layer_ids: list[int],
+                report: dict) -> None:
     data = {
         "format": CONFIG_FORMAT,
         "target": target_name,
@@ -123,7 +124,8 @@ def load_choice(path: str | Path, num_layers: int) -> list[int]:
         raise SpecdecError(f"{path} is not a layerskip file written by `specdec layerskip search`", "drafter")
     if data.get("num_layers") != num_layers:
         raise SpecdecError(
-            f"{path} was searched for a {data.get('num_layers')}-layer target; this one has {num_layers}", "drafter"
+            f"{path} was searched for a {data.get('num_layers')}-layer target; this one has {num_layers}",
+            "drafter",
         )
     return check_layers(data["layers"], num_layers)
 

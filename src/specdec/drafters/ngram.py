@@ -28,7 +28,9 @@ class NgramDrafter(Drafter):
 
     def _reset(self, context: list[int]) -> None:
         # n -> {ngram tuple: start index of the continuation after its latest occurrence}
-        self._index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(self.min_n, self.max_n + 1)}
+        self._index: dict[int, dict[tuple[int, ...], int]] = {
+            n: {} for n in range(self.min_n, self.max_n + 1)
+        }
         self._context: list[int] = []
         self._indexed = 0  # ngrams ending before this position are indexed
 

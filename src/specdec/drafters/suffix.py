@@ -368,7 +368,8 @@ class SuffixDrafter(Drafter):
         depth = min(k, max(1, math.ceil(self.factor * max(trie.dep[node] for trie, node in sources))))
         if not self.tree:  # a chain: the tree's main line, without branches
             return merged_tree(sources, depth, depth, 1, self.min_prob, math.inf, self.eos)[:2]
-        return merged_tree(sources, depth, self.max_nodes, self.width, self.min_prob, self.branch_prob, self.eos)[:2]
+        return merged_tree(sources, depth, self.max_nodes, self.width, self.min_prob, self.branch_prob,
+                           self.eos)[:2]
 
     def end(self, context_ids: list[int]) -> None:
         if self.store is not None:
@@ -401,4 +402,5 @@ def _make(spec: DrafterSpec, target) -> Drafter:
         raise SpecdecError(f"bad suffix options in {spec.text!r}: {e}", "drafter") from e
     stores = shared_store(getattr(target, "name", ""), spec.text, depth, global_nodes) if use_global else None
     eos = set(getattr(target, "eos_token_ids", set()))
-    return SuffixDrafter(stores.get() if stores is not None else None, depth, eos_token_ids=eos, stores=stores, **kwargs)
+    return SuffixDrafter(stores.get() if stores is not None else None, depth, eos_token_ids=eos,
+                         stores=stores, **kwargs)

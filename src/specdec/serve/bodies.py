@@ -29,7 +29,8 @@ def chat_message(i: int, m) -> dict:
         msg["tool_call_id"] = m.tool_call_id
     if m.name is not None:
         if m.role != "tool":  # the chat template has no place for a speaker's name
-            raise SpecdecError(f"messages[{i}].name is supported on tool messages only", f"messages[{i}].name")
+            raise SpecdecError(f"messages[{i}].name is supported on tool messages only",
+                               f"messages[{i}].name")
         msg["name"] = m.name
     return msg
 
@@ -48,12 +49,14 @@ def stops(stop) -> tuple[str, ...] | None:
     return tuple(found) if found else None
 
 
-def chat_request(body: ChatCompletionRequest, tool_parser: str, messages: list[dict] | None = None) -> Request:
+def chat_request(body: ChatCompletionRequest, tool_parser: str,
+                 messages: list[dict] | None = None) -> Request:
     """/v1/chat/completions. `messages`: already translated ones (the Responses API's)."""
     limit_field = "max_completion_tokens" if body.max_completion_tokens is not None else (
         "max_tokens" if body.max_tokens is not None else None)
     return Request(
-        prompt=messages if messages is not None else [chat_message(i, m) for i, m in enumerate(body.messages)],
+        prompt=(messages if messages is not None
+                else [chat_message(i, m) for i, m in enumerate(body.messages)]),
         chat=True,
         sampling=sampling(body.temperature, body.top_p, body.top_k),
         max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,

@@ -23,7 +23,8 @@ from specdec.tool_parsers import get_parser
 
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve an OpenAI-compatible API with continuous batching")
-    add_engine_args(p, drafter="default drafter: none | ngram[:min=N][:max=N] | suffix | model:PATH | ... (default ngram)")
+    add_engine_args(p, drafter="default drafter: none | ngram[:min=N][:max=N] | suffix | model:PATH | ... "
+                               "(default ngram)")
     add_serve_flags(p)
     p.set_defaults(func=run_serve)
 
@@ -47,7 +48,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     data = read_config(args.config) if args.config else {}
     settings = settings_from(args, section(data, "serve", args.config), args.config)
     engine = engine_config(args, data)
-    if engine.backend == "native" and "slots" not in engine.backend_options:  # one cache slot per batched request
+    # one cache slot per batched request
+    if engine.backend == "native" and "slots" not in engine.backend_options:
         slots = settings["cache_slots"] or settings["max_batch"]
         engine = engine.override(backend_options={**engine.backend_options, "slots": slots})
     config = ServeConfig(engine=engine, **settings)
@@ -56,8 +58,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     if config.api_key_env:
         config.api_key = os.environ.get(config.api_key_env)
         if not config.api_key:
-            raise SpecdecError(f"--api-key-env: environment variable {config.api_key_env} is not set or empty",
-                               "api_key_env")
+            raise SpecdecError(f"--api-key-env: environment variable {config.api_key_env} "
+                               "is not set or empty", "api_key_env")
     config.api_keys = read_api_keys(config.api_key_file) if config.api_key_file else {}
     return config
 
@@ -68,15 +70,16 @@ def run_serve(args: argparse.Namespace) -> None:
         try:
             from specdec.serve.ray_serve import run_replicas
         except ImportError as e:
-            raise SpecdecError(f"--replicas needs the ray extra ({e.name} is missing): pip install 'specdec[ray]'",
-                               "replicas") from None
+            raise SpecdecError(f"--replicas needs the ray extra ({e.name} is missing): "
+                               "pip install 'specdec[ray]'", "replicas") from None
         return run_replicas(config)
     try:
         import uvicorn
 
         from specdec.serve.app import DrainingServer, create_app
     except ImportError as e:
-        raise SpecdecError(f"specdec serve needs the server extras ({e.name} is missing): pip install 'specdec[serve]'") from None
+        raise SpecdecError(f"specdec serve needs the server extras ({e.name} is missing): "
+                           "pip install 'specdec[serve]'") from None
     if config.log_dir:
         try:
             os.makedirs(config.log_dir, mode=0o700, exist_ok=True)
@@ -102,8 +105,8 @@ def run_serve(args: argparse.Namespace) -> None:
     config.on_ready = lambda: print("specdec serve: ready", file=sys.stderr, flush=True)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    print(f"specdec serve: listening on http://{shown}:{port} (loading {config.engine.target})", file=sys.stderr,
-          flush=True)
+    print(f"specdec serve: listening on http://{shown}:{port} (loading {config.engine.target})",
+          file=sys.stderr, flush=True)
     server.run(sockets=[sock])
     if failures:
         raise SpecdecError(failures[0])

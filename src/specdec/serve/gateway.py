@@ -35,7 +35,8 @@ from specdec.traffic_log import QueuedTrafficLog, TrafficLog
 log = logging.getLogger("specdec.server")
 
 
-def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+def error_response(status: int, message: str, param: str | None = None,
+                   headers: dict | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
@@ -170,7 +171,8 @@ class Gateway:
         request = self.request(body, kind)
         if request.constraint() is not None:
             self.warm_vocabulary()
-        job = request.prepare(self.tokenizer, self.eos_token_ids, self.max_length, encoder=self.tokenizers.local())
+        job = request.prepare(self.tokenizer, self.eos_token_ids, self.max_length,
+                              encoder=self.tokenizers.local())
         if body.drafter is not None and (problem := self.check_drafter(body.drafter)):
             raise SpecdecError(problem, "drafter")
         if request.logprobs is not None:

@@ -26,7 +26,8 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            return await _send_json(send, 413, error_body(413, f"the request body exceeds {self.max_bytes} bytes"))
+            return await _send_json(send, 413,
+                                    error_body(413, f"the request body exceeds {self.max_bytes} bytes"))
         received, exceeded, started = 0, False, False
 
         async def limited_receive():

@@ -85,7 +85,8 @@ def error_for(exc: Exception, rename=None) -> JSONResponse:
 
 
 def _abort_reason(exc: Exception) -> str:
-    return "timeout" if isinstance(exc, RequestTimeout) else "shutdown" if isinstance(exc, ServerShutdown) else "error"
+    return ("timeout" if isinstance(exc, RequestTimeout)
+            else "shutdown" if isinstance(exc, ServerShutdown) else "error")
 
 
 def refusal(gw: Gateway, body) -> JSONResponse | None:
@@ -101,7 +102,8 @@ def refusal(gw: Gateway, body) -> JSONResponse | None:
     if not gw.admit():
         gw.metrics.rejected("QueueFull")
         retry = gw.retry_after()
-        return error_response(429, f"the server is at capacity; retry after {retry}s", headers={"Retry-After": str(retry)})
+        return error_response(429, f"the server is at capacity; retry after {retry}s",
+                              headers={"Retry-After": str(retry)})
     return None
 
 
@@ -157,7 +159,8 @@ async def complete(gw: Gateway, body, request: Request, chat: bool, reply: Reply
 
 def _spec(gw: Gateway, req, body, result) -> dict | None:
     """The spec_decode statistics, when the request asked for them."""
-    return spec_decode(result.stats, req.drafter or gw.scheduler.default_drafter) if body.return_spec_decode else None
+    return (spec_decode(result.stats, req.drafter or gw.scheduler.default_drafter)
+            if body.return_spec_decode else None)
 
 
 async def _whole(gw: Gateway, req, events: _Events, reply: Reply, body, ctx: dict) -> Response:
@@ -181,8 +184,10 @@ async def _whole(gw: Gateway, req, events: _Events, reply: Reply, body, ctx: dic
 
 async def _stream(gw: Gateway, req, events: _Events, reply: Reply, body, ctx: dict):
     request = req.job.request
-    calls = request.tools.stream() if request.tools is not None else None  # text -> content and tool_calls deltas
-    lps = gw.logprob_format.request(request.chat, request.logprobs or 0)  # chunks carry their tokens' logprobs
+    # text -> content and tool_calls deltas
+    calls = request.tools.stream() if request.tools is not None else None
+    # chunks carry their tokens' logprobs
+    lps = gw.logprob_format.request(request.chat, request.logprobs or 0)
     ended = False
     try:
         for frame in reply.open():
@@ -239,7 +244,8 @@ def record(gw: Gateway, req, body, result, ctx: dict) -> None:
     drafter = body.drafter or gw.scheduler.default_drafter
     meta = {
         "target": gw.config.engine.target, "chat": request.chat and not isinstance(request.prompt, str),
-        "finish_reason": result.finish_reason, "temperature": request.sampling.temperature, "drafter": drafter,
+        "finish_reason": result.finish_reason, "temperature": request.sampling.temperature,
+        "drafter": drafter,
         "prompt_tokens": len(result.prompt_ids), "completion_tokens": len(result.token_ids),
         "spec_decode": spec_decode(result.stats, drafter),
     }

@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 1, 2.5, 5)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5,
+                1, 2.5, 5)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 PREFIX = "specdec:"
 
@@ -70,29 +71,33 @@ class ServerMetrics:
         self.num_drafts = one(Counter, "spec_decode_num_drafts", "Drafts verified.")
         self.num_draft_tokens = one(Counter, "spec_decode_num_draft_tokens", "Draft tokens verified.")
         self.num_accepted_tokens = one(Counter, "spec_decode_num_accepted_tokens", "Draft tokens accepted.")
-        self.num_forced_tokens = one(Counter, "spec_decode_num_forced_tokens", "Tokens a grammar forced (not drafted).")
+        self.num_forced_tokens = one(Counter, "spec_decode_num_forced_tokens",
+                                     "Tokens a grammar forced (not drafted).")
         self._accepted_per_pos = family(
-            Counter, "spec_decode_num_accepted_tokens_per_pos", "Drafts whose token at this position was accepted.",
-            "position",
+            Counter, "spec_decode_num_accepted_tokens_per_pos",
+            "Drafts whose token at this position was accepted.", "position",
         )
-        self.e2e_latency = one(Histogram, "e2e_request_latency_seconds", "Request latency, queueing included.",
-                               buckets=_LATENCY_BUCKETS)
-        self.ttft = one(Histogram, "time_to_first_token_seconds", "Time from arrival to the first generated token.",
-                        buckets=_TTFT_BUCKETS)
+        self.e2e_latency = one(Histogram, "e2e_request_latency_seconds",
+                               "Request latency, queueing included.", buckets=_LATENCY_BUCKETS)
+        self.ttft = one(Histogram, "time_to_first_token_seconds",
+                        "Time from arrival to the first generated token.", buckets=_TTFT_BUCKETS)
         self.itl = one(Histogram, "inter_token_latency_seconds",
                        "Time between a running request's steps that gave it tokens.", buckets=_ITL_BUCKETS)
         self.queue_time = one(Histogram, "request_queue_time_seconds", "Time from arrival until admitted.",
                               buckets=_TTFT_BUCKETS)
         self.waiting = one(Gauge, "num_requests_waiting", "Requests in the queue.")
         self.running = one(Gauge, "num_requests_running", "Requests being decoded.")
-        self.kv_usage = one(Gauge, "kv_cache_usage_perc", "Fraction of KV-cache slots held by running requests.")
+        self.kv_usage = one(Gauge, "kv_cache_usage_perc",
+                            "Fraction of KV-cache slots held by running requests.")
         self.prompt_tokens = one(Counter, "prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = one(Counter, "generation_tokens", "Generated tokens.")
-        self.prefix_cache_queries = one(Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_queries = one(Counter, "prefix_cache_queries",
+                                        "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = one(Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self._success = family(Counter, "request_success", "Finished requests.", "finished_reason")
         self._rejected = family(Counter, "num_requests_rejected", "Requests refused.", "reason")
-        self._aborted = family(Counter, "num_requests_aborted", "Requests ended before they finished.", "reason")
+        self._aborted = family(Counter, "num_requests_aborted", "Requests ended before they finished.",
+                               "reason")
         self.closed_by_budget = one(Counter, "num_requests_closed_by_budget",
                                     "Structured replies the token budget closed (complete and valid).")
         self.batch_size = one(Histogram, "batch_size", "Requests scored by one target forward.",
@@ -139,7 +144,8 @@ class ServerMetrics:
 
     def _count_spec(self, stats, seen: _Seen) -> None:
         for counter, attr in ((self.num_drafts, "drafts"), (self.num_draft_tokens, "draft_tokens"),
-                              (self.num_accepted_tokens, "accepted_tokens"), (self.num_forced_tokens, "forced_tokens")):
+                              (self.num_accepted_tokens, "accepted_tokens"),
+                              (self.num_forced_tokens, "forced_tokens")):
             now = getattr(stats, "num_" + attr)
             if now > getattr(seen, attr):
                 counter.inc(now - getattr(seen, attr))
@@ -148,7 +154,8 @@ class ServerMetrics:
         for pos, count in enumerate(per_pos):
             before = seen.per_pos[pos] if pos < len(seen.per_pos) else 0
             if count > before:
-                self._accepted_per_pos.labels(model_name=self.model_name, position=str(pos)).inc(count - before)
+                self._accepted_per_pos.labels(model_name=self.model_name,
+                                              position=str(pos)).inc(count - before)
         seen.per_pos = per_pos
 
     def observe_request(self, req, result, latency_s: float) -> None:

@@ -85,7 +85,8 @@ class RequestContext:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id.encode())]}
+                headers = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+                message = {**message, "headers": headers}
             await send(message)
 
         if counted and self.gateway.draining and scope["method"] != "OPTIONS":
@@ -106,8 +107,8 @@ class RequestContext:
             return
         entry = {
             "time": round(time.time(), 3), "request_id": ctx["request_id"],
-            "tenant": ctx.get("tenant", scope.get(TENANT, "")), "method": scope["method"], "route": scope["path"],
-            "status": status, "latency_s": round(time.perf_counter() - started, 4),
+            "tenant": ctx.get("tenant", scope.get(TENANT, "")), "method": scope["method"],
+            "route": scope["path"], "status": status, "latency_s": round(time.perf_counter() - started, 4),
             "prompt_tokens": ctx.get("prompt_tokens"), "completion_tokens": ctx.get("completion_tokens"),
         }
         self.access_log.write(entry)

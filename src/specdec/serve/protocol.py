@@ -68,17 +68,17 @@ def _printable(text: str) -> str:
 # Fields of OpenAI's and vLLM's request schemas that this server does not implement; sent,
 # they get "not supported" rather than "unrecognized" (any other unknown field is refused too).
 NOT_SUPPORTED = frozenset({
-    "audio", "modalities", "prediction", "reasoning_effort", "verbosity", "service_tier", "web_search_options",
-    "prompt_cache_retention", "prompt_cache_options", "moderation", "functions", "function_call", "image_url",
-    "input_audio", "file",
+    "audio", "modalities", "prediction", "reasoning_effort", "verbosity", "service_tier",
+    "web_search_options", "prompt_cache_retention", "prompt_cache_options", "moderation", "functions",
+    "function_call", "image_url", "input_audio", "file",
     "continuous_usage_stats", "include_obfuscation", "echo",
-    "repetition_penalty", "min_p", "min_tokens", "ignore_eos", "stop_token_ids", "bad_words", "allowed_token_ids",
-    "use_beam_search", "length_penalty", "include_stop_str_in_output", "skip_special_tokens",
-    "spaces_between_special_tokens", "prompt_logprobs", "truncate_prompt_tokens", "logits_processors",
-    "return_tokens_as_token_ids", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-    "guided_decoding_backend", "structured_outputs", "chat_template", "chat_template_kwargs",
-    "add_generation_prompt", "continue_final_message", "documents", "add_special_tokens", "priority",
-    "request_id", "vllm_xargs", "kv_transfer_params",
+    "repetition_penalty", "min_p", "min_tokens", "ignore_eos", "stop_token_ids", "bad_words",
+    "allowed_token_ids", "use_beam_search", "length_penalty", "include_stop_str_in_output",
+    "skip_special_tokens", "spaces_between_special_tokens", "prompt_logprobs", "truncate_prompt_tokens",
+    "logits_processors", "return_tokens_as_token_ids", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar", "guided_decoding_backend", "structured_outputs", "chat_template",
+    "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "documents",
+    "add_special_tokens", "priority", "request_id", "vllm_xargs", "kv_transfer_params",
 })
 _HINTS = {
     "functions": "use tools", "function_call": "use tool_choice", "image_url": "only text content parts are",
@@ -121,7 +121,8 @@ def _unknown_field(param: str, name: str) -> str:
 
 
 def _is_branch(part: str) -> bool:
-    return part[:1].islower() and ("[" in part or part in {"str", "int", "float", "bool", "list", "dict", "none"})
+    return part[:1].islower() and ("[" in part
+                                   or part in {"str", "int", "float", "bool", "list", "dict", "none"})
 
 
 class _Strict(BaseModel):
@@ -151,7 +152,8 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-StopStrings = str | Annotated[list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOP)]
+StopStrings = str | Annotated[list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]],
+                              Field(max_length=MAX_STOP)]
 
 
 class _Sampling(_Strict):
@@ -209,7 +211,8 @@ def unsupported(req: _Sampling) -> tuple[str, str] | None:
         ("stream_options", req.stream_options is not None and not req.stream,
          "stream_options is only allowed when stream is true"),
         ("presence_penalty", bool(req.presence_penalty), "presence_penalty is not supported; leave it at 0"),
-        ("frequency_penalty", bool(req.frequency_penalty), "frequency_penalty is not supported; leave it at 0"),
+        ("frequency_penalty", bool(req.frequency_penalty),
+         "frequency_penalty is not supported; leave it at 0"),
         ("logit_bias", bool(req.logit_bias), "logit_bias is not supported"),
         ("store", bool(req.store), "store=true is not supported: this server does not store completions"),
     ]
@@ -217,7 +220,8 @@ def unsupported(req: _Sampling) -> tuple[str, str] | None:
         checks.append(("top_logprobs", bool(req.top_logprobs) and not req.logprobs,
                        "top_logprobs needs logprobs set to true"))
         checks += [(f"messages[{i}].{name}", bool(getattr(m, name)), f"messages[{i}].{name} is not supported")
-                   for i, m in enumerate(req.messages) for name in ("refusal", "audio", "function_call", "annotations")]
+                   for i, m in enumerate(req.messages)
+                   for name in ("refusal", "audio", "function_call", "annotations")]
     if isinstance(req, CompletionRequest):
         checks += [
             ("echo", bool(req.echo), "echo is not supported"),
@@ -343,7 +347,8 @@ class ResponseBuilder:
         self.created = int(time.time())
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
 
     def full(self, text: str | None, finish_reason: str, usage_: dict, spec: dict | None,
              tool_calls: list[dict] | None = None, logprobs: dict | None = None) -> dict:

@@ -71,7 +71,8 @@ def _labelled(per_replica: list[tuple[int, list]]) -> list:
         for family in families:
             out = merged.get(family.name)
             if out is None:
-                out = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+                out = merged[family.name] = Metric(family.name, family.documentation, family.type,
+                                                   family.unit)
             for s in family.samples:
                 out.add_sample(s.name, {**s.labels, "replica": str(index)}, s.value, s.timestamp, s.exemplar)
     return list(merged.values())
@@ -91,7 +92,8 @@ class _Families:
                   max_ongoing_requests=4096)
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, replicas: list, capacity: int, routing: str, max_body_bytes: int, request_timeout: float):
+    def __init__(self, replicas: list, capacity: int, routing: str, max_body_bytes: int,
+                 request_timeout: float):
         self.replicas = replicas  # DeploymentHandle per replica index
         self.router = ReplicaRouter(len(replicas), capacity, routing)
         self.max_body_bytes = max_body_bytes
@@ -150,10 +152,12 @@ class Ingress:
                 return index, await self._call(index, "metric_families")
             return index, []
 
-        self._families.families = _labelled(await asyncio.gather(*(one(i) for i in range(len(self.replicas)))))
+        families = await asyncio.gather(*(one(i) for i in range(len(self.replicas))))
+        self._families.families = _labelled(families)
         for i, n in enumerate(self.router.in_flight):
             self.stats.in_flight.labels(replica=str(i)).set(n)
-        return Response(generate_latest(self.stats.registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(generate_latest(self.stats.registry),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"])
     async def forward(self, request: Request, path: str):
@@ -199,14 +203,17 @@ class Ingress:
         """Send the request to replica `index`; its answer as a response, streamed if the
         replica streams it."""
         handle = self.replicas[index].options(stream=True)
-        stream = handle.http.remote(request.method, request.url.path, request.url.query.encode(), headers, body)
+        stream = handle.http.remote(request.method, request.url.path, request.url.query.encode(),
+                                    headers, body)
         try:
             _, status, raw_headers = await asyncio.wait_for(stream.__anext__(), self.timeout)
         except _REPLICA_GONE as e:
-            return error_response(503, self._gone(index, e), headers={"Retry-After": "1", REPLICA_HEADER: str(index)})
+            return error_response(503, self._gone(index, e),
+                                  headers={"Retry-After": "1", REPLICA_HEADER: str(index)})
         except (TimeoutError, RequestCancelledError) as e:
             stream.cancel()
-            return error_response(503, self._gone(index, e), headers={"Retry-After": "1", REPLICA_HEADER: str(index)})
+            return error_response(503, self._gone(index, e),
+                                  headers={"Retry-After": "1", REPLICA_HEADER: str(index)})
         out_headers = {k: v for k, v in raw_headers if k.lower() not in _DROPPED_HEADERS}
         out_headers[REPLICA_HEADER] = str(index)
         media_type = out_headers.pop("content-type", None)
@@ -216,7 +223,8 @@ class Ingress:
         try:
             chunks = [chunk async for _, chunk in stream]
         except _REPLICA_GONE as e:
-            return error_response(503, self._gone(index, e), headers={"Retry-After": "1", REPLICA_HEADER: str(index)})
+            return error_response(503, self._gone(index, e),
+                                  headers={"Retry-After": "1", REPLICA_HEADER: str(index)})
         return Response(b"".join(chunks), status_code=status, headers=out_headers, media_type=media_type)
 
     async def _relay(self, index: int, stream):

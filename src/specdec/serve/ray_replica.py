@@ -35,7 +35,8 @@ class ReplicaServer:
     the replica's identity."""
 
     async def __init__(self, config: ServeConfig, index: int):
-        log_dir = os.path.join(config.log_dir, f"replica-{index}") if config.log_dir else None  # one writer each
+        # one writer each
+        log_dir = os.path.join(config.log_dir, f"replica-{index}") if config.log_dir else None
         config = dataclasses.replace(config, log_dir=log_dir, on_load_error=None, on_ready=None)
         self.index = index
         self.app = create_app(config)
@@ -76,7 +77,8 @@ class ReplicaServer:
                     return
                 msg = message.result()
                 if msg["type"] == "http.response.start":
-                    yield ("start", msg["status"], [(k.decode(), v.decode()) for k, v in msg.get("headers", [])])
+                    yield ("start", msg["status"],
+                           [(k.decode(), v.decode()) for k, v in msg.get("headers", [])])
                 elif msg["type"] == "http.response.body":
                     if msg.get("body"):
                         yield ("body", msg["body"])

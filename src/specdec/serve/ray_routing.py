@@ -31,7 +31,8 @@ def _text(content) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+        return "".join(p.get("text", "") for p in content
+                       if isinstance(p, dict) and isinstance(p.get("text"), str))
     return ""
 
 
@@ -48,7 +49,8 @@ def conversation_key(body) -> str | None:
             return f"{field.split('_')[-1]}:{body[field]}"
     messages = body.get("messages")
     if isinstance(body.get("input"), str | list):  # the Responses API: instructions, then input as messages
-        items = [{"role": "user", "content": body["input"]}] if isinstance(body["input"], str) else body["input"]
+        items = ([{"role": "user", "content": body["input"]}] if isinstance(body["input"], str)
+                 else body["input"])
         system = [{"role": "system", "content": body["instructions"]}] if body.get("instructions") else []
         messages = [*system, *items]
     if isinstance(messages, list):
@@ -86,7 +88,8 @@ class ReplicaRouter:
     The ingress calls `acquire` before dispatching and `release` when the response ends.
     """
 
-    def __init__(self, num_replicas: int, capacity: int, mode: str = "affinity", rng: random.Random | None = None):
+    def __init__(self, num_replicas: int, capacity: int, mode: str = "affinity",
+                 rng: random.Random | None = None):
         if mode not in ROUTING_MODES:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_MODES)}, got {mode!r}")
         self.num_replicas, self.capacity, self.mode = num_replicas, capacity, mode
@@ -106,7 +109,8 @@ class ReplicaRouter:
         if key is None:
             return least, "least_loaded"
         owner = jump_hash(key, self.num_replicas)
-        if owner in up and (self.in_flight[owner] < self.capacity or self.in_flight[least] >= self.in_flight[owner]):
+        if owner in up and (self.in_flight[owner] < self.capacity
+                            or self.in_flight[least] >= self.in_flight[owner]):
             return owner, "affinity"
         return least, "fallback"
 

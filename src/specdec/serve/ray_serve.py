@@ -3,9 +3,10 @@ OpenAI-compatible ingress (ray_ingress.py, ray_replica.py). Needs the ray extra:
 `pip install 'specdec[ray]'`.
 
 Without --ray-address (or with `--ray-address local`, which puts even one replica on Ray) a
-local Ray instance is started with enough logical CPUs for the replicas; with an address, the app joins that cluster (`ray://...` or a GCS address), and is deleted
-from it on exit, leaving the cluster running. Each replica loads the target itself, so the
-model path must exist on every node (or be a built-in name).
+local Ray instance is started with enough logical CPUs for the replicas; with an address, the
+app joins that cluster (`ray://...` or a GCS address), and is deleted from it on exit,
+leaving the cluster running. Each replica loads the target itself, so the model path must
+exist on every node (or be a built-in name).
 """
 
 from __future__ import annotations

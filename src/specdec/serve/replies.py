@@ -50,12 +50,15 @@ class ChatReply:
 
     def whole(self, result: GenerationResult, spec: dict | None, logprobs: dict | None) -> dict:
         text = result.content if result.tool_calls or result.content is not None else result.text
-        reply = self.builder.full(text, result.finish_reason, result_usage(result), spec, result.tool_calls, logprobs)
-        mark_closed_by_budget(reply["choices"][0], result)  # the `specdec` extension (docs/structured-budget.md)
+        reply = self.builder.full(text, result.finish_reason, result_usage(result), spec, result.tool_calls,
+                                  logprobs)
+        # the `specdec` extension (docs/structured-budget.md)
+        mark_closed_by_budget(reply["choices"][0], result)
         return reply
 
     def open(self) -> list[bytes]:
-        return [sse(self.builder.chunk("", role=True))] if self.chat else []  # the first delta carries the role
+        # the first delta carries the role
+        return [sse(self.builder.chunk("", role=True))] if self.chat else []
 
     def delta(self, delta: dict, logprobs: dict | None) -> list[bytes]:
         if self.chat:

@@ -84,7 +84,8 @@ def refused(body: ResponsesRequest) -> tuple[str, str] | None:
     if body.store:
         return "store", "store=true is not supported: this server stores no responses"
     if body.truncation == "auto":
-        return "truncation", "truncation 'auto' is not supported; a prompt too long for the context is an error"
+        return "truncation", ("truncation 'auto' is not supported; "
+                              "a prompt too long for the context is an error")
     for name, message in _REFUSED_WHEN_SET.items():
         value = getattr(body, name)
         if value is not None and value != [] and value is not False:
@@ -106,12 +107,14 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
         raise SpecdecError("input must hold at least one item", "input")
     tools = [chat_tool(t, i) for i, t in enumerate(body.tools or [])]
     fields = dict(
-        model=body.model, messages=messages, tools=tools or None, tool_choice=chat_tool_choice(body.tool_choice),
+        model=body.model, messages=messages, tools=tools or None,
+        tool_choice=chat_tool_choice(body.tool_choice),
         parallel_tool_calls=body.parallel_tool_calls, response_format=response_format(body.text),
         max_completion_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
         stream=bool(body.stream), seed=body.seed, cache_salt=body.cache_salt,
         return_spec_decode=body.return_spec_decode, drafter=body.drafter, k=body.k, user=body.user,
-        safety_identifier=body.safety_identifier, prompt_cache_key=body.prompt_cache_key, metadata=body.metadata,
+        safety_identifier=body.safety_identifier, prompt_cache_key=body.prompt_cache_key,
+        metadata=body.metadata,
     )
     return ChatCompletionRequest(**{name: value for name, value in fields.items() if value is not None})
 
@@ -164,7 +167,8 @@ def _message(item: dict, where: str) -> dict:
 
 
 def _part_text(part, where: str) -> str:
-    if not isinstance(part, dict) or part.get("type") not in _PART_TEXT or not isinstance(part.get("text"), str):
+    if (not isinstance(part, dict) or part.get("type") not in _PART_TEXT
+            or not isinstance(part.get("text"), str)):
         kind = part.get("type") if isinstance(part, dict) else None
         raise SpecdecError(f"{where}: content parts of type {str(kind)[:40]!r} are not supported; only "
                            "input_text and output_text", f"{where}.type")
@@ -179,7 +183,8 @@ def _call(item: dict, where: str) -> dict:
     for key in ("call_id", "name", "arguments"):
         if not isinstance(item.get(key), str):
             raise SpecdecError(f"{where}.{key} must be a string", f"{where}.{key}")
-    return {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+    return {"id": item["call_id"], "type": "function",
+            "function": {"name": item["name"], "arguments": item["arguments"]}}
 
 
 def _call_output(item: dict, where: str, names: dict[str, str]) -> dict:
@@ -207,8 +212,8 @@ def chat_tool(tool: dict, i: int) -> dict:
     """A Responses function tool (flat) as chat's {type, function: {...}}."""
     where = f"tools[{i}]"
     if tool.get("type") != "function":
-        raise SpecdecError(f"{where}.type: only function tools are supported, got {str(tool.get('type'))[:40]!r}",
-                           f"{where}.type")
+        raise SpecdecError(f"{where}.type: only function tools are supported, "
+                           f"got {str(tool.get('type'))[:40]!r}", f"{where}.type")
     _only(tool, {"type", "name", "description", "parameters", "strict"}, where)
     return {"type": "function", "function": {k: v for k, v in tool.items() if k != "type" and v is not None}}
 
@@ -216,7 +221,8 @@ def chat_tool(tool: dict, i: int) -> dict:
 def chat_tool_choice(choice: str | dict | None) -> str | dict | None:
     if choice is None or isinstance(choice, str):
         return choice
-    if choice.get("type") != "function" or not isinstance(choice.get("name"), str) or set(choice) - {"type", "name"}:
+    if (choice.get("type") != "function" or not isinstance(choice.get("name"), str)
+            or set(choice) - {"type", "name"}):
         raise SpecdecError("tool_choice must be none, auto, required or {'type': 'function', 'name': ...}",
                            "tool_choice")
     return {"type": "function", "function": {"name": choice["name"]}}

@@ -28,12 +28,14 @@ def _usage(result: GenerationResult) -> dict:
     prompt, output = len(result.prompt_ids), len(result.token_ids)
     return {
         "input_tokens": prompt, "input_tokens_details": {"cached_tokens": result.stats.cached_prompt_tokens},
-        "output_tokens": output, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + output,
+        "output_tokens": output, "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + output,
     }
 
 
 def _message(item_id: str, text: str, status: str) -> dict:
-    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status != "in_progress" else []
+    content = ([{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+               if status != "in_progress" else [])
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
 
 
@@ -60,8 +62,8 @@ class ResponsesReply:
                   spec: dict | None = None) -> dict:
         body = self.body
         obj = {
-            "id": self.id, "object": "response", "created_at": self.created, "status": status, "model": self.model,
-            "output": output, "error": None,
+            "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "model": self.model, "output": output, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": body.instructions, "metadata": body.metadata or {},
             "parallel_tool_calls": body.parallel_tool_calls is not False,
@@ -88,11 +90,13 @@ class ResponsesReply:
     def _event(self, kind: str, **fields) -> bytes:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
-        return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n".encode()
+        payload = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+        return f"event: {kind}\ndata: {payload}\n\n".encode()
 
     def open(self) -> list[bytes]:
         started = self.response("in_progress", [])
-        return [self._event("response.created", response=started), self._event("response.in_progress", response=started)]
+        return [self._event("response.created", response=started),
+                self._event("response.in_progress", response=started)]
 
     def delta(self, delta: dict, logprobs: dict | None) -> list[bytes]:
         frames: list[bytes] = []
@@ -102,8 +106,8 @@ class ResponsesReply:
                 frames += self._open_message()
             self._open["text"] += delta["content"]
             frames.append(self._event("response.output_text.delta", item_id=self._open["item"]["id"],
-                                      output_index=self._open["index"], content_index=0, delta=delta["content"],
-                                      logprobs=[]))
+                                      output_index=self._open["index"], content_index=0,
+                                      delta=delta["content"], logprobs=[]))
         for call in delta.get("tool_calls", []):
             if "id" in call:  # a new call opens
                 frames += self._close_item()
@@ -111,7 +115,8 @@ class ResponsesReply:
             arguments = call.get("function", {}).get("arguments", "")
             if arguments:
                 self._open["call"]["function"]["arguments"] += arguments
-                frames.append(self._event("response.function_call_arguments.delta", item_id=self._open["item"]["id"],
+                frames.append(self._event("response.function_call_arguments.delta",
+                                          item_id=self._open["item"]["id"],
                                           output_index=self._open["index"], delta=arguments))
         return frames
 
@@ -125,15 +130,16 @@ class ResponsesReply:
 
     def error(self, body: dict) -> list[bytes]:
         err = body["error"]
-        return [self._event("error", code=str(err.get("code")), message=err["message"], param=err.get("param"))]
+        return [self._event("error", code=str(err.get("code")), message=err["message"],
+                            param=err.get("param"))]
 
     def _open_message(self) -> list[bytes]:
         item = _message(_id("msg"), "", "in_progress")
         self._open = {"item": item, "index": len(self.output), "text": ""}
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         return [self._event("response.output_item.added", output_index=self._open["index"], item=item),
-                self._event("response.content_part.added", item_id=item["id"], output_index=self._open["index"],
-                            content_index=0, part=part)]
+                self._event("response.content_part.added", item_id=item["id"],
+                            output_index=self._open["index"], content_index=0, part=part)]
 
     def _open_call(self, call: dict) -> list[bytes]:
         opened = {"id": call["id"], "function": {"name": call["function"]["name"], "arguments": ""}}
@@ -150,15 +156,16 @@ class ResponsesReply:
             text = self._open["text"]
             done = _message(item_id, text, "completed")
             part = done["content"][0]
-            frames = [self._event("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
-                                  text=text, logprobs=[]),
+            frames = [self._event("response.output_text.done", item_id=item_id, output_index=index,
+                                  content_index=0, text=text, logprobs=[]),
                       self._event("response.content_part.done", item_id=item_id, output_index=index,
                                   content_index=0, part=part)]
         else:
             call = self._open["call"]
             done = _call(item_id, call, "completed")
-            frames = [self._event("response.function_call_arguments.done", item_id=item_id, output_index=index,
-                                  name=call["function"]["name"], arguments=call["function"]["arguments"])]
+            frames = [self._event("response.function_call_arguments.done", item_id=item_id,
+                                  output_index=index, name=call["function"]["name"],
+                                  arguments=call["function"]["arguments"])]
         self.output.append(done)
         self._open = None
         return [*frames, self._event("response.output_item.done", output_index=index, item=done)]

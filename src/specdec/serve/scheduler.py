@@ -73,7 +73,8 @@ class GenRequest:
     k: str | int | None = None  # None means the drafter spec's or the server's k
     stream: bool = False  # emit text deltas
     timeout_s: float | None = None
-    tenant: str = ""  # whose prefix caches and suffix trie this request may use and feed (API key + cache_salt)
+    # whose prefix caches and suffix trie this request may use and feed (API key + cache_salt)
+    tenant: str = ""
     id: int = field(default_factory=lambda: next(_ids))
     submitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -120,9 +121,11 @@ class Scheduler:
         cache_slots: int | None = None,  # KV caches kept, in use and idle (default max_batch)
     ):
         if max_batch < 1 or max_queue < 0:
-            raise SpecdecError(f"need max_batch >= 1 and max_queue >= 0, got {max_batch}, {max_queue}", "max_batch")
+            raise SpecdecError(f"need max_batch >= 1 and max_queue >= 0, got {max_batch}, {max_queue}",
+                               "max_batch")
         if cache_slots is not None and cache_slots < max_batch:
-            raise SpecdecError(f"cache_slots must be at least max_batch ({max_batch}), got {cache_slots}", "cache_slots")
+            raise SpecdecError(f"cache_slots must be at least max_batch ({max_batch}), got {cache_slots}",
+                               "cache_slots")
         self.engine = engine = engine or EngineConfig()
         self.target, self.tokenizer = target, target.tokenizer
         self.eos_token_ids = target.eos_token_ids
@@ -297,7 +300,7 @@ class Scheduler:
             t0 = time.perf_counter()
             try:
                 rows = forward_batch([planned[i][0].backend for i in chains], [planned[i][1] for i in chains],
-                                     [planned[i][0].seq.unscored for i in chains])  # fmt: skip
+                                     [planned[i][0].seq.unscored for i in chains])
             except Exception:
                 log.warning("a batched forward failed; scoring its sequences one at a time", exc_info=True)
                 for i, length in zip(chains, lengths, strict=True):
@@ -332,7 +335,8 @@ class Scheduler:
             for req in [r for r in self._pending if r.cancelled or r.expired(now)]:
                 self._pending.remove(req)
                 if not req.cancelled:
-                    _emit(req, "error", RequestTimeout(f"the request timed out after {req.timeout_s:g}s in the queue"))
+                    _emit(req, "error",
+                          RequestTimeout(f"the request timed out after {req.timeout_s:g}s in the queue"))
             taken = []
             while self._pending and len(self._active) + len(taken) < self.max_batch:
                 taken.append(self._pending.popleft())

@@ -86,11 +86,11 @@ class ServeConfig:
     max_batch_tokens: int | None = setting(
         None, "cap on tokens scored per step across requests; shrinks k under load (0: no cap; default "
               f"{CPU_BATCH_TOKENS} on a cpu, {ACCELERATOR_BATCH_TOKENS} on an accelerator)", nonneg_int)
-    spec_off_above: int = setting(0, "turn speculation off when more requests than this are active (0: never)",
-                                  nonneg_int)
+    spec_off_above: int = setting(
+        0, "turn speculation off when more requests than this are active (0: never)", nonneg_int)
     max_prefill_tokens: int = setting(
-        256, "prompt tokens prefilled per step, all new requests together, between the decode steps of running "
-             "ones (chunked prefill; 0: whole prompts on admission)", nonneg_int)
+        256, "prompt tokens prefilled per step, all new requests together, between the decode steps of "
+             "running ones (chunked prefill; 0: whole prompts on admission)", nonneg_int)
     cache_slots: int | None = setting(
         None, "KV caches kept, in use and idle for prefix reuse; the least recently used is evicted "
               "(default: max_batch)", positive_int)
@@ -169,7 +169,8 @@ class _DeprecatedFlag(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         new = f"--{self.dest.replace('_', '-')}"
         warnings.warn(f"{option_string} is deprecated; use {new}", DeprecationWarning, stacklevel=2)
-        setattr(namespace, self.dest, [*(getattr(namespace, self.dest) or []), values] if self.repeat else values)
+        setattr(namespace, self.dest,
+                [*(getattr(namespace, self.dest) or []), values] if self.repeat else values)
 
 
 def add_serve_flags(p: argparse.ArgumentParser) -> None:

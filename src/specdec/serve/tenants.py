@@ -38,7 +38,8 @@ def read_api_keys(path: str) -> dict[str, str]:
         with open(path, encoding="utf-8") as f:
             lines = f.read().splitlines()
     except (OSError, UnicodeDecodeError) as e:
-        raise SpecdecError(f"--api-key-file {path}: {getattr(e, 'strerror', None) or e}", "api_key_file") from None
+        raise SpecdecError(f"--api-key-file {path}: {getattr(e, 'strerror', None) or e}",
+                           "api_key_file") from None
     keys: dict[str, str] = {}
     for number, line in enumerate(lines, 1):
         fields = line.split()
@@ -49,7 +50,8 @@ def read_api_keys(path: str) -> dict[str, str]:
             raise SpecdecError(f"{where}: expected 'KEY [TENANT]', got {len(fields)} fields", "api_key_file")
         key, name = fields[0], (fields[1] if len(fields) == 2 else None)
         if name is not None and not _TENANT_NAME.match(name):
-            raise SpecdecError(f"{where}: a tenant name is 1 to 128 of A-Z a-z 0-9 . _ : @ / -", "api_key_file")
+            raise SpecdecError(f"{where}: a tenant name is 1 to 128 of A-Z a-z 0-9 . _ : @ / -",
+                               "api_key_file")
         if key in keys:
             raise SpecdecError(f"{where}: this key is listed twice", "api_key_file")
         keys[key] = key_tenant(key, name)

@@ -30,7 +30,8 @@ from specdec.grammar import JSON_OPTIONS
 from specdec.registry import Registry
 from specdec.tool_parsers.scanner import CallObject, Event
 
-__all__ = ["CallObject", "Event", "ToolParser", "assemble", "available_parsers", "get_parser", "register_parser"]
+__all__ = ["CallObject", "Event", "ToolParser", "assemble", "available_parsers", "get_parser",
+           "register_parser"]
 
 SEPARATORS = (", ", ": ")  # compact JSON with a space after ',' and ':', as grammar.JSON_OPTIONS writes it
 
@@ -143,7 +144,8 @@ def _call_rule(tool: dict) -> str:
     fn = tool["function"]
     schema = dict(fn.get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False})
     own = schema.get("x-guidance")
-    options = {**JSON_OPTIONS, "lenient": not fn.get("strict", False), **(own if isinstance(own, dict) else {})}
+    options = {**JSON_OPTIONS, "lenient": not fn.get("strict", False),
+               **(own if isinstance(own, dict) else {})}
     schema["x-guidance"] = options
     head = lark_literal(f'{{"name": {dumps(fn["name"])}, "arguments": ')
     return f'{head} %json {json.dumps(schema)} "}}"'
@@ -167,7 +169,9 @@ def assemble(events: list[Event]) -> tuple[str, list[dict]]:
 
 # ---- registry ----------------------------------------------------------------------------
 
-PARSERS: Registry[type[ToolParser]] = Registry("tool-call parser", __name__, ("hermes", "json_calls"), "tool_parser")
+PARSERS: Registry[type[ToolParser]] = Registry(
+    "tool-call parser", __name__, ("hermes", "json_calls"), "tool_parser"
+)
 register_parser, available_parsers = PARSERS.register, PARSERS.available
 
 

@@ -114,7 +114,8 @@ class HermesParser(ToolParser):
     @classmethod
     def render_calls(cls, calls: list[dict]) -> str:
         return "\n".join(
-            f"{OPEN_TAG}\n{{\"name\": {dumps(c['name'])}, \"arguments\": {json_text(c['arguments'])}}}\n{CLOSE_TAG}"
+            f"{OPEN_TAG}\n{{\"name\": {dumps(c['name'])}, "
+            f"\"arguments\": {json_text(c['arguments'])}}}\n{CLOSE_TAG}"
             for c in calls
         )
 

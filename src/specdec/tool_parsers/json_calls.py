@@ -77,7 +77,8 @@ class JsonParser(ToolParser):
 
     @classmethod
     def render_calls(cls, calls: list[dict]) -> str:
-        objects = [f"{{\"name\": {dumps(c['name'])}, \"arguments\": {json_text(c['arguments'])}}}" for c in calls]
+        objects = [f"{{\"name\": {dumps(c['name'])}, \"arguments\": {json_text(c['arguments'])}}}"
+                   for c in calls]
         return objects[0] if len(objects) == 1 else "[" + ", ".join(objects) + "]"
 
     @classmethod

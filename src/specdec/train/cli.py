@@ -48,15 +48,15 @@ def add_parser(sub) -> None:
     p.add_argument("--target", help="built-in name, .gguf file or HF model directory (default smollm2-135m)")
     p.add_argument("--kind", choices=("draft", "eagle"), default="draft")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--data", help="prompts JSONL ({'turns': [...]}, {'prompt': ...} or {'messages': [...]}); "
-                                    "default: the built-in training prompts")
+    src.add_argument("--data", help="prompts JSONL ({'turns': [...]}, {'prompt': ...} or "
+                                    "{'messages': [...]}); default: the built-in training prompts")
     src.add_argument("--from-logs", metavar="DIR", help="a traffic log written by --log-dir")
     p.add_argument("--out", required=True, help="output directory (model, checkpoints, report)")
     p.add_argument("--data-dir", help="where the target's outputs are stored (default OUT/data); "
                                       "draft and eagle runs can share one")
     p.add_argument("--layers", type=_positive, default=4, help="draft depth (kind=draft)")
-    p.add_argument("--init", metavar="MODEL", help="start from this existing draft (same tokenizer) instead of "
-                                                  "the target's layers (kind=draft)")
+    p.add_argument("--init", metavar="MODEL", help="start from this existing draft (same tokenizer) "
+                                                   "instead of the target's layers (kind=draft)")
     p.add_argument("--lora", type=int, default=0, metavar="RANK",
                    help="fine-tune LoRA adapters of this rank (needs peft), merged into the saved draft")
     p.add_argument("--steps", type=_positive, default=None, help="optimizer steps (default: --epochs passes)")
@@ -64,27 +64,32 @@ def add_parser(sub) -> None:
     p.add_argument("--lr", type=float, default=0.0, help="default 5e-4 (draft) or 1e-3 (eagle)")
     p.add_argument("--batch-tokens", type=_positive, default=2048)
     p.add_argument("--seq-len", type=_positive, default=512)
-    p.add_argument("--vocab", type=int, default=16384, help="EAGLE head's frequency-ranked vocabulary (0 = all)")
+    p.add_argument("--vocab", type=int, default=16384,
+                   help="EAGLE head's frequency-ranked vocabulary (0 = all)")
     p.add_argument("--kl-weight", type=float, default=0.1, help="EAGLE: weight of the token KL next to the "
                                                                 "feature regression")
     p.add_argument("--unroll", type=int, choices=(1, 2), default=2,
                    help="EAGLE: 2 also trains on the head's own predicted features")
     p.add_argument("--max-new-tokens", type=_positive, default=192, help="length of the target's answers")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the target's answers")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of the target's answers")
     p.add_argument("--topk", type=_positive, default=64, help="target logits kept per position")
-    p.add_argument("--backend", help="engine backend that generates the target's answers: hf (default) or native")
+    p.add_argument("--backend",
+                   help="engine backend that generates the target's answers: hf (default) or native")
     p.add_argument("--max-sources", type=_positive, default=None, help="use at most this many prompts")
     p.add_argument("--heldout", type=int, default=8, help="prompts kept out of training to measure tau")
     p.add_argument("--eval-tokens", type=_positive, default=128, help="tokens generated per held-out prompt")
     p.add_argument("--eval-k", type=_positive, default=5, help="draft length when measuring tau")
     p.add_argument("--save-every", type=_positive, default=50, help="checkpoint every N steps")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="a minutes-long run: few prompts, short answers, 20 steps")
+    p.add_argument("--quick", action="store_true",
+                   help="a minutes-long run: few prompts, short answers, 20 steps")
     p.set_defaults(func=run_distill)
 
     ls = sub.add_parser("layerskip", help="self-speculation with the target's own layers")
     ls_sub = ls.add_subparsers(dest="layerskip_command", required=True, parser_class=type(p))
-    s = ls_sub.add_parser("search", help="choose the layers the draft keeps, by measured tau per unit of cost")
+    s = ls_sub.add_parser("search",
+                          help="choose the layers the draft keeps, by measured tau per unit of cost")
     s.add_argument("--target", default="smollm2-135m")
     s.add_argument("--data", help="calibration prompts JSONL (default: built-in training prompts)")
     s.add_argument("--out", default="layerskip.json", help="where to save the choice (JSON)")
@@ -162,7 +167,8 @@ def run_distill(args: argparse.Namespace) -> None:
     if a is not None:
         print(f"held-out tau (k={args.eval_k}, greedy): {b if b is not None else 'n/a'} -> {a}; "
               f"acceptance {report['acceptance_after']}; same output before/after: {report['same_output']}")
-    print(f"trained {state['step']} steps in {state.get('train_s', 0):.0f}s; use it with --drafter {drafter_flag}")
+    print(f"trained {state['step']} steps in {state.get('train_s', 0):.0f}s; "
+          f"use it with --drafter {drafter_flag}")
     print(json.dumps(report))
 
 
@@ -177,18 +183,20 @@ def _settings(args: argparse.Namespace, backend: str):
         raise SpecdecError(f"--vocab must be >= 0, got {args.vocab}", "vocab")
     settings = D.TrainSettings(
         kind=args.kind, steps=args.steps or 0, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
-        seq_len=args.seq_len, layers=args.layers, vocab=args.vocab, save_every=args.save_every, seed=args.seed,
-        kl_weight=args.kl_weight, unroll=args.unroll,
+        seq_len=args.seq_len, layers=args.layers, vocab=args.vocab, save_every=args.save_every,
+        seed=args.seed, kl_weight=args.kl_weight, unroll=args.unroll,
     )
-    data_settings = DataSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, topk=args.topk,
-                                 seed=args.seed, backend=backend)
+    data_settings = DataSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                 topk=args.topk, seed=args.seed, backend=backend)
     limits = (args.max_sources, args.heldout, args.eval_tokens)
     if args.quick:
         q = QUICK
         limits = (q["sources"] + q["heldout"], q["heldout"], q["eval_tokens"])
         data_settings.max_new_tokens = q["max_new_tokens"]
         settings.steps = args.steps or q["steps"]
-        settings.seq_len, settings.batch_tokens, settings.save_every = q["seq_len"], q["batch_tokens"], q["save_every"]
+        settings.seq_len = q["seq_len"]
+        settings.batch_tokens = q["batch_tokens"]
+        settings.save_every = q["save_every"]
         settings.layers = min(args.layers, q["layers"])
         settings.vocab = min(args.vocab, q["vocab"]) if args.vocab else 0
     return settings, data_settings, limits
@@ -218,7 +226,8 @@ def _resume(args, checkpoint, meta, settings) -> dict:
     if state.get("data") != meta.fingerprint:
         raise SpecdecError(f"{checkpoint.directory} was trained on other data; pass another --out", "out")
     if state.get("settings", {}).get("layers", settings.layers) != settings.layers and args.kind == "draft":
-        raise SpecdecError(f"{checkpoint.directory} holds a {state['settings']['layers']}-layer draft", "layers")
+        raise SpecdecError(f"{checkpoint.directory} holds a {state['settings']['layers']}-layer draft",
+                           "layers")
     return state
 
 
@@ -237,7 +246,8 @@ def _trainee(args, target, settings, meta, examples):
         make_drafter = lambda: ModelDrafter(HFBackend(model), eos)  # noqa: E731
         return model, params, loss_fn, make_drafter, None
     vocab_size = meta.vocab_size
-    vocab_ids = token_ranking(examples, vocab_size)[: settings.vocab] if 0 < settings.vocab < vocab_size else None
+    vocab_ids = (token_ranking(examples, vocab_size)[: settings.vocab]
+                 if 0 < settings.vocab < vocab_size else None)
     model = D.new_eagle_head(target.model)
     trainer = D.EagleTrainer(target.model, model, vocab_ids, settings)
     make_drafter = lambda: EagleDrafter(model.eval(), vocab_ids, eos)  # noqa: E731
@@ -253,7 +263,8 @@ def _save_artifacts(kind: str, out: Path, model, target, vocab_ids, state: dict)
         target.tokenizer.save_pretrained(str(out))
     else:
         save_head(out, model, target.name, vocab_ids,
-                  {"vocab_size": int(target.model.get_output_embeddings().weight.shape[0]), "steps": state["step"]})
+                  {"vocab_size": int(target.model.get_output_embeddings().weight.shape[0]),
+                   "steps": state["step"]})
 
 
 def _initial_draft(args, target, settings):
@@ -278,7 +289,8 @@ def _report(args, target_name: str, state: dict, meta, t_data: float, t_total: f
 
     return {
         "kind": args.kind, "target": target_name, "steps": state["step"],
-        "train_seconds": state.get("train_s"), "data_seconds": round(t_data, 1), "total_seconds": round(t_total, 1),
+        "train_seconds": state.get("train_s"), "data_seconds": round(t_data, 1),
+        "total_seconds": round(t_total, 1),
         "data_sequences": meta.sequences, "data_tokens": meta.tokens,
         "loss_first": avg(first, "loss"), "loss_last": avg(last, "loss"),
         "kl_first": avg(first, "kl"), "kl_last": avg(last, "kl"),

@@ -46,7 +46,8 @@ class Source:
     category: str = ""
 
     def key(self) -> str:
-        fields = [self.turns, self.messages, self.text, self.logged_output] + ([self.tools] if self.tools else [])
+        fields = ([self.turns, self.messages, self.text, self.logged_output]
+                  + ([self.tools] if self.tools else []))
         return json.dumps(fields, sort_keys=True)
 
     def first_prompt(self) -> str | list[dict]:
@@ -83,7 +84,8 @@ def _parse_source(obj, where: str) -> Source:
     category = str(obj.get("category", ""))
     if "turns" in obj:
         turns = obj["turns"]
-        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+        if (not isinstance(turns, list) or not turns
+                or not all(isinstance(t, str) and t.strip() for t in turns)):
             raise SpecdecError(f"{where}: turns must be a non-empty list of non-empty strings", "data")
         return Source(turns=turns, category=category)
     if "messages" in obj:
@@ -124,7 +126,8 @@ def sources_from_logs(directory: str | os.PathLike, target_name: str) -> tuple[l
             else:
                 sources.append(Source(text=prompt, logged_output=rec["output"], logged_stop=stop))
         elif _valid_messages(prompt, tool_messages=True):
-            sources.append(Source(messages=prompt, logged_output=rec["output"], logged_stop=stop, tools=tools))
+            sources.append(Source(messages=prompt, logged_output=rec["output"], logged_stop=stop,
+                                  tools=tools))
         else:
             skipped += 1
     if not sources:
@@ -267,14 +270,16 @@ def build_data(
             vocab_size=int(model.get_output_embeddings().weight.shape[0]),
         )
         meta.save(directory)
-    engine = Engine(target, drafter="ngram", k="auto", backend=settings.backend) if meta.done < len(sources) else None
+    engine = (Engine(target, drafter="ngram", k="auto", backend=settings.backend)
+              if meta.done < len(sources) else None)
     pending: list[tuple[TokenSeq, dict]] = []
     first_pending = meta.done
     for index in range(meta.done, len(sources)):
         for seq in _generate_sequences(engine, sources[index], settings, settings.seed + index):
             tokens = seq.tokens[: settings.max_seq_len]
             if len(tokens) > seq.gen_start:
-                pending.append((TokenSeq(tokens, seq.gen_start), teacher_forward(model, tokens, settings.topk)))
+                pending.append((TokenSeq(tokens, seq.gen_start),
+                                teacher_forward(model, tokens, settings.topk)))
         last = index == len(sources) - 1
         if (index + 1 - first_pending) >= settings.shard_size or last:
             if pending:

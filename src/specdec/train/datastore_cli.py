@@ -14,7 +14,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("datastore", help="build a retrieval datastore for the `retrieval:DIR` drafter")
     actions = p.add_subparsers(dest="datastore_command", required=True, parser_class=type(p))
     build = actions.add_parser("build", help="tokenize files with the target's tokenizer and index them")
-    build.add_argument("files", nargs="+", help="text files, .jsonl files (one document a line) or directories")
+    build.add_argument("files", nargs="+",
+                       help="text files, .jsonl files (one document a line) or directories")
     build.add_argument("--out", required=True, help="directory to write the datastore into")
     add_model_args(build)
     build.set_defaults(func=run_build)

@@ -193,7 +193,8 @@ def draft_loss(draft: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, dict]
 class EagleTrainer:
     """Loss of an EAGLE head against stored features and top-k logits of the frozen target."""
 
-    def __init__(self, target_model, head: EagleHead, vocab_ids: torch.Tensor | None, settings: TrainSettings):
+    def __init__(self, target_model, head: EagleHead, vocab_ids: torch.Tensor | None,
+                 settings: TrainSettings):
         self.parts = DecoderParts.of(target_model)
         self.head, self.settings = head, settings
         weight = self.parts.lm_head.weight.detach()
@@ -281,7 +282,8 @@ class Checkpoint:
         from safetensors.torch import save_file
 
         self.directory.mkdir(parents=True, exist_ok=True)
-        save_file({n: p.detach().contiguous() for n, p in params.items()}, str(self.directory / "params.safetensors"))
+        save_file({n: p.detach().contiguous() for n, p in params.items()},
+                  str(self.directory / "params.safetensors"))
         moments = {}
         for name, p in params.items():
             st = optimizer.state.get(p)
@@ -361,7 +363,8 @@ def train(
     running = None
     batches = batches_from(chunks, settings, start)
     for step in range(start, steps):
-        scale = (step + 1) / warmup if step < warmup else 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+        scale = ((step + 1) / warmup if step < warmup
+                 else 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup))))
         for group in optimizer.param_groups:
             group["lr"] = lr * scale
         batch = collate(examples, next(batches), settings.prompt_weight)

@@ -156,7 +156,8 @@ class Evaluator:
     def score(self, hiddens: list[torch.Tensor], exact: bool = False) -> tuple[list[bool], float]:
         """Final hidden per sequence -> (match vector over all scored positions, mean log-prob)."""
         match, logp = [], []
-        for h, pos, nxt, rows in zip(hiddens, self.cal.positions, self.cal.target_next, self.cand_rows, strict=True):
+        for h, pos, nxt, rows in zip(hiddens, self.cal.positions, self.cal.target_next, self.cand_rows,
+                                     strict=True):
             h = self.parts.norm(h)[0, pos]  # [P, H]
             if exact:
                 pred = self.parts.logits(h).argmax(-1)
@@ -206,7 +207,8 @@ def _early_exits(ev: Evaluator, num_layers: int, objective, trace: list[dict]) -
     for depth in range(1, num_layers + 1):
         match, logp = ev.score([s[depth] for s in full])
         obj, k, tau = objective(match, logp, depth)
-        trace.append({"layers": list(range(depth)), "speedup": round(obj[0], 4), "tau": round(tau, 3), "k": k})
+        trace.append({"layers": list(range(depth)), "speedup": round(obj[0], 4), "tau": round(tau, 3),
+                      "k": k})
         if best is None or obj > best[0]:
             best = (obj, list(range(depth)))
     return best
@@ -258,7 +260,8 @@ def _summary(ev: Evaluator, num_layers: int, chosen: list[int], costs: dict, max
         "num_layers": num_layers, "layers": chosen, "k": k, "tau": round(tau, 4), "speedup": round(s, 4),
         "acceptance": round(sum(final) / len(final), 4),
         "default": {"layers": default, "tau": round(d_tau, 4), "k": d_k, "speedup": round(d_s, 4)},
-        "costs": {k_: (v if isinstance(v, float) else {str(a): b for a, b in v.items()}) for k_, v in costs.items()},
+        "costs": {k_: (v if isinstance(v, float) else {str(a): b for a, b in v.items()})
+                  for k_, v in costs.items()},
         "calibration_positions": len(final), "search_seconds": round(time.perf_counter() - t0, 1),
         "trace": trace,
     }

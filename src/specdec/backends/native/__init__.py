@@ -19,6 +19,7 @@ def _make(target, prefix_cache: str = "prompt", **options) -> NativeSequence:
     unknown = sorted(set(options) - set(NATIVE_OPTIONS))
     if unknown:
         raise SpecdecError(
-            f"unknown native backend option(s) {', '.join(unknown)}; known: {', '.join(NATIVE_OPTIONS)}", "backend"
+            f"unknown native backend option(s) {', '.join(unknown)}; "
+            f"known: {', '.join(NATIVE_OPTIONS)}", "backend"
         )
     return make_native_backend(target, prefix_cache, **options)

@@ -66,7 +66,6 @@ class QuantType:
         return f"QuantType({self.name})"
 
 
-# fmt: off
 TABLE: tuple[QuantType, ...] = (
     QuantType(Q.F32, Family.FLOAT, 1, 4),
     QuantType(Q.F16, Family.FLOAT, 1, 2),
@@ -83,7 +82,6 @@ TABLE: tuple[QuantType, ...] = (
     QuantType(Q.Q5_K, Family.SUPERBLOCKS, 256, 176, code=1, scales_at=(0, 2), with_min=True),
     QuantType(Q.Q4_K, Family.SUPERBLOCKS, 256, 144, code=2, scales_at=(0, 2), with_min=True, four_bit=True),
 )
-# fmt: on
 
 BY_GGML: dict[GGMLQuantizationType, QuantType] = {t.ggml: t for t in TABLE}
 
@@ -115,7 +113,8 @@ def quant_type(qtype: GGMLQuantizationType | QuantType | str) -> QuantType:
 def check_type(name: str, qtype: GGMLQuantizationType) -> QuantType:
     """The record of tensor `name`'s type, or a one-line error naming the types read."""
     if qtype not in BY_GGML:
-        raise SpecdecError(f"tensor {name!r} has GGUF type {qtype.name}, which the native backend does not read "
+        raise SpecdecError(f"tensor {name!r} has GGUF type {qtype.name}, "
+                           "which the native backend does not read "
                            f"(it reads {', '.join(SUPPORTED_NAMES)})", "target")
     return BY_GGML[qtype]
 

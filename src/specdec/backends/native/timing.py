@@ -49,7 +49,7 @@ def load_kernels() -> int:
     unpack_tile_t_jit(torch.zeros(64, 16, dtype=torch.uint8), torch.ones(1, 64, 2))  # jit/int4_unpack.py
     row = torch.ones(1, 1, 4)  # one query of one head, its key stored at 0 and read: jit/attention.py
     attend_kernel(row, row, row, torch.zeros(1, 1, 4, 4), torch.ones(1, 1, 4, 5), 0, 0, np.ones(1, np.int64),
-                  np.full((1, 1), -1, np.int64))  # fmt: skip
+                  np.full((1, 1), -1, np.int64))
     return threads
 
 
@@ -94,7 +94,7 @@ def prompt_gemm(mm: Gemm | None) -> Iterator[int]:
         module for name, module in list(sys.modules.items())
         if name.startswith("specdec.backends.native.") and module is not cpu
         and getattr(module, "one_thread_mm", None) is own
-    ]  # fmt: skip
+    ]
     for module in callers:
         module.one_thread_mm = mm
     try:

@@ -77,7 +77,7 @@ def rope_frequencies(config, layer_type: str | None = None) -> tuple[float, tupl
     kind = params.get("rope_type", "default")
     if kind not in STATIC_ROPE_TYPES:
         raise SpecdecError(f"the native backend does not implement rope_type {kind!r} "
-                           f"(it runs {', '.join(STATIC_ROPE_TYPES)}); use the hf backend", "backend")  # fmt: skip
+                           f"(it runs {', '.join(STATIC_ROPE_TYPES)}); use the hf backend", "backend")
     if kind == "default":
         return theta, None, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

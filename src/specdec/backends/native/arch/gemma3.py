@@ -45,7 +45,8 @@ class Gemma3(Architecture):
     def hf_features(self, config, embedding_dtype: torch.dtype) -> dict:
         local_theta, local_freq, _ = rope_frequencies(config, "sliding_attention")
         if local_freq is not None:
-            raise SpecdecError("the native backend runs gemma3's sliding layers with the default rope only", "backend")
+            raise SpecdecError("the native backend runs gemma3's sliding layers with the default rope only",
+                               "backend")
         return dict(
             sandwich_norms=True,
             rope_local_theta=local_theta,

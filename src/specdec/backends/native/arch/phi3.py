@@ -22,7 +22,8 @@ class Phi3(Architecture):
             return rope
         original = int(f.meta("phi3.rope.scaling.original_context_length", context))
         short = torch.from_numpy(f.tensors["rope_factors_short.weight"].dequantize().copy())
-        default = math.sqrt(1 + math.log(context / original) / math.log(original)) if context > original else 1.0
+        default = (math.sqrt(1 + math.log(context / original) / math.log(original)) if context > original
+                   else 1.0)
         scaling = float(f.meta("phi3.rope.scaling.attn_factor", default))
         # the short factors hold up to the original context; past it the model switches to
         # the long ones, which a static table cannot follow: the model runs to `original`

@@ -71,7 +71,8 @@ def build_linear(tensors: QuantTensor | list[QuantTensor], bias=None):
         return FusedLinear.from_layers([_single(t, b) for t, b in zip(tensors, biases, strict=True)], sizes)
     joined = None
     if any(b is not None for b in biases):
-        parts = [torch.zeros(n) if b is None else b.detach().float().cpu() for b, n in zip(biases, sizes, strict=True)]
+        parts = [torch.zeros(n) if b is None else b.detach().float().cpu()
+                 for b, n in zip(biases, sizes, strict=True)]
         joined = torch.cat(parts)
     return FusedLinear.from_layers([_single(concat_rows(tensors), joined)], sizes)
 
@@ -186,7 +187,8 @@ class QuantEmbedding:
             # reference's bits without its per-call cost (~0.25 ms a decode step)
             blocks = np.asarray(self.tensor.data[index]).reshape(len(index), -1, 34)
             d = np.ascontiguousarray(blocks[..., :2]).view(np.float16).astype(np.float32)  # [T, K // 32, 1]
-            rows = (blocks[..., 2:].view(np.int8).astype(np.float32) * d).reshape(len(index), self.embedding_dim)
+            rows = (blocks[..., 2:].view(np.int8).astype(np.float32) * d).reshape(len(index),
+                                                                                  self.embedding_dim)
         else:
             rows = self.tensor.rows(index)
         return torch.from_numpy(rows).to(token_ids.device)
@@ -217,7 +219,8 @@ def head_from_quant(tensor: QuantTensor, kind: str = "auto"):
                            "(lm_head auto) or runs on ONNX Runtime (lm_head ort8)", "lm_head")
     if check_type(tensor.name, tensor.qtype) not in ORT_TYPES:
         names = ", ".join(t.name for t in ORT_TYPES)
-        raise SpecdecError(f"lm_head ort8 takes a {names} head; {tensor.name!r} is {tensor.qtype.name}", "lm_head")
+        raise SpecdecError(f"lm_head ort8 takes a {names} head; {tensor.name!r} is {tensor.qtype.name}",
+                           "lm_head")
     if not ort_8bit_usable():
         raise SpecdecError("lm_head ort8 needs onnxruntime and onnx (pip install 'specdec[cpu]') and a "
                            "batch-invariant MatMulNBits on this cpu", "lm_head")
@@ -242,7 +245,8 @@ class ReferenceLinear(torch.nn.Module):
 
     def __init__(self, tensor: QuantTensor, bias: torch.Tensor | None = None):
         super().__init__()
-        self.register_buffer("weight", torch.from_numpy(tensor.dequantize().copy()), persistent=False)  # [N, K]
+        self.register_buffer("weight", torch.from_numpy(tensor.dequantize().copy()),
+                             persistent=False)  # [N, K]
         self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
         self.out_features, self.act_dtype = tensor.shape[0], torch.float32
 

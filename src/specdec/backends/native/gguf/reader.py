@@ -45,7 +45,8 @@ def read_gguf(path: str | Path) -> GGUFModel:
     f = gguf_file(path)
     name = f.meta("general.architecture")
     if name not in BY_GGUF:
-        raise SpecdecError(f"the native backend reads {', '.join(BY_GGUF)} GGUF files, not {name!r}", "target")
+        raise SpecdecError(f"the native backend reads {', '.join(BY_GGUF)} GGUF files, not {name!r}",
+                           "target")
     arch = BY_GGUF[name]
     config = _config(f, arch)
     inv_freq, scaling, max_positions = _rope(f, arch, config)
@@ -73,8 +74,8 @@ def _config(f: GGUFFile, arch: Architecture) -> dict:
     """NativeConfig's fields: one metadata key per field, then the architecture's own."""
     meta = _meta_reader(f, arch)
     if meta("block_count") is None or meta("embedding_length") is None:
-        raise SpecdecError(f"{f.path.name}: the {arch.gguf_name} metadata lacks block_count or embedding_length",
-                           "target")
+        raise SpecdecError(f"{f.path.name}: the {arch.gguf_name} metadata lacks block_count "
+                           "or embedding_length", "target")
     hidden, heads = int(meta("embedding_length")), int(meta("attention.head_count"))
     head_dim = int(meta("attention.key_length", hidden // heads))
     _refuse_unsupported(f, meta, head_dim)
@@ -124,7 +125,8 @@ def _rope(f: GGUFFile, arch: Architecture, config: dict) -> tuple[tuple[float, .
     """(the full layers' inverse frequencies where the file changes them, else None, the cos/sin
     scaling, the context the model runs to): the file's linear scaling, then the architecture's."""
     dim, theta, context = config["head_dim"], config["rope_theta"], config["max_positions"]
-    base = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))  # [dim / 2], as transformers
+    # [dim / 2], as transformers
+    base = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     kind = f.meta(f"{arch.gguf_name}.rope.scaling.type", "none")
     factor = float(f.meta(f"{arch.gguf_name}.rope.scaling.factor", 1.0) or 1.0)
     inv_freq = None

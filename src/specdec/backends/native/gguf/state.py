@@ -41,11 +41,13 @@ def quant_state(model: GGUFModel, lm_head: str = "auto") -> dict:
     if "lm_head.weight" not in state:
         state["lm_head.weight"] = head_from_quant(model.tensors["model.embed_tokens.weight"], lm_head)
     # the head's rows decoded from its blocks (NativeModel.head_rows), a lookup like the embedding's
-    state["lm_head.rows"] = embedding_from_quant(model.tensors.get("lm_head.weight", model.tensors["model.embed_tokens.weight"]))
+    state["lm_head.rows"] = embedding_from_quant(model.tensors.get("lm_head.weight",
+                                                                   model.tensors["model.embed_tokens.weight"]))
     # the copied matrices' mapped pages, read once to build them, would stay resident (and
     # counted as this process's) while the cached GGUFFile maps the file: drop them. A tied
     # embedding's rows fault back in from the page cache as lookups read them.
-    copied = [t.name for key, t in model.tensors.items() if len(t.shape) == 2 and (key in fused_copies or copies_weights(t))]
+    copied = [t.name for key, t in model.tensors.items()
+              if len(t.shape) == 2 and (key in fused_copies or copies_weights(t))]
     head = model.tensors.get("lm_head.weight", model.tensors["model.embed_tokens.weight"])
     if head_copies_weights(head, lm_head):  # a tied embedding's rows fault back in as lookups read them
         copied.append(head.name)
@@ -56,7 +58,7 @@ def quant_state(model: GGUFModel, lm_head: str = "auto") -> dict:
 
 # matrices that read one input, run as one kernel over their rows side by side when they share a type
 _FUSED = (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-          ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")))  # fmt: skip
+          ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")))
 
 
 def _fused_state(model: GGUFModel) -> tuple[dict, set[str], set[str]]:
@@ -77,7 +79,8 @@ def _fused_state(model: GGUFModel) -> tuple[dict, set[str], set[str]]:
             if any(t is None for t in tensors):
                 continue
             biases = [model.tensors.get(key[: -len("weight")] + "bias") for key in keys]
-            state[f"{prefix}{joined}.weight"] = linear_from_quant(tensors, [None if b is None else _floats(b) for b in biases])
+            state[f"{prefix}{joined}.weight"] = linear_from_quant(tensors, [None if b is None else _floats(b)
+                                                                            for b in biases])
             consumed.update(keys)
             one_type = len({t.qtype for t in tensors}) == 1  # their rows copied side by side
             copied.update(key for key, t in zip(keys, tensors, strict=True) if one_type or copies_weights(t))

@@ -74,7 +74,8 @@ class KernelPlan:
     def __post_init__(self):
         if self.starts is None:
             self.starts = torch.zeros_like(self.limits)
-        self.arrays = (self.limits.numpy(), self.paths.numpy(), self.starts.numpy())  # what the eager kernel call takes
+        # what the eager kernel call takes
+        self.arrays = (self.limits.numpy(), self.paths.numpy(), self.starts.numpy())
 
 
 def new_cache(lead: tuple[int, ...], kv_heads: int, length: int, dim: int, dtype=torch.float32, device=None):
@@ -131,7 +132,8 @@ def plan_tree(base: int, parents: list[int], depths: list[int], group: int, devi
     sees the cache and, at positions base..base+d, the path from a root down to itself (with
     a sliding window, only what lies in its last `window` positions)."""
     t = len(parents)
-    firsts = [0 if window is None else max(0, base + depths[i] - window + 1) for i in range(t)]  # first visible position
+    # first visible position
+    firsts = [0 if window is None else max(0, base + depths[i] - window + 1) for i in range(t)]
     if kernel:
         paths = torch.full((t, max(depths) + 1), -1, dtype=torch.long)
         for i in range(t):
@@ -152,13 +154,15 @@ def plan_tree(base: int, parents: list[int], depths: list[int], group: int, devi
         visible[i, :head] = torch.arange(split, base) >= firsts[i]
         node = i
         while node >= 0:
-            index[i, head + depths[node]], visible[i, head + depths[node]] = head + node, base + depths[node] >= firsts[i]
+            index[i, head + depths[node]], visible[i, head + depths[node]] = (
+                head + node, base + depths[node] >= firsts[i])
             node = parents[node]
     tail_bias = torch.zeros(t, tail).masked_fill_(~visible, float("-inf"))[:, :, None].expand(t, tail, group)
     index, tail_bias = index.to(device), tail_bias.to(device)
     shared = (torch.arange(split)[:, None] >= torch.tensor(firsts)[None, :]).to(device)  # [split, T]
-    blocks = [QueryBlock(a, n, _column_bias(shared[:, a : a + n], group), index[a : a + n], tail_bias[a : a + n])
-              for a, n in _blocks(t, group)]  # fmt: skip
+    blocks = [QueryBlock(a, n, _column_bias(shared[:, a : a + n], group), index[a : a + n],
+                         tail_bias[a : a + n])
+              for a, n in _blocks(t, group)]
     return KeyPlan(split, blocks)
 
 
@@ -168,8 +172,9 @@ def ones_column(values: torch.Tensor) -> torch.Tensor:
     return F.pad(values, (0, 1), value=1.0)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              rows: list, gqa: bool, masked_dtype: torch.dtype | None = None, scale: float | None = None) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+              v_cache: torch.Tensor, rows: list, gqa: bool, masked_dtype: torch.dtype | None = None,
+              scale: float | None = None) -> torch.Tensor:
     """Store each row's new keys and values, then let its queries attend (see the module doc).
     q [N, heads, dim], k, v [N, kv_heads, dim]; k_cache [slots, kv_heads, dim, length], v_cache
     [slots, kv_heads, length, dim + 1] (see new_cache); rows are layer.KVRow (plan: a KeyPlan or
@@ -182,24 +187,25 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
         t = row.end - row.start
         if row.plan is None and row.mask is None:
             kernel = uses_kernel(q.device, k_cache.dtype)
-            row.plan = (plan_tree(row.store, *tree_parents(*row.tree), group, q.device, kernel, row.window) if row.tree
-                        else plan_chain(row.kv_len, t, group, q.device, kernel, row.window))  # fmt: skip
+            row.plan = (plan_tree(row.store, *tree_parents(*row.tree), group, q.device, kernel, row.window)
+                        if row.tree
+                        else plan_chain(row.kv_len, t, group, q.device, kernel, row.window))
         if row.tree is not None:
             outs.append(_tree_row(q, k, v, k_cache, v_cache, row, scale))
             continue
         rows_k, rows_v = k[row.start : row.end], v[row.start : row.end]
         if isinstance(row.plan, KernelPlan) and not torch.compiler.is_compiling():  # it stores them too
             outs.append(attend_kernel(q[row.start : row.end], rows_k, rows_v, k_cache, v_cache,
-                                      row.slot, row.store, *row.plan.arrays, scale))  # fmt: skip
+                                      row.slot, row.store, *row.plan.arrays, scale))
             continue
         k_cache[row.slot, :, :, row.store : row.store + t] = rows_k.permute(1, 2, 0)
         v_cache[row.slot, :, row.store : row.store + t, :dim] = rows_v.transpose(0, 1)
         if row.mask is not None:  # a prompt chunk or an eagle draft tree: one masked pass
             outs.append(_masked_row(q[row.start : row.end], k_cache, v_cache[..., :dim], row, gqa,
-                                    masked_dtype or k_cache.dtype, scale))  # fmt: skip
+                                    masked_dtype or k_cache.dtype, scale))
         elif isinstance(row.plan, KernelPlan):
-            outs.append(attend_op(q[row.start : row.end], rows_k, rows_v, k_cache, v_cache, row.slot, row.plan.limits,
-                                  row.plan.paths, row.plan.starts, _scale(scale, dim)))  # fmt: skip
+            outs.append(attend_op(q[row.start : row.end], rows_k, rows_v, k_cache, v_cache, row.slot,
+                                  row.plan.limits, row.plan.paths, row.plan.starts, _scale(scale, dim)))
         else:
             keys, values = _slot_keys(k_cache, v_cache, row.slot, row.plan.keys)
             outs.append(attend(q[row.start : row.end], keys, values, row.plan, scale=scale))
@@ -251,11 +257,13 @@ def _slot_keys(k_cache, v_cache, slot: int, keys: int) -> tuple[torch.Tensor, to
     if k_row.dtype != torch.float32:
         k_row, v_row = k_row.float(), v_row.float()
     if k_row.shape[1] < keys:
-        k_row, v_row = F.pad(k_row, (0, 0, 0, keys - k_row.shape[1])), F.pad(v_row, (0, 0, 0, keys - v_row.shape[1]))
+        k_row, v_row = (F.pad(k_row, (0, 0, 0, keys - k_row.shape[1])),
+                        F.pad(v_row, (0, 0, 0, keys - v_row.shape[1])))
     return k_row, v_row
 
 
-def _masked_row(q_row, k_cache, v_cache, row, gqa: bool, dtype: torch.dtype, scale: float | None) -> torch.Tensor:
+def _masked_row(q_row, k_cache, v_cache, row, gqa: bool, dtype: torch.dtype,
+                scale: float | None) -> torch.Tensor:
     q_row = q_row.transpose(0, 1).unsqueeze(0)  # [1, heads, T, dim]
     if q_row.dtype != dtype:
         q_row = q_row.to(dtype)
@@ -272,14 +280,16 @@ def _masked_row(q_row, k_cache, v_cache, row, gqa: bool, dtype: torch.dtype, sca
 
 
 def attend(q_row: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: KeyPlan,
-           tails: tuple[torch.Tensor, torch.Tensor] | None = None, scale: float | None = None) -> torch.Tensor:
+           tails: tuple[torch.Tensor, torch.Tensor] | None = None,
+           scale: float | None = None) -> torch.Tensor:
     """q_row [T, heads, dim] over shared keys [kv_heads, S, dim] and values [kv_heads, S, dim + 1]
     (S = plan.keys; a last column of ones), plus, for a tree, each query's own keys and values
     `tails` [kv_heads, T, L, dim (+ 1)]. Returns [T, heads, dim] in fp32."""
     t, heads, dim = q_row.shape
     kv_heads = keys.shape[0]
     group = heads // kv_heads
-    queries = (q_row.float() * _scale(scale, dim)).view(t, kv_heads, group, dim).permute(1, 3, 0, 2)  # [kv_heads, dim, T, group]
+    # [kv_heads, dim, T, group]
+    queries = (q_row.float() * _scale(scale, dim)).view(t, kv_heads, group, dim).permute(1, 3, 0, 2)
     outs = []
     for block in plan.blocks:
         cols = queries[:, :, block.first : block.first + block.count].reshape(kv_heads, dim, -1)
@@ -308,7 +318,8 @@ def in_order_sum(parts: torch.Tensor) -> torch.Tensor:
     trailing zero parts (fully masked chunks) leave every bit of the sum as it is."""
     n = parts.shape[1]
     if n & (n - 1):
-        parts = torch.cat([parts, parts.new_zeros(parts.shape[0], (1 << n.bit_length()) - n, *parts.shape[2:])], 1)
+        parts = torch.cat([parts, parts.new_zeros(parts.shape[0], (1 << n.bit_length()) - n,
+                                                  *parts.shape[2:])], 1)
     while parts.shape[1] > 1:
         parts = parts[:, 0::2] + parts[:, 1::2]
     return parts[:, 0]
@@ -322,18 +333,22 @@ def _chunk_sums(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     chunks = length // CHUNK
     out = values.new_empty(kv_heads, chunks, columns, BLOCK)
     for h in range(kv_heads):
-        torch.bmm(values[h].view(chunks, CHUNK, columns).transpose(1, 2), weights[h].view(chunks, CHUNK, BLOCK),
-                  out=out[h])  # fmt: skip
+        torch.bmm(values[h].view(chunks, CHUNK, columns).transpose(1, 2),
+                  weights[h].view(chunks, CHUNK, BLOCK), out=out[h])
     return out
 
 
-def _tail_scores(cols: torch.Tensor, tail_keys: torch.Tensor, tail_bias: torch.Tensor, group: int) -> torch.Tensor:
+def _tail_scores(cols: torch.Tensor, tail_keys: torch.Tensor, tail_bias: torch.Tensor,
+                 group: int) -> torch.Tensor:
     """Each query of a block over its own keys [kv_heads, n, L, dim], in a BLOCK of its own
     (its heads first) -> [kv_heads, L, BLOCK] laid out as the block's columns."""
     kv_heads, n, length, dim = tail_keys.shape
-    own = cols[:, :, : n * group].reshape(kv_heads, dim, n, group).permute(0, 2, 1, 3)  # [kv_heads, n, dim, group]
-    own = torch.bmm(tail_keys.reshape(-1, length, dim), F.pad(own, (0, BLOCK - group)).reshape(-1, dim, BLOCK))
-    own = own.view(kv_heads, n, length, BLOCK)[..., :group].add(tail_bias)  # bias 0 or -inf: as baddbmm's
+    # [kv_heads, n, dim, group]
+    own = cols[:, :, : n * group].reshape(kv_heads, dim, n, group).permute(0, 2, 1, 3)
+    own = torch.bmm(tail_keys.reshape(-1, length, dim),
+                    F.pad(own, (0, BLOCK - group)).reshape(-1, dim, BLOCK))
+    # bias 0 or -inf: as baddbmm's
+    own = own.view(kv_heads, n, length, BLOCK)[..., :group].add(tail_bias)
     return F.pad(own.permute(0, 2, 1, 3).reshape(kv_heads, length, n * group), (0, BLOCK - n * group))
 
 
@@ -357,10 +372,10 @@ def _tree_row(q, k, v, k_cache, v_cache, row, scale: float | None) -> torch.Tens
     row.tree_kv.append((k_nodes, v_nodes))  # for keep(), one entry per layer
     if isinstance(plan, KernelPlan):  # store -1: the nodes' keys stay out of the cache
         if torch.compiler.is_compiling():
-            return attend_op(q[row.start : row.end], k_nodes, v_nodes, k_cache, v_cache, row.slot, plan.limits,
-                             plan.paths, plan.starts, _scale(scale, q.shape[-1]))  # fmt: skip
-        return attend_kernel(q[row.start : row.end], k_nodes, v_nodes, k_cache, v_cache, row.slot, -1, *plan.arrays,
-                             scale)  # fmt: skip
+            return attend_op(q[row.start : row.end], k_nodes, v_nodes, k_cache, v_cache, row.slot,
+                             plan.limits, plan.paths, plan.starts, _scale(scale, q.shape[-1]))
+        return attend_kernel(q[row.start : row.end], k_nodes, v_nodes, k_cache, v_cache, row.slot, -1,
+                             *plan.arrays, scale)
     keys, values = _slot_keys(k_cache, v_cache, row.slot, base)
     index = torch.cat([block.tail_index for block in plan.blocks]).reshape(-1)
 

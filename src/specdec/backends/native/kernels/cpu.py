@@ -82,7 +82,7 @@ def has_int4_kernel() -> bool:
     if forced_fallback():
         return False
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and platform.machine().lower() in (
-        "x86_64", "amd64", "aarch64", "arm64")  # fmt: skip
+        "x86_64", "amd64", "aarch64", "arm64")
 
 
 @functools.cache

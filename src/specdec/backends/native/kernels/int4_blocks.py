@@ -73,7 +73,8 @@ def decode_rows(qtype: QuantType, data: np.ndarray) -> tuple[np.ndarray, np.ndar
             return q, d, np.zeros_like(d), qt.offset
         m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
         return q, d, m, 0
-    blocks = raw.reshape(-1, qt.block_bytes)  # Q4_K [n * S, 144]: d, dmin (fp16), 12 bytes of scales, 128 of nibbles
+    # Q4_K [n * S, 144]: d, dmin (fp16), 12 bytes of scales, 128 of nibbles
+    blocks = raw.reshape(-1, qt.block_bytes)
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [n * S, 1]
     dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
     sc, mn = Q4_K.get_scale_min(blocks[:, 4:16])  # [n * S, 8] each, 6-bit
@@ -136,7 +137,8 @@ def unpack_tile(packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.T
     holding row j low and row j + 32 high) and their [G, rows, 2] -> weights [rows, K] bf16."""
     rows, k = packed.shape[0], packed.shape[1] * 2
     blocks = packed.view(rows // 64, k, 32)
-    q = torch.cat([blocks & 0x0F, blocks >> 4], dim=2).transpose(1, 2).reshape(rows, k // INT4_GROUP, INT4_GROUP)
+    q = (torch.cat([blocks & 0x0F, blocks >> 4], dim=2).transpose(1, 2)
+         .reshape(rows, k // INT4_GROUP, INT4_GROUP))
     scale = scales_and_zeros[..., 0].T.float()[..., None]  # [rows, G, 1]: broadcast, not repeated
     zero = scales_and_zeros[..., 1].T.float()[..., None]
     w = q.float().sub_(8).mul_(scale).add_(zero)  # [rows, G, 32] fp32
@@ -156,7 +158,8 @@ def unpack_tile_t_jit(packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> t
     scale = scales_and_zeros[..., 0].float().contiguous()  # [G, rows]
     zero = scales_and_zeros[..., 1].float().contiguous()
     out = torch.empty(k, rows, dtype=torch.bfloat16)
-    int4_tile_bf16_t(packed.view(rows // 64, k, 32).numpy(), scale.numpy(), zero.numpy(), out.view(torch.uint16).numpy())
+    int4_tile_bf16_t(packed.view(rows // 64, k, 32).numpy(), scale.numpy(), zero.numpy(),
+                     out.view(torch.uint16).numpy())
     return out
 
 
@@ -203,7 +206,8 @@ class ExactQ4Linear(torch.nn.Module):
         for start in range(0, n, PACK_ROWS):
             q, a, b, self.offset = decode_rows(qtype, data[start : start + PACK_ROWS])
             grouped = q.reshape(q.shape[0], -1, 2, 16)  # [rows, G, halves, 16]
-            nibbles.append(torch.from_numpy((grouped[:, :, 0] | (grouped[:, :, 1] << 4)).reshape(q.shape[0], -1)))
+            nibbles.append(torch.from_numpy(
+                (grouped[:, :, 0] | (grouped[:, :, 1] << 4)).reshape(q.shape[0], -1)))
             a_parts.append(torch.from_numpy(a))
             b_parts.append(torch.from_numpy(b))
         self.register_buffer("nibbles", torch.cat(nibbles), persistent=False)  # [N, K / 2]

@@ -99,7 +99,8 @@ class BlockLinear8(torch.nn.Module):
         self.table = self.scales.reshape(n, -1)  # [N, T]: a view
 
     def nbytes(self) -> int:
-        """Bytes this layer holds besides the file's mapping (the scale tables, Q4_0's and Q4_1's tiles, the bias)."""
+        """Bytes this layer holds besides the file's mapping (the scale tables, Q4_0's and Q4_1's
+        tiles, the bias)."""
         held = self.scales.nbytes + (0 if self.tiles is None else self.tiles.nbytes)
         return held + (0 if self.bias is None else self.bias.nbytes)
 
@@ -121,7 +122,8 @@ class BlockLinear8(torch.nn.Module):
         column + N]."""
         if self.tiles is not None:
             xq, xs, xsum, _ = activations
-            _tiles16_jit().matmul(self.qtype.code, self.tiles, self.out_features, self.units, xq, xs, xsum, y, column)
+            _tiles16_jit().matmul(self.qtype.code, self.tiles, self.out_features, self.units, xq, xs, xsum, y,
+                                  column)
             return
         _superblock_jit().matmul(self.qtype.code, self.raw, self.table, self.units, *activations, y, column)
 
@@ -158,7 +160,7 @@ class BlockLinear8(torch.nn.Module):
             rows = min(TORCH_TILE, self.out_features - start)
             tiles = self.tiles[start // TILE_ROWS : (start + TORCH_TILE) // TILE_ROWS]
             q, d, m = (None if a is None else torch.from_numpy(a)
-                       for a in unpack(tiles, self.qtype, rows, self.in_features))  # fmt: skip
+                       for a in unpack(tiles, self.qtype, rows, self.in_features))
             outputs.append(rows16_matmul(*acts, q, d, m, self.qtype.offset))
         return torch.cat(outputs, dim=1)
 
@@ -180,7 +182,8 @@ class MixedBlockLinear8(torch.nn.Module):
         biases = [p.bias for p in parts]
         self.bias = None
         if any(b is not None for b in biases):
-            self.bias = torch.cat([torch.zeros(p.out_features) if b is None else b for p, b in zip(parts, biases, strict=True)])
+            self.bias = torch.cat([torch.zeros(p.out_features) if b is None else b
+                                   for p, b in zip(parts, biases, strict=True)])
 
     @staticmethod
     def shares_input(parts: list[BlockLinear8]) -> bool:
@@ -200,7 +203,8 @@ class MixedBlockLinear8(torch.nn.Module):
         if self.kernel != "numba":
             return torch.cat([p.forward(x) for p in self.parts], dim=-1)
         rows = float_rows(x)
-        activations, y = quantized(rows, self.parts[0].small_blocks), np.empty((rows.shape[0], self.out_features), np.float32)
+        activations, y = (quantized(rows, self.parts[0].small_blocks),
+                          np.empty((rows.shape[0], self.out_features), np.float32))
         for part, column in zip(self.parts, self.columns, strict=True):
             part.matmul_into(activations, y, column)
         out = torch.from_numpy(y) if self.bias is None else torch.from_numpy(y) + self.bias

@@ -67,7 +67,8 @@ def ort_8bit_usable() -> bool:
     for qt in (quant_type(Q.Q8_0), quant_type(Q.Q6_K)):  # blocks of 32, and of 16
         per_row, (scale_at,) = 256 // qt.block, qt.scales_at
         raw = rng.integers(0, 256, (64, per_row, qt.block_bytes), dtype=np.uint8)
-        raw[..., scale_at : scale_at + 2] = rng.uniform(1e-3, 1e-2, (64, per_row, 1)).astype(np.float16).view(np.uint8)
+        raw[..., scale_at : scale_at + 2] = (rng.uniform(1e-3, 1e-2, (64, per_row, 1)).astype(np.float16)
+                                             .view(np.uint8))
         tensor = QuantTensor("probe", qt.ggml, (64, 256), raw.reshape(64, -1))
         if not OrtBlockLinear8(tensor).kernel.batch_invariant():
             return False

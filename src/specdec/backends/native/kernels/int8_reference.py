@@ -50,12 +50,13 @@ def decode_superblocks(qtype: QuantType, raw: np.ndarray, scales: np.ndarray) ->
     qt, n = quant_type(qtype), raw.shape[0]
     q, sc, mn = SUPERBLOCK_VALUES[qt.ggml](raw.reshape(n, -1, qt.block_bytes))
     tensors = (q, np.repeat(sc, 256 // sc.shape[-1], axis=-1), scales[..., 0])
-    minimum = None if mn is None else (torch.from_numpy(mn), torch.from_numpy(np.ascontiguousarray(scales[..., 1])))
+    minimum = None if mn is None else (torch.from_numpy(mn),
+                                       torch.from_numpy(np.ascontiguousarray(scales[..., 1])))
     return (*(torch.from_numpy(np.ascontiguousarray(t)) for t in tensors), minimum)
 
 
-def superblock_matmul(xq: torch.Tensor, xs: torch.Tensor, xsum: torch.Tensor, w: torch.Tensor, sc: torch.Tensor,
-                      d: torch.Tensor, minimum: tuple | None) -> torch.Tensor:
+def superblock_matmul(xq: torch.Tensor, xs: torch.Tensor, xsum: torch.Tensor, w: torch.Tensor,
+                      sc: torch.Tensor, d: torch.Tensor, minimum: tuple | None) -> torch.Tensor:
     """The super-block kernels' arithmetic in PyTorch ops: xq [M, S, 256] -> y [M, n] fp32.
     Each lane's integer sum (lane j: elements 4j .. 4j + 3 of each chunk of 64) is below 2^31,
     exact in float64 whatever the order, then rounded once to fp32 (as the kernels' int32 ->

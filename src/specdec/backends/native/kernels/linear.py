@@ -33,23 +33,27 @@ class FusedLinear(torch.nn.Module):
         super().__init__()
         self.sizes = [w.out_features if not isinstance(w, torch.Tensor) else w.shape[0] for w in weights]
         if precision == "fp32" or not all(isinstance(w, torch.Tensor) for w in weights):
-            self.parts = torch.nn.ModuleList([w if not isinstance(w, torch.Tensor) else make_linear(w, b, precision)
-                                              for w, b in zip(weights, biases, strict=True)])  # fmt: skip
+            self.parts = torch.nn.ModuleList([w if not isinstance(w, torch.Tensor)
+                                              else make_linear(w, b, precision)
+                                              for w, b in zip(weights, biases, strict=True)])
             self.fused = None
         else:
             bias = None
             if any(b is not None for b in biases):
-                bias = torch.cat([torch.zeros(n) if b is None else b.float().cpu() for b, n in zip(biases, self.sizes, strict=True)])
+                bias = torch.cat([torch.zeros(n) if b is None else b.float().cpu()
+                                  for b, n in zip(biases, self.sizes, strict=True)])
                 bias = bias.to(weights[0].device)
             self.fused = make_linear(torch.cat([w.detach() for w in weights]), bias, precision)
-        self.act_dtype = getattr(self.fused if self.fused is not None else self.parts[0], "act_dtype", torch.float32)
+        self.act_dtype = getattr(self.fused if self.fused is not None else self.parts[0], "act_dtype",
+                                 torch.float32)
 
     @classmethod
     def from_layers(cls, layers: list, sizes: list[int]) -> FusedLinear:
         """Over layers built elsewhere (e.g. from GGUF blocks): one layer whose output holds the
         parts side by side (fused), or one layer per part."""
         if sum(layer.out_features for layer in layers) != sum(sizes):
-            raise ValueError(f"layers of {[layer.out_features for layer in layers]} rows for parts of {sizes}")
+            raise ValueError(f"layers of {[layer.out_features for layer in layers]} rows "
+                             f"for parts of {sizes}")
         fused = cls.__new__(cls)
         torch.nn.Module.__init__(fused)
         fused.sizes = list(sizes)

@@ -106,7 +106,7 @@ def attend_kernel(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_c
     attend = _kernels(limits, q.shape[0] * q.shape[1])[0]
     starts = np.zeros_like(limits) if starts is None else starts
     return torch.from_numpy(attend(q.numpy(), k_new.numpy(), v_new.numpy(), k_cache.numpy(), v_cache.numpy(),
-                                   slot, store, limits, paths, starts, _scale(scale, q.shape[-1])))  # fmt: skip
+                                   slot, store, limits, paths, starts, _scale(scale, q.shape[-1])))
 
 
 def _scale(scale: float | None, dim: int) -> np.float32:
@@ -115,12 +115,12 @@ def _scale(scale: float | None, dim: int) -> np.float32:
 
 @torch.library.custom_op("specdec::attend", mutates_args=())
 def attend_op(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
-              v_cache: torch.Tensor, slot: int, limits: torch.Tensor, paths: torch.Tensor, starts: torch.Tensor,
-              scale: float) -> torch.Tensor:
+              v_cache: torch.Tensor, slot: int, limits: torch.Tensor, paths: torch.Tensor,
+              starts: torch.Tensor, scale: float) -> torch.Tensor:
     """The kernel as compiled graphs call it (dynamo cannot trace numba); the graph has stored
     the row's keys and values already."""
-    return attend_kernel(q, k_new, v_new, k_cache, v_cache, slot, -1, limits.numpy(), paths.numpy(), starts.numpy(),
-                         scale)  # fmt: skip
+    return attend_kernel(q, k_new, v_new, k_cache, v_cache, slot, -1, limits.numpy(), paths.numpy(),
+                         starts.numpy(), scale)
 
 
 @attend_op.register_fake
@@ -136,48 +136,55 @@ def fast_layer_usable(device: torch.device, dtype: torch.dtype) -> bool:
 
 def split_rotate(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: int,
                  kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """qkv [N, (heads + 2 kv_heads) * dim] bf16 -> rotated q, k and v in fp32 (jit/norms.split_rotate)."""
-    q, k, v = _norms().split_rotate(qkv.view(torch.uint16).numpy(), cos.numpy(), signed_sin.numpy(), heads, kv_heads)
+    """qkv [N, (heads + 2 kv_heads) * dim] bf16 -> rotated q, k and v in fp32
+    (jit/norms.split_rotate)."""
+    q, k, v = _norms().split_rotate(qkv.view(torch.uint16).numpy(), cos.numpy(), signed_sin.numpy(), heads,
+                                    kv_heads)
     return torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v)
 
 
 def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor:
-    """The fused gate|up projection [N, 2 I] bf16 -> silu(gate) * up [N, I] bf16 (jit/norms.silu_mul_bf16)."""
-    return torch.from_numpy(_norms().silu_mul_bf16(gate_up.contiguous().view(torch.uint16).numpy())).view(torch.bfloat16)
+    """The fused gate|up projection [N, 2 I] bf16 -> silu(gate) * up [N, I] bf16
+    (jit/norms.silu_mul_bf16)."""
+    return torch.from_numpy(_norms().silu_mul_bf16(gate_up.contiguous().view(torch.uint16).numpy())).view(
+        torch.bfloat16)
 
 
 def rotate_attend(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: int, kv_heads: int,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot: int, store: int, limits: np.ndarray,
-                  paths: np.ndarray, starts: np.ndarray | None = None, scale: float | None = None) -> torch.Tensor:
+                  paths: np.ndarray, starts: np.ndarray | None = None,
+                  scale: float | None = None) -> torch.Tensor:
     """split_rotate, attend_kernel and the cast to bf16 in one call (jit/attention.rotate_attend), for a
     chain row: qkv [T, (heads + 2 kv_heads) * dim] bf16 -> [T, heads * dim] bf16."""
     kernel = _kernels(limits, qkv.shape[0] * heads)[1]
     starts = np.zeros_like(limits) if starts is None else starts
     bits = kernel(qkv.view(torch.uint16).numpy(), cos.numpy(), signed_sin.numpy(), heads, kv_heads,
                   k_cache.numpy(), v_cache.numpy(), slot, store, limits, paths, starts,
-                  _scale(scale, cos.shape[-1]))  # fmt: skip
+                  _scale(scale, cos.shape[-1]))
     return torch.from_numpy(bits).view(torch.bfloat16)
 
 
-def norm_rotate_attend(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: int, kv_heads: int,
-                       norms: tuple[torch.Tensor, torch.Tensor] | None, eps: float, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, slot: int, store: int, limits: np.ndarray, paths: np.ndarray,
-                       starts: np.ndarray | None = None, scale: float | None = None) -> torch.Tensor:  # fmt: skip
+def norm_rotate_attend(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: int,
+                       kv_heads: int, norms: tuple[torch.Tensor, torch.Tensor] | None, eps: float,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot: int, store: int,
+                       limits: np.ndarray, paths: np.ndarray, starts: np.ndarray | None = None,
+                       scale: float | None = None) -> torch.Tensor:
     """split_norm_rotate and attend_kernel in one call (jit/attention.norm_rotate_attend), for a chain
     row: qkv [T, (heads + 2 kv_heads) * dim] fp32 -> [T, heads * dim] fp32."""
     kernel = _kernels(limits, qkv.shape[0] * heads)[2]
     starts = np.zeros_like(limits) if starts is None else starts
     q_weight, k_weight = norms if norms is not None else (_NO_NORM, _NO_NORM)
-    out = kernel(qkv.contiguous().numpy(), cos.numpy(), signed_sin.numpy(), heads, kv_heads, q_weight.numpy(),
-                 k_weight.numpy(), np.float32(eps), k_cache.numpy(), v_cache.numpy(), slot, store, limits, paths,
-                 starts, _scale(scale, cos.shape[-1]))  # fmt: skip
+    out = kernel(qkv.contiguous().numpy(), cos.numpy(), signed_sin.numpy(), heads, kv_heads,
+                 q_weight.numpy(), k_weight.numpy(), np.float32(eps), k_cache.numpy(), v_cache.numpy(), slot,
+                 store, limits, paths, starts, _scale(scale, cos.shape[-1]))
     return torch.from_numpy(out)
 
 
 def add_rms_norm_bf16(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, hidden] fp32 + delta [N, hidden] bf16 -> (the fp32 sum, rms_norm_bf16 of it)."""
-    total, bits = _norms().add_rms_norm_bf16(x.numpy(), delta.view(torch.uint16).numpy(), weight.numpy(), np.float32(eps))
+    total, bits = _norms().add_rms_norm_bf16(x.numpy(), delta.view(torch.uint16).numpy(), weight.numpy(),
+                                             np.float32(eps))
     return torch.from_numpy(total), torch.from_numpy(bits).view(torch.bfloat16)
 
 
@@ -196,18 +203,19 @@ _NO_NORM = torch.empty(0)
 
 def split_norm_rotate(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
                       norms: tuple[torch.Tensor, torch.Tensor] | None,
-                      eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv [N, (heads + 2 kv_heads) * dim] fp32 -> rotated q, k (each head RMS-normed first when
     `norms` gives the q and k weights) and v, fp32 (jit/norms.split_norm_rotate)."""
     q_weight, k_weight = norms if norms is not None else (_NO_NORM, _NO_NORM)
     q, k, v = _norms().split_norm_rotate(qkv.contiguous().numpy(), cos.numpy(), sin.numpy(), heads, kv_heads,
-                                       q_weight.numpy(), k_weight.numpy(), np.float32(eps))  # fmt: skip
+                                       q_weight.numpy(), k_weight.numpy(), np.float32(eps))
     return torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v)
 
 
 def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [N, hidden] fp32 -> RMSNorm(x) * weight [N, hidden] bf16 (jit/norms.rms_norm_bf16)."""
-    return torch.from_numpy(_norms().rms_norm_bf16(x.numpy(), weight.numpy(), np.float32(eps))).view(torch.bfloat16)
+    return torch.from_numpy(_norms().rms_norm_bf16(x.numpy(), weight.numpy(), np.float32(eps))).view(
+        torch.bfloat16)
 
 
 @functools.cache

@@ -8,9 +8,10 @@ AVX-512-VNNI or AMX kernels, chosen by ONNX Runtime for the CPU), as llama.cpp d
 
 ONNX Runtime keeps the initializer beside its packed copy (about twice the weights' bytes),
 so the GGUF path uses it for the LM head only. Each row is computed on its own, so a row's
-result should not depend on how many rows share the call; `batch_invariant` checks that on this machine, and the native backend only uses a
-layer that passes it (see quant.make_lm_head). A float zero point would leave MLAS's fast
-kernels (a hundred times slower here), so Q4_1's asymmetric blocks do not map onto it.
+result should not depend on how many rows share the call; `batch_invariant` checks that on
+this machine, and the native backend only uses a layer that passes it (see
+quant.make_lm_head). A float zero point would leave MLAS's fast kernels (a hundred times
+slower here), so Q4_1's asymmetric blocks do not map onto it.
 """
 
 from __future__ import annotations
@@ -54,13 +55,13 @@ def matmul_nbits_model(u: torch.Tensor, scale: torch.Tensor, bits: int, accuracy
     if bits == 4:  # two elements a byte, the first in the low nibble
         un = un[..., 0::2] | (un[..., 1::2] << 4)
     inits = [numpy_helper.from_array(np.ascontiguousarray(un, dtype=np.uint8), "B"),
-             numpy_helper.from_array(scale.float().numpy().reshape(-1), "scales")]  # fmt: skip
+             numpy_helper.from_array(scale.float().numpy().reshape(-1), "scales")]
     node = helper.make_node("MatMulNBits", ["A", "B", "scales"], ["Y"], domain="com.microsoft",
-                            K=k, N=n, bits=bits, block_size=block, accuracy_level=accuracy_level)  # fmt: skip
+                            K=k, N=n, bits=bits, block_size=block, accuracy_level=accuracy_level)
     graph = helper.make_graph(
         [node], "linear", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])],
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])], initializer=inits,
-    )  # fmt: skip
+    )
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
     return helper.make_model(graph, opset_imports=opsets).SerializeToString()
 
@@ -78,8 +79,8 @@ class OrtBlockLinear(torch.nn.Module):
         options.inter_op_num_threads = 1
         # its pool must not spin between calls: PyTorch's threads need those cores
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.session = ort.InferenceSession(matmul_nbits_model(u, scale, bits, accuracy_level, block), options,
-                                            providers=["CPUExecutionProvider"])  # fmt: skip
+        self.session = ort.InferenceSession(matmul_nbits_model(u, scale, bits, accuracy_level, block),
+                                            options, providers=["CPUExecutionProvider"])
         self.out_features, self.in_features, self.bits = u.shape[0], u.shape[1], bits
 
     @classmethod

@@ -44,7 +44,8 @@ _int4_mm = getattr(torch, "_weight_int4pack_mm_for_cpu", None) or torch.ops.aten
 
 
 @torch.library.custom_op("specdec::int4_mm", mutates_args=())
-def _int4_mm_compiled(x: torch.Tensor, packed: torch.Tensor, group: int, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+def _int4_mm_compiled(x: torch.Tensor, packed: torch.Tensor, group: int,
+                      scales_and_zeros: torch.Tensor) -> torch.Tensor:
     """The int4 kernel as compiled graphs call it: Inductor may hand an op it does not know
     the strides of a column-major buffer, and the kernel wants rows contiguous."""
     return _int4_mm(x.contiguous(), packed, group, scales_and_zeros)
@@ -58,11 +59,13 @@ def _(x, packed, group, scales_and_zeros):
 class DenseLinear(torch.nn.Module):
     # Layers are modules holding their tensors as buffers, so that torch.compile treats them
     # as graph inputs and one compiled decoder layer serves every layer of the model.
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, dtype: torch.dtype | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 dtype: torch.dtype | None = None):
         super().__init__()
         weight = weight if dtype is None else weight.to(dtype)
         self.register_buffer("weight", weight, persistent=False)  # [N, K]
-        self.register_buffer("bias", None if bias is None else bias.to(weight.dtype), persistent=False)  # [N]
+        self.register_buffer("bias", None if bias is None else bias.to(weight.dtype),
+                             persistent=False)  # [N]
         self.out_features, self.act_dtype = weight.shape[0], weight.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
@@ -74,7 +77,8 @@ class DenseLinear(torch.nn.Module):
             if torch.compiler.is_compiling():
                 y = one_thread_mm_op(xw, self.weight.T)
             else:
-                y = one_thread_mm(xw, self.weight.T, torch.empty(x.shape[0], self.out_features, dtype=xw.dtype))
+                y = one_thread_mm(xw, self.weight.T,
+                                  torch.empty(x.shape[0], self.out_features, dtype=xw.dtype))
             y = y if self.bias is None else y.add_(self.bias)
         else:
             y = F.linear(xw, self.weight, self.bias)
@@ -131,7 +135,8 @@ class Int4Linear(torch.nn.Module):
     output is sliced back.
     """
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                 bias: torch.Tensor | None = None):
         # q: [N, K] int32 in 0..15; scale, zero: [K // 32, N]
         super().__init__()
         n, k = q.shape
@@ -143,7 +148,8 @@ class Int4Linear(torch.nn.Module):
         scales_and_zeros = torch.stack([scale, zero], dim=-1).to(torch.bfloat16).contiguous()  # [G, N, 2]
         self._hold(packed, scales_and_zeros, n, bias)
 
-    def _hold(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, n: int, bias: torch.Tensor | None) -> None:
+    def _hold(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, n: int,
+              bias: torch.Tensor | None) -> None:
         # packed: the kernel's [N padded, K / 2] uint8; scales_and_zeros [G, N padded, 2] bf16
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("scales_and_zeros", scales_and_zeros, persistent=False)
@@ -170,7 +176,8 @@ class Int4Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         # dtype checks in Python: a no-op .to() still costs a dispatch, and a step makes 120 calls
         if torch.compiler.is_compiling():
-            mm, packed, scales_and_zeros, bias = _int4_mm_compiled, self.packed, self.scales_and_zeros, self.bias
+            mm, packed, scales_and_zeros, bias = (_int4_mm_compiled, self.packed, self.scales_and_zeros,
+                                                  self.bias)
         else:
             mm, (packed, scales_and_zeros, bias) = _int4_mm, self.eager_args
         y = mm(x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16), packed, INT4_GROUP, scales_and_zeros)
@@ -218,7 +225,8 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, precision: str)
 LM_HEADS = ("auto", "ort8", "int8", "int4")
 
 
-def make_lm_head(weight: torch.Tensor, bias: torch.Tensor | None, precision: str, kind: str = "auto") -> PrecisionLinear:
+def make_lm_head(weight: torch.Tensor, bias: torch.Tensor | None, precision: str,
+                 kind: str = "auto") -> PrecisionLinear:
     """The LM head [V, hidden] for a model in `precision`. Only int4 and int8 models choose
     (the others keep their precision); `kind`:
     - "ort8": 8-bit blocks of 32 on ONNX Runtime's MatMulNBits (kernels/ort.py), the format of
@@ -231,7 +239,8 @@ def make_lm_head(weight: torch.Tensor, bias: torch.Tensor | None, precision: str
         raise ValueError(f"unknown lm_head {kind!r}; choose one of: {', '.join(LM_HEADS)}")
     if precision not in ("int4", "int8"):
         return make_linear(weight, bias, precision)
-    if kind in ("auto", "ort8") and bias is None and weight.shape[1] % INT4_GROUP == 0 and weight.device.type == "cpu":
+    if (kind in ("auto", "ort8") and bias is None and weight.shape[1] % INT4_GROUP == 0
+            and weight.device.type == "cpu"):
         head = _ort_lm_head(weight)
         if head is not None:
             return head

@@ -75,7 +75,8 @@ def spread_high_bits(qh: np.ndarray) -> np.ndarray:
     return np.packbits(by_byte, axis=-1, bitorder="little").reshape(qh.shape)
 
 
-def unpack(tiles: np.ndarray, qtype: QuantType, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def unpack(tiles: np.ndarray, qtype: QuantType, n: int,
+           k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """tiles -> (q [N, K // 32, 32] in element order: uint8 in 0..15 (Q5: 0..31), Q8_0's int8;
     d [N, K // 32] fp32; Q4_1's and Q5_1's m likewise, or None)."""
     qt = quant_type(qtype)
@@ -99,7 +100,7 @@ def unpack(tiles: np.ndarray, qtype: QuantType, n: int, k: int) -> tuple[np.ndar
 
 
 def rows16_matmul(xq: torch.Tensor, xs: torch.Tensor, xsum: torch.Tensor, q: torch.Tensor, d: torch.Tensor,
-                  m: torch.Tensor | None = None, offset: int = 8) -> torch.Tensor:  # fmt: skip
+                  m: torch.Tensor | None = None, offset: int = 8) -> torch.Tensor:
     """jit/tiles16.py's arithmetic: xq [M, B, 32] integer-valued, xs and xsum [M, B]
     (int8_reference.quantize_activations), q [N, B, 32] (the file's integers), d (and m) [N, B]
     -> y [M, N]. Block after block from zeros: c = c + float(sum q xq - offset xsum) * (d *

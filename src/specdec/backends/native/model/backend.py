@@ -43,7 +43,8 @@ def native_model_for(target, precision: str | None = None, device=None, compile:
     device = torch.device(device) if device is not None else target.device
     precision = precision or default_precision(device, target.gguf_path is not None)
     if precision == GGUF_PRECISION and target.gguf_path is None:
-        raise SpecdecError(f"precision {GGUF_PRECISION} reads GGUF files; {target.name!r} is not one", "precision")
+        raise SpecdecError(f"precision {GGUF_PRECISION} reads GGUF files; {target.name!r} is not one",
+                           "precision")
     owner = target if target.gguf_path is not None else target.model
     models = _SHARED.setdefault(owner, {})
     key = (precision, str(device), bool(compile), lm_head, forced_fallback())
@@ -126,7 +127,8 @@ def make_native_backend(target, prefix_cache: str = "prompt", precision: str | N
     if lm_head not in LM_HEADS:
         raise SpecdecError(f"unknown lm_head {lm_head!r}; choose one of: {', '.join(LM_HEADS)}", "lm_head")
     if kv_dtype not in KV_DTYPES:
-        raise SpecdecError(f"unknown kv_dtype {kv_dtype!r}; choose one of: {', '.join(KV_DTYPES)}", "kv_dtype")
+        raise SpecdecError(f"unknown kv_dtype {kv_dtype!r}; choose one of: {', '.join(KV_DTYPES)}",
+                           "kv_dtype")
     try:
         model = native_model_for(target, precision, device, _flag(compile), lm_head)
     except ValueError as e:  # lm_head ort8 where it cannot run

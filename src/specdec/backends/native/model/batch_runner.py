@@ -38,19 +38,20 @@ class CachePool:
     """A preallocated KV cache for `slots` sequences of up to `max_length` tokens each; every
     sequence's prefix cache runs in mode `prefix_cache`."""
 
-    def __init__(self, model: PackedModel, slots: int = 1, max_length: int | None = None, kv_dtype=torch.float32,
-                 prefix_cache: str = "prompt"):
+    def __init__(self, model: PackedModel, slots: int = 1, max_length: int | None = None,
+                 kv_dtype=torch.float32, prefix_cache: str = "prompt"):
         cfg = model.config
         if slots < 1:
             raise SpecdecError(f"a cache pool needs at least one slot, got {slots}", "slots")
         max_length = max_length or min(cfg.max_positions, DEFAULT_MAX_LENGTH)
         if not 1 <= max_length <= cfg.max_positions:
-            raise SpecdecError(f"max_length must be in 1..{cfg.max_positions}, got {max_length}", "max_length")
+            raise SpecdecError(f"max_length must be in 1..{cfg.max_positions}, got {max_length}",
+                               "max_length")
         self.model, self.slots, self.max_length = model, slots, max_length
         # keys [layers, slots, kv_heads, head_dim, length], values [layers, slots, kv_heads, length,
         # head_dim + 1], in whole attention chunks (attention.py)
-        self.k, self.v = new_cache((cfg.num_layers, slots), cfg.num_kv_heads, max_length, cfg.head_dim, kv_dtype,
-                                   model.device)  # fmt: skip
+        self.k, self.v = new_cache((cfg.num_layers, slots), cfg.num_kv_heads, max_length, cfg.head_dim,
+                                   kv_dtype, model.device)
         self.layer_caches = list(zip(self.k.unbind(0), self.v.unbind(0), strict=True))  # views, made once
         self.kernel = uses_kernel(model.device, kv_dtype)  # numba_ops, or the PyTorch routine
         self.group = cfg.num_heads // cfg.num_kv_heads  # query heads per kv head
@@ -116,10 +117,11 @@ class CachePool:
                     for i, (seq, ids) in enumerate(zip(sequences, token_lists, strict=True))]
         tokens, positions, rows, lasts, scored = self._pack(sequences, token_lists, unscored, compiled, dense)
         partial = not last_only and len(scored) < len(tokens)
-        hidden, logits = self.run_rows(tokens, positions, rows, compiled, lasts if last_only else scored if partial else None,
-                                   dense)  # fmt: skip
+        hidden, logits = self.run_rows(tokens, positions, rows, compiled,
+                                       lasts if last_only else scored if partial else None, dense)
         if partial:  # the unscored rows stay zeros
-            logits = logits.new_zeros(len(tokens), logits.shape[-1]).index_copy_(0, torch.tensor(scored, dtype=torch.long), logits)
+            logits = logits.new_zeros(len(tokens), logits.shape[-1]).index_copy_(
+                0, torch.tensor(scored, dtype=torch.long), logits)
         out, offset, row = [], 0, 0
         for seq, ids in zip(sequences, token_lists, strict=True):
             end = offset + len(ids)
@@ -132,7 +134,8 @@ class CachePool:
             seq._length, offset = seq._length + len(ids), end
         return out
 
-    def forward_prompt(self, seq: NativeSequence, chunks: list[list[int]], last_only: bool = False) -> torch.Tensor:
+    def forward_prompt(self, seq: NativeSequence, chunks: list[list[int]],
+                       last_only: bool = False) -> torch.Tensor:
         """A prompt's consecutive chunks in one pass: each chunk a causal row of its own, so its
         attention is that of a pass per chunk, and the layers' kernels over all their tokens at
         once (a prompt kernel computes each row on its own, so a chunk's bits do not depend on
@@ -151,7 +154,7 @@ class CachePool:
         return logits[-1] if last_only else torch.cat(logits)
 
     def _prompt_part(self, seq: NativeSequence, chunks: list[list[int]], short: bool, last_only: bool,
-                     last: bool) -> torch.Tensor:  # fmt: skip
+                     last: bool) -> torch.Tensor:
         """Consecutive chunks of one kind (short or not) appended to `seq`: logits [T, V], or
         with `last_only` [1, V] for the prompt's last part and [0, V] (no head) before it."""
         start, tokens, positions, rows = seq._length, [], [], []
@@ -193,7 +196,8 @@ class CachePool:
         plan = plan_chain(start + t, t, self.group, self.model.device, self.kernel)
         return KVRow(slot, first, first + t, start, start + t, None, plan=plan)
 
-    def run_rows(self, tokens, positions, rows, compiled=False, logits_at=None, dense=False) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_rows(self, tokens, positions, rows, compiled=False, logits_at=None,
+                 dense=False) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [N, hidden] on the model's device, logits [N, V] on the cpu."""
         cfg, dev = self.model.config, self.model.device
         if not tokens:

@@ -57,7 +57,8 @@ class NativeConfig:
 
     def sliding(self, layer: int) -> bool:
         """Whether `layer` attends through the sliding window."""
-        return self.sliding_window is not None and bool(self.layer_types) and self.layer_types[layer] == SLIDING
+        return (self.sliding_window is not None and bool(self.layer_types)
+                and self.layer_types[layer] == SLIDING)
 
     def local_rope(self, layer: int) -> bool:
         """Whether `layer` rotates with the sliding layers' own rope base (gemma3)."""

@@ -53,16 +53,17 @@ class NativeDraftHead:
     """fc(concat(embedding, feature)) -> one decoder layer -> predicted next feature, then the
     target's LM head (or its rows `vocab_ids`, FR-Spec) for logits. Implements `DraftHead`."""
 
-    def __init__(self, state: dict[str, torch.Tensor], dims: dict, precision: str | None, device: torch.device,
-                 full_logits: Callable[[torch.Tensor], torch.Tensor], head_rows: torch.Tensor | None,
-                 softcap: float | None):  # fmt: skip
+    def __init__(self, state: dict[str, torch.Tensor], dims: dict, precision: str | None,
+                 device: torch.device, full_logits: Callable[[torch.Tensor], torch.Tensor],
+                 head_rows: torch.Tensor | None, softcap: float | None):
         if precision is None:  # int8 GEMMs on a cpu (bf16 activations); fp32 elsewhere
             precision = "int8" if device.type == "cpu" else "fp32"
         self.config = NativeConfig(
             model_type="llama", vocab_size=1, hidden_size=dims["hidden_size"], num_layers=1,
-            num_heads=dims["num_attention_heads"], num_kv_heads=dims["num_key_value_heads"], head_dim=dims["head_dim"],
-            rms_eps=dims["rms_norm_eps"], max_positions=dims["max_position_embeddings"], rope_theta=dims["rope_theta"],
-        )  # fmt: skip
+            num_heads=dims["num_attention_heads"], num_kv_heads=dims["num_key_value_heads"],
+            head_dim=dims["head_dim"], rms_eps=dims["rms_norm_eps"],
+            max_positions=dims["max_position_embeddings"], rope_theta=dims["rope_theta"],
+        )
 
         def w(name: str) -> torch.Tensor:
             return state[name + ".weight"].detach().to(device, torch.float32)
@@ -76,26 +77,31 @@ class NativeDraftHead:
         self.layer = DecoderLayer(
             self.config, w(_LAYER + "input_layernorm"),
             FusedLinear([w(n) for n in qkv], [b(n) for n in qkv], precision),
-            make_linear(w(_ATTN + "o_proj"), b(_ATTN + "o_proj"), precision), w(_LAYER + "post_attention_layernorm"),
+            make_linear(w(_ATTN + "o_proj"), b(_ATTN + "o_proj"), precision),
+            w(_LAYER + "post_attention_layernorm"),
             FusedLinear([w(n) for n in gate_up], [b(n) for n in gate_up], precision),
             make_linear(w(_MLP + "down_proj"), b(_MLP + "down_proj"), precision),
-        )  # fmt: skip
+        )
         self.fc = make_linear(w("fc"), b("fc"), precision)
         self.device = device
-        self.inv_freq = default_inv_freq(self.config.rope_theta, self.config.head_dim).to(device)  # [head_dim / 2]
+        # [head_dim / 2]
+        self.inv_freq = default_inv_freq(self.config.rope_theta, self.config.head_dim).to(device)
         # FR-Spec rows of the LM head: int8 on a cpu, where an fp32 GEMV over them is most of a
         # drafted token's cost (docs/performance-notes.md); draft logits need not match the target's.
         self._full_logits, self._softcap = full_logits, softcap
-        self._rows = None if head_rows is None else make_linear(head_rows.to(device, torch.float32), None,
-                                                                "int8" if device.type == "cpu" else "fp32")
+        self._rows = (None if head_rows is None
+                      else make_linear(head_rows.to(device, torch.float32), None,
+                                       "int8" if device.type == "cpu" else "fp32"))
         self._alloc(256)
 
     def _alloc(self, length: int) -> None:
         c = self.config
-        self.k, self.v = new_cache((1,), c.num_kv_heads, length, c.head_dim, device=self.device)  # see attention.py
+        # see attention.py
+        self.k, self.v = new_cache((1,), c.num_kv_heads, length, c.head_dim, device=self.device)
         positions = torch.arange(length, device=self.device).float()
         freqs = positions[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # the rotation transformers applies (see NativeModel.rope_tables)
+        # the rotation transformers applies (see NativeModel.rope_tables)
+        emb = torch.cat((freqs, freqs), dim=-1)
         half = emb.shape[-1] // 2
         sin = emb.sin()
         self.cos, self.sin = emb.cos(), torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
@@ -115,12 +121,13 @@ class NativeDraftHead:
         if t > DECODE_ATTENTION_MAX:
             mask = torch.ones(t, past + t, dtype=torch.bool, device=self.device).tril(past)
         rows = [KVRow(0, 0, t, past, past + t, mask)]
-        cos, sin = self.cos[past : past + t].unsqueeze(1), self.sin[past : past + t].unsqueeze(1)  # [T, 1, dim]
+        # [T, 1, dim]
+        cos, sin = self.cos[past : past + t].unsqueeze(1), self.sin[past : past + t].unsqueeze(1)
         return self.layer.forward(x, cos, sin, self.k, self.v, rows)
 
     @torch.no_grad()
-    def forward_nodes(self, features: torch.Tensor, embeds: torch.Tensor, positions: list[int], store: int,
-                      visible: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def forward_nodes(self, features: torch.Tensor, embeds: torch.Tensor, positions: list[int],
+                      store: int, visible: torch.Tensor) -> torch.Tensor:
         t = features.shape[0]
         self._fit(store + t)
         x = self.fc(torch.cat([embeds, features], dim=-1))  # [T, H]

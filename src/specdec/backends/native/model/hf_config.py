@@ -25,7 +25,7 @@ def native_config(config, supported: tuple[str, ...], embedding_dtype: torch.dty
     model_type = config.model_type
     if model_type not in supported:
         raise SpecdecError(f"the native backend supports {', '.join(supported)} models, not {model_type!r}; "
-                           "use the hf backend", "backend")  # fmt: skip
+                           "use the hf backend", "backend")
     _refuse_unsupported(config)
     heads, arch = int(config.num_attention_heads), BY_MODEL_TYPE[model_type]
     fields = dict(
@@ -70,7 +70,7 @@ def _activation_name(config) -> str:
     name = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
     if name not in ACTIVATIONS:
         raise SpecdecError(f"the native backend does not implement the activation {name!r} "
-                           f"(it runs {', '.join(ACTIVATIONS)}); use the hf backend", "backend")  # fmt: skip
+                           f"(it runs {', '.join(ACTIVATIONS)}); use the hf backend", "backend")
     return name
 
 
@@ -80,10 +80,10 @@ def _refuse_unsupported(config) -> None:
     partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
     if partial not in (None, 1.0):
         raise SpecdecError(f"the native backend does not implement partial rotary embeddings "
-                           f"(partial_rotary_factor {partial}); use the hf backend", "backend")  # fmt: skip
+                           f"(partial_rotary_factor {partial}); use the hf backend", "backend")
     if getattr(config, "attn_logit_softcapping", None) is not None:
         raise SpecdecError("the native backend does not implement attn_logit_softcapping; use the hf backend",
-                           "backend")  # fmt: skip
+                           "backend")
     if getattr(config, "use_bidirectional_attention", False):
         raise SpecdecError("the native backend does not implement use_bidirectional_attention", "backend")
 
@@ -93,4 +93,5 @@ def hf_state(model_type: str, state: dict) -> dict:
     Gemma's `1 + w` norms get their one added (a new fp32 tensor each; the rest is shared)."""
     if not BY_MODEL_TYPE[model_type].norms_plus_one:
         return state
-    return {name: (1.0 + value.float()) if name.endswith("norm.weight") else value for name, value in state.items()}
+    return {name: (1.0 + value.float()) if name.endswith("norm.weight") else value
+            for name, value in state.items()}

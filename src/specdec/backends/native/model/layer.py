@@ -40,30 +40,32 @@ class DecoderLayer(torch.nn.Module):
     A gate_up with one part (phi3's fused matrix as a prebuilt layer) is split in halves."""
 
     def __init__(self, config: NativeConfig, attn_norm: torch.Tensor, qkv: FusedLinear, o: Linear,
-                 mlp_norm: torch.Tensor, gate_up: FusedLinear, down: Linear, q_norm: torch.Tensor | None = None,
-                 k_norm: torch.Tensor | None = None, post_attn_norm: torch.Tensor | None = None,
-                 post_mlp_norm: torch.Tensor | None = None):  # fmt: skip
+                 mlp_norm: torch.Tensor, gate_up: FusedLinear, down: Linear,
+                 q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                 post_attn_norm: torch.Tensor | None = None, post_mlp_norm: torch.Tensor | None = None):
         super().__init__()
         self.register_buffer("attn_norm", attn_norm, persistent=False)  # [hidden]
         self.register_buffer("mlp_norm", mlp_norm, persistent=False)  # [hidden]
         extra = (q_norm, k_norm, post_attn_norm, post_mlp_norm)
         for name, weight in zip(("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm"), extra, strict=True):
             self.register_buffer(name, weight, persistent=False)
-        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down  # qkv -> q, k, v; gate_up -> gate, up
+        # qkv -> q, k, v; gate_up -> gate, up
+        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
         self.heads, self.kv_heads, self.dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.eps, self.gqa = config.rms_eps, config.num_heads != config.num_kv_heads
         self.scale, self.gelu = config.attention_scale, config.activation == "gelu_tanh"
         # the dtype the kernels take (bf16 for int4/int8): norms and the activation write it
         # directly, and the kernels' outputs join the fp32 residual stream by type promotion
         self.act_dtype = activation_dtype(qkv)
-        self.fast = fast_layer_usable(attn_norm.device, self.act_dtype)  # numba's norms and rotation (kernels/numba_ops.py)
+        # numba's norms and rotation (kernels/numba_ops.py)
+        self.fast = fast_layer_usable(attn_norm.device, self.act_dtype)
         # fp32 norms as numba calls where the layer's kernels take fp32 (GGUF 8-bit types)
         norms = (attn_norm, mlp_norm, *(w for w in extra if w is not None))
         self.fast_norms = fast_norms_usable(attn_norm.device) and all(w.dtype == torch.float32 for w in norms)
         # what eager forwards call, as plain attributes: a module's buffers and submodules are
         # found through nn.Module.__getattr__, which costs a layer about 20 slow lookups a step
-        self.eager_parts = (attn_norm, qkv.joined, o.forward, mlp_norm, gate_up.forward, down.forward, gate_up.joined,
-                            extra)  # fmt: skip
+        self.eager_parts = (attn_norm, qkv.joined, o.forward, mlp_norm, gate_up.forward, down.forward,
+                            gate_up.joined, extra)
         self.fused_gate_up = gate_up.fused is not None and self.act_dtype == torch.bfloat16 and not self.gelu
         self.split_gate_up = len(gate_up.sizes) == 1  # one [gate | up] part
         # fp32 layers with numba's norms take its SwiGLU / GeGLU too, in every stack (decode, prompts)
@@ -71,8 +73,8 @@ class DecoderLayer(torch.nn.Module):
         # a layer of numba 8-bit kernels runs a lone chain row as one call (model/one_call.py)
         self.step = None
         if self.numba_glu:
-            self.step = LayerStep.build((attn_norm, mlp_norm, *extra), (qkv, o, gate_up, down), self.eps, self.heads,
-                                        self.kv_heads, self.scale or self.dim**-0.5, self.gelu)  # fmt: skip
+            self.step = LayerStep.build((attn_norm, mlp_norm, *extra), (qkv, o, gate_up, down), self.eps,
+                                        self.heads, self.kv_heads, self.scale or self.dim**-0.5, self.gelu)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, rows: list[KVRow]) -> torch.Tensor:
@@ -80,9 +82,9 @@ class DecoderLayer(torch.nn.Module):
         x, delta = self.forward_open(x, None, cos, sin, k_cache, v_cache, rows)
         return x + delta  # fp32 + act_dtype -> fp32
 
-    def forward_open(self, x: torch.Tensor, pending: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                     k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     rows: list[KVRow]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def forward_open(self, x: torch.Tensor, pending: torch.Tensor | None, cos: torch.Tensor,
+                     sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     rows: list[KVRow]) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer on input x + pending (pending: the previous layer's last output, not yet
         added, or None), returning its output the same way, so that each residual add joins
         the norm after it in one call; `forward` adds up."""
@@ -92,47 +94,53 @@ class DecoderLayer(torch.nn.Module):
         if compiling:  # the registered buffers, so that one compiled graph serves every layer
             parts = (self.attn_norm, self.qkv.joined, self.o.forward, self.mlp_norm, self.gate_up.forward,
                      self.down.forward, self.gate_up.joined,
-                     (self.q_norm, self.k_norm, self.post_attn_norm, self.post_mlp_norm))  # fmt: skip
+                     (self.q_norm, self.k_norm, self.post_attn_norm, self.post_mlp_norm))
         else:
             parts = self.eager_parts
         attn_norm, qkv_linear, o_linear, mlp_norm, gate_up_linear, down_linear, gate_up_joined, extra = parts
         step = None if compiling else self.step
-        if step is not None and (row := kernel_chain_row(rows, heads // kv_heads, x.device, k_cache.dtype)) is not None:
+        if (step is not None
+                and (row := kernel_chain_row(rows, heads // kv_heads, x.device, k_cache.dtype)) is not None):
             return step(x, pending, cos, sin, k_cache, v_cache, row)
         q_norm, k_norm, post_attn_norm, post_mlp_norm = extra
         x, h = self._add_norm(x, pending, attn_norm, fast, fast_norms)
         qkv = qkv_linear(h)
         fast_qkv = fast and qkv.dtype == torch.bfloat16 and q_norm is None  # numba's rotation has no q/k norm
         fast_fp32 = fast_norms and qkv.dtype == torch.float32  # GGUF's 8-bit kinds
-        row = kernel_chain_row(rows, heads // kv_heads, x.device, k_cache.dtype) if fast_qkv or fast_fp32 else None
+        row = (kernel_chain_row(rows, heads // kv_heads, x.device, k_cache.dtype) if fast_qkv or fast_fp32
+               else None)
         qk_norms = None if q_norm is None else (q_norm, k_norm)
         if row is not None and fast_qkv:  # one chain row: rotation, attention and the cast in one numba call
             attn = rotate_attend(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, row.slot, row.store,
-                                 *row.plan.arrays, self.scale)  # fmt: skip
+                                 *row.plan.arrays, self.scale)
         elif row is not None:  # the same in fp32, with the q/k norms where the layer has them
-            attn = norm_rotate_attend(qkv, cos, sin, heads, kv_heads, qk_norms, self.eps, k_cache, v_cache, row.slot,
-                                      row.store, *row.plan.arrays, self.scale)  # fmt: skip
+            attn = norm_rotate_attend(qkv, cos, sin, heads, kv_heads, qk_norms, self.eps, k_cache, v_cache,
+                                      row.slot, row.store, *row.plan.arrays, self.scale)
             attn = attn if attn.dtype == act else attn.to(act)  # a no-op .to() still costs a dispatch
         else:
             attn = self._attention(qkv, cos, sin, k_cache, v_cache, rows, fast_qkv, qk_norms, fast_norms)
             attn = attn.reshape(n, heads * dim).to(act)
         # .forward: the linears are plain modules (no hooks), and __call__ costs each of them
         x, h = self._add_norm(x, self._post_norm(o_linear(attn), post_attn_norm, fast_norms), mlp_norm, fast,
-                              fast_norms)  # fmt: skip
+                              fast_norms)
         if fast and self.fused_gate_up:  # one numba call from the fused gate|up output
-            return x, self._post_norm(down_linear(silu_mul_bf16(gate_up_joined(h))), post_mlp_norm, fast_norms)
-        if fast_norms and self.numba_glu:  # the one-call path's activation: a row's bits do not depend on the path
-            return x, self._post_norm(down_linear(glu_mul(gate_up_joined(h), self.gelu)), post_mlp_norm, fast_norms)
+            return x, self._post_norm(down_linear(silu_mul_bf16(gate_up_joined(h))), post_mlp_norm,
+                                      fast_norms)
+        # the one-call path's activation: a row's bits do not depend on the path
+        if fast_norms and self.numba_glu:
+            return x, self._post_norm(down_linear(glu_mul(gate_up_joined(h), self.gelu)), post_mlp_norm,
+                                      fast_norms)
         gate, up = gate_up_joined(h).chunk(2, dim=-1) if self.split_gate_up else gate_up_linear(h)
         mixed = gelu_mul(gate, up, act) if self.gelu else silu_mul(gate, up, act)
         return x, self._post_norm(down_linear(mixed), post_mlp_norm, fast_norms)
 
     def _post_norm(self, delta: torch.Tensor, weight: torch.Tensor | None, fast_norms: bool) -> torch.Tensor:
         # gemma3's norm of a sublayer's output before the residual add, in fp32
-        return delta if weight is None else rms_norm(delta.float(), weight, self.eps, torch.float32, fast_norms=fast_norms)
+        return delta if weight is None else rms_norm(delta.float(), weight, self.eps, torch.float32,
+                                                     fast_norms=fast_norms)
 
     def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, fast: bool,
-                  fast_norms: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                  fast_norms: bool) -> tuple[torch.Tensor, torch.Tensor]:
         # (x + delta, its norm in the kernels' dtype); the add and the norm in one call on the fast path
         if delta is None:
             return x, rms_norm(x, weight, self.eps, self.act_dtype, fast, fast_norms)
@@ -143,7 +151,7 @@ class DecoderLayer(torch.nn.Module):
 
     def _attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, rows: list[KVRow], fast: bool,
-                   qk_norms: tuple[torch.Tensor, torch.Tensor] | None, fast_norms: bool) -> torch.Tensor:  # fmt: skip
+                   qk_norms: tuple[torch.Tensor, torch.Tensor] | None, fast_norms: bool) -> torch.Tensor:
         # qkv [N, (heads + 2 kv_heads) * dim] -> [N, heads, dim] in q's dtype
         n, heads, kv_heads, dim = qkv.shape[0], self.heads, self.kv_heads, self.dim
         if fast:
@@ -161,7 +169,8 @@ class DecoderLayer(torch.nn.Module):
             v = qkv[:, (heads + kv_heads) * dim :].view(n, kv_heads, dim)
         # prompt chunks take SDPA in the layers' own dtype: bf16 for the dense bf16 prompt layers
         # (prompt_precision), about 2x faster than fp32 per chunk; decode rows never take it
-        return batch_invariant_attention(q, k, v, k_cache, v_cache, rows, self.gqa, self.act_dtype, self.scale)
+        return batch_invariant_attention(q, k, v, k_cache, v_cache, rows, self.gqa, self.act_dtype,
+                                         self.scale)
 
 
 def compiled_layer(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -194,7 +203,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype, fast: bool = False,
-             fast_norms: bool = False) -> torch.Tensor:  # fmt: skip
+             fast_norms: bool = False) -> torch.Tensor:
     # x [N, hidden] fp32 -> [N, hidden] in the kernels' dtype; `fast`: one numba call into bf16,
     # `fast_norms`: one into fp32 (at this width every PyTorch op costs about its dispatch, and
     # F.rms_norm plus a cast is several). Compiled graphs keep F.rms_norm, which Inductor fuses.

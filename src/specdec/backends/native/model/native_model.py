@@ -59,11 +59,13 @@ class NativeModel:
         self.norm = weights.tensor("model.norm.weight")
         if "lm_head.weight" not in state:  # tied embeddings
             if not isinstance(embed, torch.Tensor):
-                raise SpecdecError("a tied head over a quantized embedding needs the loader's lm_head.weight", "model")
+                raise SpecdecError("a tied head over a quantized embedding needs the loader's "
+                                   "lm_head.weight", "model")
             weights.state = {**state, "lm_head.weight": self.embed}
         # int4 keeps the LM head at 8 bits, as 4-bit GGUFs keep their output matrix at 6-8 bits
         head = weights.weight("lm_head")
-        self.lm_head = make_lm_head(head, weights.bias("lm_head"), precision, lm_head) if isinstance(head, torch.Tensor) else head
+        self.lm_head = (make_lm_head(head, weights.bias("lm_head"), precision, lm_head)
+                        if isinstance(head, torch.Tensor) else head)
         # The head's rows as floats for a draft head's vocabulary subset (head_rows): the
         # loader's row lookup, or a tied embedding's; None reads them back through the head.
         self._head_lookup = state.get("lm_head.rows", self.embed if "lm_head.weight" not in state else None)
@@ -79,22 +81,26 @@ class NativeModel:
         if dense_prompts and precision != "fp32":
             dense = prompt_precision(self.device, precision)
             self.dense = ([_layer(config, weights, i, dense) for i in range(config.num_layers)],
-                          weights.linear("lm_head", "fp32"))  # fmt: skip
+                          weights.linear("lm_head", "fp32"))
         elif precision == GGUF_PRECISION:
-            views = _StateReader({k: prompt_view(v) if isinstance(v, torch.nn.Module) else v for k, v in state.items()},
-                                 self.device)  # fmt: skip
-            self.dense = ([_layer(config, views, i, precision) for i in range(config.num_layers)], self.lm_head)
+            views = _StateReader({k: prompt_view(v) if isinstance(v, torch.nn.Module) else v
+                                  for k, v in state.items()}, self.device)
+            self.dense = ([_layer(config, views, i, precision) for i in range(config.num_layers)],
+                          self.lm_head)
         intermediate = sum(self.layers[0].gate_up.sizes) // 2  # [gate, up] or phi3's [gate | up]
         self.prompt_group_tokens = prompt_group_tokens(config, intermediate, self.device, precision)
         self.short_chunk_rows = SHORT_CHUNK_ROWS if precision == GGUF_PRECISION else 0  # see forward_prompt
-        self.sliding = [config.sliding(i) for i in range(config.num_layers)]  # which layers take windowed rows
+        # which layers take windowed rows
+        self.sliding = [config.sliding(i) for i in range(config.num_layers)]
         self.local_rope = [config.local_rope(i) for i in range(config.num_layers)]
         # a lone chain row through every layer's one-call step, its per-forward work done once
-        self.step_stack = StepStack.build([layer.step for layer in self.layers], self.local_rope, self.sliding)
+        self.step_stack = StepStack.build([layer.step for layer in self.layers], self.local_rope,
+                                          self.sliding)
         self.inv_freq = rope_inv_freq(config).to(self.device)  # [head_dim / 2]
         self.attention_scaling = config.rope_attention_scaling
         local = config.rope_local_theta
-        self.local_inv_freq = None if local is None else default_inv_freq(local, config.head_dim).to(self.device)
+        self.local_inv_freq = (None if local is None
+                               else default_inv_freq(local, config.head_dim).to(self.device))
         self.compiled = False  # see compile()
         self.compile_seconds = 0.0
 
@@ -136,7 +142,8 @@ class NativeModel:
     # ---- construction ------------------------------------------------------------------
 
     @classmethod
-    def from_hf(cls, model: torch.nn.Module, precision: str = "fp32", device=None, lm_head: str = "auto") -> NativeModel:
+    def from_hf(cls, model: torch.nn.Module, precision: str = "fp32", device=None,
+                lm_head: str = "auto") -> NativeModel:
         """Share the loaded transformers model's tensors (no copy for fp32 on its device)."""
         embed = model.get_input_embeddings().weight
         config = NativeConfig.from_hf(model.config, embed.dtype)
@@ -169,12 +176,15 @@ class NativeModel:
         model = read_gguf(path)
         if model.config["model_type"] not in SUPPORTED_TYPES:  # the layers would silently skip its features
             raise SpecdecError(f"the native backend supports {', '.join(SUPPORTED_TYPES)} models, not "
-                               f"{model.config['model_type']!r} ({Path(path).name}); use the hf backend", "backend")
+                               f"{model.config['model_type']!r} ({Path(path).name}); use the hf backend",
+                               "backend")
         state = quant_state(model, lm_head) if precision == GGUF_PRECISION else float_state(model)
         inv_freq = None if model.rope_inv_freq is None else tuple(float(f) for f in model.rope_inv_freq)
-        config = NativeConfig(**model.config, rope_inv_freq=inv_freq, rope_attention_scaling=model.rope_attention_scaling)
+        config = NativeConfig(**model.config, rope_inv_freq=inv_freq,
+                              rope_attention_scaling=model.rope_attention_scaling)
         # another precision keeps the floats, so prompts may run dense over them (as from_hf's)
-        return cls(config, state, precision, device, dense_prompts=precision != GGUF_PRECISION, lm_head=lm_head)
+        return cls(config, state, precision, device, dense_prompts=precision != GGUF_PRECISION,
+                   lm_head=lm_head)
 
     def new_pool(self, slots: int = 1, max_length: int | None = None, kv_dtype=torch.float32,
                  prefix_cache: str = "prompt") -> CachePool:
@@ -199,8 +209,8 @@ class NativeModel:
     # ---- forward -----------------------------------------------------------------------
 
     @torch.no_grad()  # not inference_mode: compiled graphs write the cache in place
-    def forward_packed(self, pool: CachePool, token_ids: torch.Tensor, positions: torch.Tensor, rows: list[KVRow],
-                       logits_at: torch.Tensor | None = None, compiled: bool = False,
+    def forward_packed(self, pool: CachePool, token_ids: torch.Tensor, positions: torch.Tensor,
+                       rows: list[KVRow], logits_at: torch.Tensor | None = None, compiled: bool = False,
                        dense: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Run N packed tokens (token j at rotary position positions[j]), storing keys and values
         where `rows` say. Returns the final post-norm hidden states [N, hidden] and the logits
@@ -211,7 +221,8 @@ class NativeModel:
         tables = [(pool.cos[positions].unsqueeze(1), pool.sin[positions].unsqueeze(1))]  # [N, 1, dim] each
         if self.local_inv_freq is not None:
             tables.append((pool.local_cos[positions].unsqueeze(1), pool.local_sin[positions].unsqueeze(1)))
-        row_sets = (rows, windowed(rows, cfg.sliding_window, pool.group, self.device, pool.kernel) if any(self.sliding) else rows)
+        row_sets = (rows, windowed(rows, cfg.sliding_window, pool.group, self.device, pool.kernel)
+                    if any(self.sliding) else rows)
         chain = self._chain_rows(pool, row_sets) if not compiled and layers is self.layers else None
         if chain is not None:
             x = self.step_stack(x, tables, chain, pool.layer_caches)
@@ -223,7 +234,7 @@ class NativeModel:
         return x, self.head_logits(x if logits_at is None else x[logits_at], lm_head)
 
     def _layers(self, layers: list, x: torch.Tensor, tables: list, row_sets: tuple, pool: CachePool,
-                compiled: bool) -> torch.Tensor:  # fmt: skip
+                compiled: bool) -> torch.Tensor:
         """x [N, hidden] through the decoder layers one call each, residuals included."""
         pending = None
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, pool.layer_caches, strict=True)):
@@ -242,12 +253,15 @@ class NativeModel:
         return None if any(row is None for row in chain) else chain
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Token ids [N] -> the first layer's inputs [N, hidden] fp32 (scaled where the architecture scales them)."""
-        x = F.embedding(token_ids, self.embed) if isinstance(self.embed, torch.Tensor) else self.embed(token_ids)
+        """Token ids [N] -> the first layer's inputs [N, hidden] fp32 (scaled where the architecture
+        scales them)."""
+        x = (F.embedding(token_ids, self.embed) if isinstance(self.embed, torch.Tensor)
+             else self.embed(token_ids))
         return x * self.config.embedding_scale if self.config.embedding_scale != 1.0 else x
 
     def head_logits(self, hidden: torch.Tensor, lm_head: Linear | None = None) -> torch.Tensor:
-        """Post-norm hidden states [N, hidden] -> logits [N, V] fp32, soft-capped where the model caps them."""
+        """Post-norm hidden states [N, hidden] -> logits [N, V] fp32, soft-capped where the model
+        caps them."""
         logits = (self.lm_head if lm_head is None else lm_head)(hidden).float()
         cap = self.config.final_logit_softcap
         return torch.tanh(logits / cap) * cap if cap is not None else logits
@@ -309,12 +323,13 @@ def _layer(config: NativeConfig, weights: _StateReader, i: int, precision: str) 
     sandwich = config.sandwich_norms
     mlp_norm = p + ("pre_feedforward_layernorm" if sandwich else "post_attention_layernorm") + ".weight"
     qk_norms = ((weights.tensor(attn + "q_norm.weight"), weights.tensor(attn + "k_norm.weight"))
-                if config.qk_norm else (None, None))  # fmt: skip
-    post_norms = ((weights.tensor(p + "post_attention_layernorm.weight"), weights.tensor(p + "post_feedforward_layernorm.weight"))
-                  if sandwich else (None, None))  # fmt: skip
-    return DecoderLayer(config, weights.tensor(p + "input_layernorm.weight"), qkv, weights.linear(attn + "o_proj", precision),
-                        weights.tensor(mlp_norm), gate_up, weights.linear(mlp + "down_proj", precision), *qk_norms,
-                        *post_norms)  # fmt: skip
+                if config.qk_norm else (None, None))
+    post_norms = ((weights.tensor(p + "post_attention_layernorm.weight"),
+                   weights.tensor(p + "post_feedforward_layernorm.weight"))
+                  if sandwich else (None, None))
+    return DecoderLayer(config, weights.tensor(p + "input_layernorm.weight"), qkv,
+                        weights.linear(attn + "o_proj", precision), weights.tensor(mlp_norm), gate_up,
+                        weights.linear(mlp + "down_proj", precision), *qk_norms, *post_norms)
 
 
 def rope_inv_freq(config: NativeConfig) -> torch.Tensor:
@@ -334,7 +349,8 @@ PROMPT_GROUP_TOKENS = 512
 SHORT_CHUNK_ROWS = 32
 
 
-def prompt_group_tokens(config: NativeConfig, intermediate: int, device: torch.device, precision: str) -> int | None:
+def prompt_group_tokens(config: NativeConfig, intermediate: int, device: torch.device,
+                        precision: str) -> int | None:
     """How many prompt tokens one forward may take (CachePool.forward_prompt): several chunks
     for GGUF layers on a CPU whose bf16 GEMM gives a row the same bits in any row count
     (gemm_rows_independent; their other prompt kernels compute each row on its own), so a
@@ -362,9 +378,10 @@ def prompt_precision(device: torch.device, precision: str) -> str:
 def _check_precision(precision: str, device: torch.device) -> None:
     if precision not in (*PRECISIONS, GGUF_PRECISION):
         raise SpecdecError(f"unknown precision {precision!r}; choose one of: {', '.join(PRECISIONS)}, "
-                           f"{GGUF_PRECISION} (a GGUF's own types)", "precision")  # fmt: skip
+                           f"{GGUF_PRECISION} (a GGUF's own types)", "precision")
     if precision in ("fp16", "int8", "int4", GGUF_PRECISION) and device.type != "cpu":
-        raise SpecdecError(f"precision {precision} runs on cpu only; use fp32 or bf16 on {device}", "precision")
+        raise SpecdecError(f"precision {precision} runs on cpu only; use fp32 or bf16 on {device}",
+                           "precision")
     if precision == "fp16" and "fbgemm" not in torch.backends.quantized.supported_engines:
         raise SpecdecError("precision fp16 needs fbgemm (x86 cpus); use int4", "precision")
 

@@ -48,14 +48,14 @@ class LayerStep:
     """One qualifying layer's arrays, formed once, and the call that runs it."""
 
     def __init__(self, norms: tuple[np.ndarray, ...], groups: tuple, eps: float, heads: int, kv_heads: int,
-                 scale: float, gelu: bool):  # fmt: skip
+                 scale: float, gelu: bool):
         self.norms, self.groups, self.eps = norms, groups, np.float32(eps)
         self.heads, self.kv_heads, self.scale, self.gelu = heads, kv_heads, np.float32(scale), gelu
         self.no_pending = np.empty((0, norms[0].shape[0]), np.float32)
 
     @classmethod
-    def build(cls, norms: tuple[torch.Tensor | None, ...], linears: tuple, eps: float, heads: int, kv_heads: int,
-              scale: float, gelu: bool) -> LayerStep | None:  # fmt: skip
+    def build(cls, norms: tuple[torch.Tensor | None, ...], linears: tuple, eps: float, heads: int,
+              kv_heads: int, scale: float, gelu: bool) -> LayerStep | None:
         """norms: (attn_norm, mlp_norm, q_norm, k_norm, post_attn_norm, post_mlp_norm), None
         where the layer has none; linears: (qkv, o, gate_up, down). None where the layer does
         not qualify (the module docstring)."""
@@ -65,25 +65,27 @@ class LayerStep:
         groups = tuple(_group(linear) for linear in linears)
         if any(group is None for group in groups):
             return None
-        arrays = tuple(np.empty(0, np.float32) if w is None else np.ascontiguousarray(w.detach().numpy()) for w in norms)
+        arrays = tuple(np.empty(0, np.float32) if w is None else np.ascontiguousarray(w.detach().numpy())
+                       for w in norms)
         return cls(arrays, groups, eps, heads, kv_heads, scale, gelu)
 
     def __call__(self, x: torch.Tensor, pending: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor, row) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, row) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] fp32 (+ pending) for one chain row `row` (attention.kernel_chain_row)
         -> (x + pending, the layer's output), as DecoderLayer.forward_open returns them."""
         pending_rows = self.no_pending if pending is None else pending.contiguous().numpy()
         row_arrays = (row.slot, row.store, *row.plan.arrays)
         out, delta = self.run(x.contiguous().numpy(), pending_rows, (cos.numpy(), sin.numpy()),
-                              (k_cache.numpy(), v_cache.numpy()), row_arrays)  # fmt: skip
+                              (k_cache.numpy(), v_cache.numpy()), row_arrays)
         return torch.from_numpy(out), torch.from_numpy(delta)
 
     def run(self, x: np.ndarray, pending: np.ndarray, rope: tuple, cache: tuple, row: tuple) -> tuple:
         """The call on arrays: x [T, hidden], pending [T or 0, hidden], rope (cos, signed sin),
         cache (keys, values), row (slot, store, limits, paths, starts) -> (x + pending, output)."""
-        parallel = int(row[2][-1]) * x.shape[0] * self.heads >= PARALLEL_WORK  # as numba_ops picks its kernel
-        return _jit().decode_layer(x, pending, self.norms, self.eps, *self.groups, rope, self.heads, self.kv_heads,
-                                   cache, row, self.scale, parallel, self.gelu)  # fmt: skip
+        # as numba_ops picks its kernel
+        parallel = int(row[2][-1]) * x.shape[0] * self.heads >= PARALLEL_WORK
+        return _jit().decode_layer(x, pending, self.norms, self.eps, *self.groups, rope, self.heads,
+                                   self.kv_heads, cache, row, self.scale, parallel, self.gelu)
 
 
 class StepStack:
@@ -96,14 +98,15 @@ class StepStack:
         self.steps, self.local_rope, self.sliding = steps, local_rope, sliding
 
     @classmethod
-    def build(cls, steps: list[LayerStep | None], local_rope: list[bool], sliding: list[bool]) -> StepStack | None:
+    def build(cls, steps: list[LayerStep | None], local_rope: list[bool],
+              sliding: list[bool]) -> StepStack | None:
         """None unless every layer has its step."""
         if not steps or any(step is None for step in steps):
             return None
         return cls(list(steps), list(local_rope), list(sliding))
 
     def __call__(self, x: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]], rows: tuple,
-                 caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:  # fmt: skip
+                 caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """x [T, hidden] fp32 through every layer, residual included; tables: the (cos, signed
         sin) [T, 1, dim] of each rope (global, local); rows: the chain row of each row set
         (all layers, sliding ones)."""
@@ -111,9 +114,9 @@ class StepStack:
         row_arrays = [(row.slot, row.store, *row.plan.arrays) for row in rows]
         x_rows, pending = x.contiguous().numpy(), self.steps[0].no_pending
         for step, local, sliding, (k_cache, v_cache) in zip(self.steps, self.local_rope, self.sliding, caches,
-                                                            strict=True):  # fmt: skip
+                                                            strict=True):
             x_rows, pending = step.run(x_rows, pending, ropes[local], (k_cache.numpy(), v_cache.numpy()),
-                                       row_arrays[sliding])  # fmt: skip
+                                       row_arrays[sliding])
         return torch.from_numpy(x_rows) + torch.from_numpy(pending)
 
 

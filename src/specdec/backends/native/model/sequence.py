@@ -38,8 +38,9 @@ class SequencePool(Protocol):
 
     def hidden_buffer(self) -> torch.Tensor: ...
 
-    def forward_batch(self, sequences: list, token_lists: list[list[int]], unscored: list[list[int]] | None = None,
-                      last_only: bool = False, prompt: bool = False) -> list[torch.Tensor]: ...
+    def forward_batch(self, sequences: list, token_lists: list[list[int]],
+                      unscored: list[list[int]] | None = None, last_only: bool = False,
+                      prompt: bool = False) -> list[torch.Tensor]: ...
 
     def forward_prompt(self, seq, chunks: list[list[int]], last_only: bool = False) -> torch.Tensor: ...
 
@@ -98,7 +99,8 @@ class NativeSequence:
         self.prefix_cache.truncate(0)
 
     def prefill(self, token_ids: list[int], all_logits: bool = True, keep: int = 0) -> torch.Tensor:
-        return chunked_prefill(self, self._prefill_chunks, token_ids, all_logits, keep, self.pool.model.prompt_group_tokens)
+        return chunked_prefill(self, self._prefill_chunks, token_ids, all_logits, keep,
+                               self.pool.model.prompt_group_tokens)
 
     def _prefill_chunks(self, chunks: list[list[int]], last_only: bool) -> torch.Tensor:
         return self.pool.forward_prompt(self, chunks, last_only)
@@ -133,18 +135,20 @@ class NativeSequence:
             raise ValueError("one parent per tree token")
         check_tree(parents)
         if not self.supports_tree:
-            raise ValueError("a compiled native model scores token trees only with the numba attention kernel "
-                             "(pip install 'specdec[cpu]'); use compile=0")
+            raise ValueError("a compiled native model scores token trees only with the numba attention "
+                             "kernel (pip install 'specdec[cpu]'); use compile=0")
         base = self._check_append(t)
         if t == 0:
             return torch.empty(0, self.vocab_size)
         compiled = self.pool.model.compiled
         if compiled:  # pad to a bucket with extra roots, as chains are padded; keep() never picks them
             padded = next((b for b in COMPILE_BUCKETS if b >= t), t)
-            token_ids, parents = list(token_ids) + [token_ids[-1]] * (padded - t), list(parents) + [-1] * (padded - t)
+            token_ids, parents = (list(token_ids) + [token_ids[-1]] * (padded - t),
+                                  list(parents) + [-1] * (padded - t))
         depths = tree_depths(parents)
-        row = KVRow(self.slot, 0, len(parents), base, base + len(parents), None, tree=(depth_first(parents), depths),
-                    tree_kv=[], plan=plan_tree(base, parents, depths, self.pool.group, self.device, self.pool.kernel))
+        row = KVRow(self.slot, 0, len(parents), base, base + len(parents), None,
+                    tree=(depth_first(parents), depths), tree_kv=[],
+                    plan=plan_tree(base, parents, depths, self.pool.group, self.device, self.pool.kernel))
         hidden, logits = self.pool.run_rows(list(token_ids), [base + d for d in depths], [row], compiled)
         hidden, logits = hidden[:t], logits[:t]
         self._store_hidden(base, hidden)

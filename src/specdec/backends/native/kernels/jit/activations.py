@@ -33,7 +33,8 @@ def _quantize_block8(x, xq, xsum4, m, start, inv):  # pragma: no cover - compile
     return total
 
 
-@njit("void(float32[:, ::1], int8[:, ::1], float32[:, ::1], int32[:, ::1], int32[:, ::1])", cache=True, nogil=True)
+@njit("void(float32[:, ::1], int8[:, ::1], float32[:, ::1], int32[:, ::1], int32[:, ::1])",
+      cache=True, nogil=True)
 def quantize_rows(x, xq, xs, xsum, xsum4):  # pragma: no cover - compiled
     """For Q8_0, Q5_0 and Q5_1 (llama.cpp's Q8_0 activations): x [M, K] -> xq [M, K] int8,
     xs [M, K // 32], xsum [M, K // 32] (each block's sum of xq), xsum4 [M, K // 4] (each 4's)."""
@@ -42,10 +43,12 @@ def quantize_rows(x, xq, xs, xsum, xsum4):  # pragma: no cover - compiled
         for b in range(blocks):
             d = _abs_max(x, m, b * 32, 32) / np.float32(127)
             xs[m, b] = d
-            xsum[m, b] = _quantize_block8(x, xq, xsum4, m, b * 32, np.float32(1) / d if d > 0 else np.float32(0))
+            xsum[m, b] = _quantize_block8(x, xq, xsum4, m, b * 32,
+                                          np.float32(1) / d if d > 0 else np.float32(0))
 
 
-@njit("void(float32[:, ::1], int8[:, ::1], float32[:, ::1], int32[:, ::1], int32[:, ::1])", cache=True, nogil=True)
+@njit("void(float32[:, ::1], int8[:, ::1], float32[:, ::1], int32[:, ::1], int32[:, ::1])",
+      cache=True, nogil=True)
 def quantize_rows_k(x, xq, xs, xsum, xsum4):  # pragma: no cover - compiled
     """For Q6_K and Q5_K (llama.cpp's Q8_K): x [M, K] -> xq [M, K] int8, xs [M, K // 256],
     xsum [M, K // 32] and xsum4 [M, K // 4]; per super-block inv = 127 / max|x|, xq = rint(x

@@ -36,7 +36,8 @@ def scores(keys_t, qs, s, lo, count):  # pragma: no cover - compiled
         s0, s1, s2, s3 = s[r, lo:count], s[r + 1, lo:count], s[r + 2, lo:count], s[r + 3, lo:count]
         d = 0
         while d + 4 <= dim:
-            k0, k1, k2, k3 = keys_t[d, lo:count], keys_t[d + 1, lo:count], keys_t[d + 2, lo:count], keys_t[d + 3, lo:count]
+            k0, k1, k2, k3 = (keys_t[d, lo:count], keys_t[d + 1, lo:count], keys_t[d + 2, lo:count],
+                              keys_t[d + 3, lo:count])
             a0, a1, a2, a3 = qs[r, d], qs[r, d + 1], qs[r, d + 2], qs[r, d + 3]
             b0, b1, b2, b3 = qs[r + 1, d], qs[r + 1, d + 1], qs[r + 1, d + 2], qs[r + 1, d + 3]
             c0, c1, c2, c3 = qs[r + 2, d], qs[r + 2, d + 1], qs[r + 2, d + 2], qs[r + 2, d + 3]
@@ -192,7 +193,8 @@ def head(q, k_new, v_new, keys_t, values, h, first, last, limits, paths, starts,
     lo = min(begins[:lanes].min(), widest) // 4 * 4  # keys before every lane's window: not read at all
     scores(keys_t, qs, s, lo, widest)  # a lane ignores the keys past its limit
     for x in range(lanes):
-        lane_weights(s, w, bits, qs, tops, x, begins[x], counts[x], paths[(first + x) // group, : extras[x]], k_new, h)
+        lane_weights(s, w, bits, qs, tops, x, begins[x], counts[x], paths[(first + x) // group, : extras[x]],
+                     k_new, h)
     weighted_sums(values, w, acc, lo, counts)
     for x in range(lanes):
         j, g = (first + x) // group, (first + x) % group
@@ -212,12 +214,13 @@ def begin(q, k_new, v_new, k_cache, v_cache, slot, store):  # pragma: no cover -
 
 
 rows, cache = "float32[:, :, :]", "float32[:, :, :, ::1]"  # rows may be strided views; caches are whole
-SIGNATURE = (f"float32[:, :, ::1]({rows}, {rows}, {rows}, {cache}, {cache}, int64, int64, int64[::1], int64[:, ::1], "
-             "int64[::1], float32)")
+SIGNATURE = (f"float32[:, :, ::1]({rows}, {rows}, {rows}, {cache}, {cache}, int64, int64, int64[::1], "
+             "int64[:, ::1], int64[::1], float32)")
 
 
 @njit(SIGNATURE, cache=True, nogil=True)
-def attend(q, k_new, v_new, k_cache, v_cache, slot, store, limits, paths, starts, scale):  # pragma: no cover - compiled
+def attend(q, k_new, v_new, k_cache, v_cache, slot, store, limits, paths, starts,
+           scale):  # pragma: no cover - compiled
     """q [T, heads, dim]; k_new, v_new [T, kv_heads, dim]: the row's own keys and values,
     written to the slot at positions store.. first unless store < 0; k_cache [slots,
     kv_heads, dim, L] (keys along the last axis), v_cache [slots, kv_heads, L, dim + 1] (a
@@ -228,13 +231,14 @@ def attend(q, k_new, v_new, k_cache, v_cache, slot, store, limits, paths, starts
     out, widest = begin(q, k_new, v_new, k_cache, v_cache, slot, store), limits.max()
     lanes = q.shape[0] * q.shape[1] // k_new.shape[1]
     for h in range(k_new.shape[1]):
-        head(q, k_new, v_new, k_cache[slot, h], v_cache[slot, h], h, 0, lanes, limits, paths, starts, widest, scale,
-             out)  # fmt: skip
+        head(q, k_new, v_new, k_cache[slot, h], v_cache[slot, h], h, 0, lanes, limits, paths, starts, widest,
+             scale, out)
     return out
 
 
 @njit(SIGNATURE, cache=True, nogil=True, parallel=True)
-def attend_parallel(q, k_new, v_new, k_cache, v_cache, slot, store, limits, paths, starts, scale):  # pragma: no cover
+def attend_parallel(q, k_new, v_new, k_cache, v_cache, slot, store, limits, paths, starts,
+                    scale):  # pragma: no cover
     """`attend` on numba's threads, four lanes of a head per work item: the same bits (a
     lane's do not depend on the lanes that share its pass)."""
     out, widest = begin(q, k_new, v_new, k_cache, v_cache, slot, store), limits.max()
@@ -242,8 +246,8 @@ def attend_parallel(q, k_new, v_new, k_cache, v_cache, slot, store, limits, path
     quads = -(-lanes // 4)
     for item in prange(kv_heads * quads):  # four lanes of one head per item: even shares of work
         h, first = item // quads, item % quads * 4
-        head(q, k_new, v_new, k_cache[slot, h], v_cache[slot, h], h, first, min(first + 4, lanes), limits, paths,
-             starts, widest, scale, out)  # fmt: skip
+        head(q, k_new, v_new, k_cache[slot, h], v_cache[slot, h], h, first, min(first + 4, lanes), limits,
+             paths, starts, widest, scale, out)
     return out
 
 
@@ -258,16 +262,16 @@ def rotate_attend(qkv, cos, signed_sin, heads, kv_heads, k_cache, v_cache, slot,
 
 
 @njit(cache=True, nogil=True)
-def rotate_attend_parallel(qkv, cos, signed_sin, heads, kv_heads, k_cache, v_cache, slot, store, limits, paths,
-                           starts, scale):  # pragma: no cover - compiled
+def rotate_attend_parallel(qkv, cos, signed_sin, heads, kv_heads, k_cache, v_cache, slot, store, limits,
+                           paths, starts, scale):  # pragma: no cover - compiled
     """`rotate_attend` on numba's threads (attend_parallel)."""
     q, k, v = split_rotate(qkv, cos, signed_sin, heads, kv_heads)
     return bf16_rows(attend_parallel(q, k, v, k_cache, v_cache, slot, store, limits, paths, starts, scale))
 
 
 @njit(cache=True, nogil=True)
-def norm_rotate_attend(qkv, cos, signed_sin, heads, kv_heads, q_weight, k_weight, eps, k_cache, v_cache, slot, store,
-                       limits, paths, starts, scale):  # pragma: no cover - compiled
+def norm_rotate_attend(qkv, cos, signed_sin, heads, kv_heads, q_weight, k_weight, eps, k_cache, v_cache,
+                       slot, store, limits, paths, starts, scale):  # pragma: no cover - compiled
     """split_norm_rotate and attend in one call, for one chain row: qkv fp32 [T, (heads + 2
     kv_heads) * dim] -> fp32 [T, heads * dim]. The same functions as the two steps, so the
     same bits."""
@@ -277,8 +281,9 @@ def norm_rotate_attend(qkv, cos, signed_sin, heads, kv_heads, q_weight, k_weight
 
 
 @njit(cache=True, nogil=True)
-def norm_rotate_attend_parallel(qkv, cos, signed_sin, heads, kv_heads, q_weight, k_weight, eps, k_cache, v_cache, slot,
-                                store, limits, paths, starts, scale):  # pragma: no cover - compiled
+def norm_rotate_attend_parallel(qkv, cos, signed_sin, heads, kv_heads, q_weight, k_weight, eps, k_cache,
+                                v_cache, slot, store, limits, paths, starts,
+                                scale):  # pragma: no cover - compiled
     """`norm_rotate_attend` on numba's threads (attend_parallel)."""
     q, k, v = split_norm_rotate(qkv, cos, signed_sin, heads, kv_heads, q_weight, k_weight, eps)
     out = attend_parallel(q, k, v, k_cache, v_cache, slot, store, limits, paths, starts, scale)

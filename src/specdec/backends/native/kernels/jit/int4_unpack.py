@@ -4,8 +4,9 @@ gives the same bits. Imported on first use; compiled once, cached on disk.
 
 Each weight is computed as PyTorch's `unpack_tile` computes it, operation for operation:
 (q - 8) * scale, then + zero, each rounded to fp32 (numba compiles without fastmath, so
-LLVM does not fuse them), then rounded to bf16, to nearest with ties to even. The tests check the two bit for bit. A tile comes out transposed, [K, rows], the GEMM's
-own layout for its second operand, so that every loop reads and writes memory in order.
+LLVM does not fuse them), then rounded to bf16, to nearest with ties to even. The tests
+check the two bit for bit. A tile comes out transposed, [K, rows], the GEMM's own layout
+for its second operand, so that every loop reads and writes memory in order.
 """
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ def int4_tile_bf16_t(blocks, scale, zero, out):  # pragma: no cover - compiled
         values = np.empty(64, np.float32)
         bits = values.view(np.uint32)
         for c in range(blocks.shape[1]):
-            _column(blocks[g, c], scale[c // 32, g * 64 : g * 64 + 64], zero[c // 32, g * 64 : g * 64 + 64], values)
+            _column(blocks[g, c], scale[c // 32, g * 64 : g * 64 + 64], zero[c // 32, g * 64 : g * 64 + 64],
+                    values)
             row = out[c, g * 64 : g * 64 + 64]
             for j in range(64):
                 b = bits[j]
-                row[j] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+                row[j] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1)))
+                                   >> np.uint32(16))

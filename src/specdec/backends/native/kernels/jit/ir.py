@@ -107,7 +107,7 @@ def dot4(b, w, signed: bool, offset: int, x, xsum4):
             w, offset = b.xor(w, splat(-128, 64, i8)), -128
         init = b.mul(xsum4, splat(offset, 16, i32)) if offset else zero
         return call_intrinsic(b, "llvm.x86.avx512.vpdpbusd.512", vec(i32, 16),
-                          [init, b.bitcast(w, vec(i32, 16)), b.bitcast(x, vec(i32, 16))])  # fmt: skip
+                          [init, b.bitcast(w, vec(i32, 16)), b.bitcast(x, vec(i32, 16))])
     if DOT == "avx2":
         halves = []
         for h in range(2):
@@ -135,7 +135,7 @@ def int_sum(b, v):  # <n x i32> -> i32, halving: integer, so exact in any order
     while n > 1:
         n //= 2
         v = b.add(b.shuffle_vector(v, v, vector(list(range(n)), i32)),
-                  b.shuffle_vector(v, v, vector(list(range(n, 2 * n)), i32)))  # fmt: skip
+                  b.shuffle_vector(v, v, vector(list(range(n, 2 * n)), i32)))
     return b.extract_element(v, ir.Constant(i32, 0))
 
 
@@ -143,10 +143,11 @@ class Rows:
     """The activation rows one pass reads (rows past M repeat row M - 1 and are not stored)."""
 
     def __init__(self, b, qp, sp, np_, fp, m, k, first, rows: int):
-        self.b, self.qp, self.sp, self.np, self.fp, self.m, self.k, self.first = b, qp, sp, np_, fp, m, k, first
+        self.b, self.qp, self.sp, self.np, self.fp, self.m, self.k, self.first = (
+            b, qp, sp, np_, fp, m, k, first)
         last = b.sub(m, ir.Constant(i64, 1))
         self.picks = [b.select(b.icmp_signed("<", v, m), v, last) for v in
-                      (b.add(first, ir.Constant(i64, r)) for r in range(rows))]  # fmt: skip
+                      (b.add(first, ir.Constant(i64, r)) for r in range(rows))]
 
     def chunk(self, pick, chunk):  # xq[pick, 64 chunk : 64 chunk + 64] <64 x i8>, its xsum4 <16 x i32>
         b = self.b
@@ -164,7 +165,8 @@ class Rows:
 
 
 def prefetch(b, ptr):  # a hint to fetch the cache line at ptr: no effect on results, and never faults
-    fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]),
+    fn = cgutils.get_or_insert_function(b.module,
+                                        ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]),
                                         "llvm.prefetch.p0i8")
     b.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
 
@@ -184,11 +186,12 @@ def lane_sums(b, cs):
     while len(rows) > 1:  # interleave pairs: lane l of every accumulator ends up side by side
         span = LANES * count // len(rows)  # elements per row so far; group = span // LANES
         group = span // LANES
-        order = [half * span + lane * group + g for lane in range(LANES) for half in range(2) for g in range(group)]
+        order = [half * span + lane * group + g
+                 for lane in range(LANES) for half in range(2) for g in range(group)]
         rows = [b.shuffle_vector(rows[i], rows[i + 1], vector(order, i32)) for i in range(0, len(rows), 2)]
     table = rows[0]  # element l * count + i: lane l of accumulator i
     lanes = [b.shuffle_vector(table, table, vector(list(range(lane * count, lane * count + count)), i32))
-             for lane in range(LANES)]  # fmt: skip
+             for lane in range(LANES)]
     total = lanes[0]
     for lane in lanes[1:]:
         total = b.fadd(total, lane)

@@ -1,5 +1,6 @@
 """A decoder layer whose linears all run on the int8-activation GGUF kernels (Q8_0, Q5_0,
-Q5_1, Q4_0, Q4_1, Q6_K, Q5_K, Q4_K), run for one chain row as one numba call (model/one_call.py wraps it and says when it runs).
+Q5_1, Q4_0, Q4_1, Q6_K, Q5_K, Q4_K), run for one chain row as one numba call
+(model/one_call.py wraps it and says when it runs).
 
 At decode widths a layer's kernels take a few tens of microseconds each, and the Python
 around them (tensor conversions, dispatches, one allocation per output) cost about as much
@@ -104,7 +105,7 @@ def _add(x, delta):  # pragma: no cover - compiled
 
 @njit(cache=True, nogil=True)
 def decode_layer(x, pending, norms, eps, qkv, o, gate_up, down, rope, heads, kv_heads, cache, row,
-                 scale, parallel, gelu):  # fmt: skip  # pragma: no cover - compiled
+                 scale, parallel, gelu):  # pragma: no cover - compiled
     """One layer on x [T, hidden] + pending (the previous layer's output not yet added; [0,
     hidden]: none) for one chain row -> (its input with pending added, its output): the
     separate path's `DecoderLayer.forward_open`. norms: (attn_norm, mlp_norm, q_norm,
@@ -120,11 +121,11 @@ def decode_layer(x, pending, norms, eps, qkv, o, gate_up, down, rope, heads, kv_
         x = _add(x, pending)
     mixed = linear(qkv, rms_norm_f32(x, attn_norm, eps))
     if parallel:
-        attn = norm_rotate_attend_parallel(mixed, cos, sin, heads, kv_heads, q_norm, k_norm, eps, k_cache, v_cache,
-                                           slot, store, limits, paths, starts, scale)  # fmt: skip
+        attn = norm_rotate_attend_parallel(mixed, cos, sin, heads, kv_heads, q_norm, k_norm, eps, k_cache,
+                                           v_cache, slot, store, limits, paths, starts, scale)
     else:
-        attn = norm_rotate_attend(mixed, cos, sin, heads, kv_heads, q_norm, k_norm, eps, k_cache, v_cache, slot,
-                                  store, limits, paths, starts, scale)  # fmt: skip
+        attn = norm_rotate_attend(mixed, cos, sin, heads, kv_heads, q_norm, k_norm, eps, k_cache, v_cache,
+                                  slot, store, limits, paths, starts, scale)
     delta = linear(o, np.ascontiguousarray(attn))
     if post_attn_norm.shape[0]:
         delta = rms_norm_f32(delta, post_attn_norm, eps)

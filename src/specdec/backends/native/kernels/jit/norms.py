@@ -108,7 +108,7 @@ def rms_norm_bf16(x, weight, eps):  # pragma: no cover - compiled
 
 
 @njit("Tuple((float32[:, ::1], uint16[:, ::1]))(float32[:, ::1], uint16[:, ::1], float32[::1], float32)",
-      cache=True, nogil=True)  # fmt: skip
+      cache=True, nogil=True)
 def add_rms_norm_bf16(x, delta, weight, eps):  # pragma: no cover - compiled
     """The residual add and the next norm in one call: x [N, hidden] fp32 plus delta as bf16
     bits (widened exactly, then one fp32 add: the bits of PyTorch's promoting add) -> the sum
@@ -139,7 +139,7 @@ def rotate(x, cos, signed_sin, out):  # pragma: no cover - compiled
 
 
 @njit("UniTuple(float32[:, :, ::1], 3)(uint16[:, :], float32[:, :, ::1], float32[:, :, ::1], int64, int64)",
-      cache=True, nogil=True)  # fmt: skip
+      cache=True, nogil=True)
 def split_rotate(qkv, cos, signed_sin, heads, kv_heads):  # pragma: no cover - compiled
     """The fused q|k|v projection as bf16 bits [N, (heads + 2 kv_heads) * dim] -> q [N, heads,
     dim], k and v [N, kv_heads, dim] in fp32, q and k rotated: x * cos + roll(x, dim / 2) *
@@ -163,9 +163,10 @@ def split_rotate(qkv, cos, signed_sin, heads, kv_heads):  # pragma: no cover - c
     return q, k, v
 
 
-@njit("UniTuple(float32[:, :, ::1], 3)(float32[:, ::1], float32[:, :, ::1], float32[:, :, ::1], int64, int64, "
-      "float32[::1], float32[::1], float32)", cache=True, nogil=True)  # fmt: skip
-def split_norm_rotate(qkv, cos, signed_sin, heads, kv_heads, q_weight, k_weight, eps):  # pragma: no cover - compiled
+@njit("UniTuple(float32[:, :, ::1], 3)(float32[:, ::1], float32[:, :, ::1], float32[:, :, ::1], "
+      "int64, int64, float32[::1], float32[::1], float32)", cache=True, nogil=True)
+def split_norm_rotate(qkv, cos, signed_sin, heads, kv_heads, q_weight, k_weight,
+                      eps):  # pragma: no cover - compiled
     """split_rotate for an fp32 q|k|v projection [N, (heads + 2 kv_heads) * dim], with each head
     of q and k first RMS-normed over dim (inverse_rms) and scaled by q_weight or k_weight [dim]
     where those are not empty (qwen3, gemma3)."""

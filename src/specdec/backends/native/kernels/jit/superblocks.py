@@ -112,7 +112,8 @@ def _q6_k(u):
             high = b.and_(_byte_shift(b, qh, [4 * k] * 2 + [4 * k + 2] * 2), splat(3, 64, i8))
             chunks.append(b.or_(low, b.shl(high, splat(4, 64, i8))))
             first = 8 * h + 4 * k  # the chunk's first sub-block of 16: lanes of 4 elements, 4 a sub-block
-            scales.append(b.sext(b.shuffle_vector(sc, sc, vector([first + j // 4 for j in range(16)], i32)), vec(i32, 16)))
+            scales.append(b.sext(b.shuffle_vector(sc, sc, vector([first + j // 4 for j in range(16)], i32)),
+                                 vec(i32, 16)))
     return chunks, scales, -32, u.table_value(u.index), None
 
 
@@ -133,19 +134,22 @@ def _q4_k(u):
     """144 bytes: d, dmin, scales[12], qs[128]; sub-block 2j + half (of 32): the low (half 0)
     or high nibbles of qs[j*32 + l]. Q5_K without the fifth bit."""
     b = u.b
-    chunks = [b.and_(_byte_shift(b, _twice(b, u.load(16 + j * 32, 32, element=i8)), [0, 0, 4, 4]), splat(15, 64, i8))
-              for j in range(4)]  # fmt: skip
+    chunks = [b.and_(_byte_shift(b, _twice(b, u.load(16 + j * 32, 32, element=i8)), [0, 0, 4, 4]),
+                     splat(15, 64, i8))
+              for j in range(4)]
     return (chunks, *_k_scales(u))
 
 
 def _k_scales(u):
-    """Q5_K's and Q4_K's sub-block scales per lane of four, their offset, d, and the mins with dmin."""
+    """Q5_K's and Q4_K's sub-block scales per lane of four, their offset, d, and the mins with
+    dmin."""
     b = u.b
     sc, mn = _q5_k_scale_bytes(u)
     two = ir.Constant(i64, 2)
-    d, dmin = u.table_value(b.mul(u.index, two)), u.table_value(b.add(b.mul(u.index, two), ir.Constant(i64, 1)))
+    d, dmin = (u.table_value(b.mul(u.index, two)),
+               u.table_value(b.add(b.mul(u.index, two), ir.Constant(i64, 1))))
     scales = [b.zext(b.shuffle_vector(sc, sc, vector([2 * j] * 8 + [2 * j + 1] * 8, i32)), vec(i32, 16))
-              for j in range(4)]  # fmt: skip
+              for j in range(4)]
     return scales, 0, d, (b.sext(mn, ir.VectorType(i32, 8)), dmin)
 
 
@@ -155,12 +159,15 @@ def _q5_k_scale_bytes(u):
     8 + j; j >= 4 the nibbles of byte 8 + j and the top 2 bits of bytes j and 4 + j."""
     b, raw = u.b, u.load(4, 12)  # raw[i] is byte 4 + i
     pick = lambda idx: b.shuffle_vector(raw, raw, vector(idx, i32))  # noqa: E731
-    low_sc, low_m = pick([0, 1, 2, 3, 8, 9, 10, 11]), pick([4, 5, 6, 7, 8, 9, 10, 11])  # bytes 4+j / 8+j; 12+(j-4)
-    top_sc, top_m = pick([0, 0, 0, 0, 0, 1, 2, 3]), pick([0, 0, 0, 0, 4, 5, 6, 7])  # bytes j, 4 + j for j >= 4
+    # bytes 4+j / 8+j; 12+(j-4)
+    low_sc, low_m = pick([0, 1, 2, 3, 8, 9, 10, 11]), pick([4, 5, 6, 7, 8, 9, 10, 11])
+    # bytes j, 4 + j for j >= 4
+    top_sc, top_m = pick([0, 0, 0, 0, 0, 1, 2, 3]), pick([0, 0, 0, 0, 4, 5, 6, 7])
     upper = vector([0] * 4 + [1] * 4, i16)
     tops = lambda v: b.mul(b.shl(b.lshr(v, splat(6, 8)), splat(4, 8)), upper)  # noqa: E731
     sc = b.or_(b.and_(low_sc, vector([63] * 4 + [15] * 4, i16)), tops(top_sc))
-    mn = b.or_(b.lshr(b.and_(low_m, vector([63] * 4 + [255] * 4, i16)), vector([0] * 4 + [4] * 4, i16)), tops(top_m))
+    mn = b.or_(b.lshr(b.and_(low_m, vector([63] * 4 + [255] * 4, i16)), vector([0] * 4 + [4] * 4, i16)),
+               tops(top_m))
     return sc, mn
 
 
@@ -213,8 +220,10 @@ def _dot(qt: QuantType, rows: int):
     @intrinsic
     def dot(typingctx, row, xq, xs, xsum, xsum4, wscale, units, first, out):
         def codegen(context, builder, signature, args):
-            rp, qp, sp, np_, fp, wp, op = (data_pointer(context, builder, signature, args, k) for k in (0, 1, 2, 3, 4, 5, 8))
-            row_bytes = builder.extract_value(context.make_array(signature.args[0])(context, builder, args[0]).shape, 0)
+            rp, qp, sp, np_, fp, wp, op = (data_pointer(context, builder, signature, args, k)
+                                           for k in (0, 1, 2, 3, 4, 5, 8))
+            row_bytes = builder.extract_value(
+                context.make_array(signature.args[0])(context, builder, args[0]).shape, 0)
             ahead = builder.mul(row_bytes, ir.Constant(i64, PREFETCH_ROWS))
             shape = context.make_array(signature.args[1])(context, builder, args[1]).shape
             m, k = builder.extract_value(shape, 0), builder.extract_value(shape, 1)
@@ -258,8 +267,9 @@ def _pass(kind, row, xq, xs, xsum, xsum4, table, units, first, width, out):  # p
     _by_code(kind, (row, xq, xs, xsum, xsum4, table, units, first, width, out))
 
 
-@njit(types.void(types.int64, raw_array(types.uint8), _f32_2d, types.int64, types.int8[:, ::1], _f32_2d, types.int32[:, ::1],
-                 types.int32[:, ::1], _f32_2d, types.int64), cache=CACHE, nogil=True, parallel=True)  # fmt: skip
+@njit(types.void(types.int64, raw_array(types.uint8), _f32_2d, types.int64, types.int8[:, ::1], _f32_2d,
+                 types.int32[:, ::1], types.int32[:, ::1], _f32_2d, types.int64),
+      cache=CACHE, nogil=True, parallel=True)
 def matmul(kind, raw, table, units, xq, xs, xsum, xsum4, y, column):  # pragma: no cover - compiled
     """raw [N, bytes per row] (the file's super-blocks of the type whose code is `kind`), table [N, T]
     fp32: per row the fp16 fields as fp32 (Q6_K: d per super-block; Q5_K: d, dmin per

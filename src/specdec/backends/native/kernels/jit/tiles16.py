@@ -61,7 +61,8 @@ from specdec.backends.native.kernels.jit.ir import (
 from specdec.backends.native.kernels.tiles16 import fields_at, tile_bytes
 from specdec.backends.native.quant_types import BLOCKS32, QuantType
 
-i1, i8, i16, i32, i64, f32 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+i1, i8, i16, i32, i64, f32 = (ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64),
+                              ir.FloatType())
 _f32_2d, _i8_2d, _i32_2d = types.float32[:, ::1], types.int8[:, ::1], types.int32[:, ::1]
 TILE = 16  # rows a tile
 
@@ -75,7 +76,8 @@ def _unpack(b, src, qt: QuantType):
     fifth = load(b, src, const(256), vec(i32, TILE)) if qt.high_bits else None
 
     def high_bits(group: int):  # elements 4 g .. 4 g + 3 of each lane's four bytes: bit 4 of each
-        shifted = b.shl(fifth, splat(4 - group, TILE, i32)) if group < 4 else b.lshr(fifth, splat(group - 4, TILE, i32))
+        shifted = (b.shl(fifth, splat(4 - group, TILE, i32)) if group < 4
+                   else b.lshr(fifth, splat(group - 4, TILE, i32)))
         return b.bitcast(b.and_(shifted, splat(0x10101010, TILE, i32)), vec(i8, 64))
 
     weights = []
@@ -141,7 +143,8 @@ def _tile_rows(rows: int, qt: QuantType):
                 index = loop.index
                 weights, d, mn = _unpack(b, b.gep(tp, [b.mul(index, const(width))]), qt)
                 for r, pick in enumerate(passing.picks):
-                    total = _block_dot(b, weights, b.gep(qp, [b.mul(pick, k)]), b.mul(index, const(32)), signed)
+                    total = _block_dot(b, weights, b.gep(qp, [b.mul(pick, k)]), b.mul(index, const(32)),
+                                       signed)
                     at = b.add(b.mul(pick, per_row), index)
                     xsum = b.load(b.gep(np_, [at]))
                     xs = splat_value(b, b.load(b.gep(sp, [at])), TILE)
@@ -191,8 +194,8 @@ def _pass(kind, tile, blocks, xq, xs, xsum, first, width, out):  # pragma: no co
     _by_code(kind, (tile, blocks, xq, xs, xsum, first, width, out))
 
 
-@njit(types.void(types.int64, raw_array(types.uint8), types.int64, types.int64, _i8_2d, _f32_2d, _i32_2d, _f32_2d,
-                 types.int64), cache=CACHE, nogil=True, parallel=True)  # fmt: skip
+@njit(types.void(types.int64, raw_array(types.uint8), types.int64, types.int64, _i8_2d, _f32_2d, _i32_2d,
+                 _f32_2d, types.int64), cache=CACHE, nogil=True, parallel=True)
 def matmul(kind, tiles, rows, blocks, xq, xs, xsum, y, column):  # pragma: no cover - compiled
     """kind: the type's code (quant_types.BLOCKS32: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0); tiles [ceil(N / 16),
     blocks * TILE_BYTES] (the module docstring's layout), rows = N, `blocks` per row; activations from
