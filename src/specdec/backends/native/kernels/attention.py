@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -248,6 +249,39 @@ def kernel_chain_row(rows: list, group: int, device, kv_dtype: torch.dtype):
     if row.plan is None and uses_kernel(device, kv_dtype):
         row.plan = plan_chain(row.kv_len, row.end - row.start, group, device, kernel=True, window=row.window)
     return row if isinstance(row.plan, KernelPlan) else None
+
+
+def kernel_rows(rows: list, group: int, device, kv_dtype: torch.dtype) -> tuple | None:
+    """The rows of a forward as one call attends them, when the kernel attends every one of
+    them (chains and token trees; a masked row, a prompt chunk, takes SDPA): (slots [R], stores
+    [R], offsets [R + 1] of each row's packed tokens, then limits [T], paths [T, E] and starts
+    [T] of every token, the rows' KernelPlans side by side), their plans made here where need
+    be, as `attention` would make them; else None. A tree row's nodes are written to the cache
+    at store.. (`_tree_row` keeps them aside instead): keep() then reads them there."""
+    if not rows or any(row.mask is not None for row in rows) or not uses_kernel(device, kv_dtype):
+        return None
+    if [row.start for row in rows] != [0] + [row.end for row in rows[:-1]]:
+        return None  # not packed back to back
+    plans = []
+    for row in rows:
+        if row.plan is None:
+            t = row.end - row.start
+            if row.tree:
+                row.plan = plan_tree(row.store, *tree_parents(*row.tree), group, device, True, row.window)
+            else:
+                row.plan = plan_chain(row.kv_len, t, group, device, kernel=True, window=row.window)
+        if not isinstance(row.plan, KernelPlan):
+            return None
+        plans.append(row.plan.arrays)
+    width = max(paths.shape[1] for _, paths, _ in plans)
+    paths = np.full((rows[-1].end, width), -1, np.int64)
+    for row, (_, own, _) in zip(rows, plans, strict=True):
+        paths[row.start : row.end, : own.shape[1]] = own
+    offsets = np.array([row.start for row in rows] + [rows[-1].end], np.int64)
+    slots = np.array([row.slot for row in rows], np.int64)
+    stores = np.array([row.store for row in rows], np.int64)
+    limits, starts = np.concatenate([p[0] for p in plans]), np.concatenate([p[2] for p in plans])
+    return slots, stores, offsets, limits, paths, starts
 
 
 def _slot_keys(k_cache, v_cache, slot: int, keys: int) -> tuple[torch.Tensor, torch.Tensor]:

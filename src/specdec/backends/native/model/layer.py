@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.backends.native.kernels.attention import attention as batch_invariant_attention
-from specdec.backends.native.kernels.attention import kernel_chain_row
+from specdec.backends.native.kernels.attention import kernel_chain_row, kernel_rows
 from specdec.backends.native.kernels.linear import FusedLinear, Linear
 from specdec.backends.native.kernels.numba_ops import (
     add_rms_norm_bf16,
@@ -70,7 +70,7 @@ class DecoderLayer(torch.nn.Module):
         self.split_gate_up = len(gate_up.sizes) == 1  # one [gate | up] part
         # fp32 layers with numba's norms take its SwiGLU / GeGLU too, in every stack (decode, prompts)
         self.numba_glu = self.fast_norms and self.act_dtype == torch.float32
-        # a layer of numba 8-bit kernels runs a lone chain row as one call (model/one_call.py)
+        # a layer of numba 8-bit kernels runs a forward's decode rows as one call (model/one_call.py)
         self.step = None
         if self.numba_glu:
             self.step = LayerStep.build((attn_norm, mlp_norm, *extra), (qkv, o, gate_up, down), self.eps,
@@ -99,9 +99,11 @@ class DecoderLayer(torch.nn.Module):
             parts = self.eager_parts
         attn_norm, qkv_linear, o_linear, mlp_norm, gate_up_linear, down_linear, gate_up_joined, extra = parts
         step = None if compiling else self.step
-        if (step is not None
-                and (row := kernel_chain_row(rows, heads // kv_heads, x.device, k_cache.dtype)) is not None):
-            return step(x, pending, cos, sin, k_cache, v_cache, row)
+        # a token tree runs in one call only with every layer at once (StepStack)
+        if step is not None and all(row.tree is None for row in rows):
+            arrays = kernel_rows(rows, heads // kv_heads, x.device, k_cache.dtype)
+            if arrays is not None:
+                return step(x, pending, cos, sin, k_cache, v_cache, arrays)
         q_norm, k_norm, post_attn_norm, post_mlp_norm = extra
         x, h = self._add_norm(x, pending, attn_norm, fast, fast_norms)
         qkv = qkv_linear(h)

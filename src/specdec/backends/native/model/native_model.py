@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from specdec.backends.native.gguf.reader import read_gguf
 from specdec.backends.native.gguf.state import float_state, quant_state
-from specdec.backends.native.kernels.attention import kernel_chain_row, windowed
+from specdec.backends.native.kernels.attention import kernel_rows, windowed
 from specdec.backends.native.kernels.cpu import cpu_features, forced_fallback, gemm_rows_independent
 from specdec.backends.native.kernels.linear import FusedLinear, Linear, prompt_view
 from specdec.backends.native.kernels.precisions import PRECISIONS, make_linear, make_lm_head
@@ -93,7 +93,7 @@ class NativeModel:
         # which layers take windowed rows
         self.sliding = [config.sliding(i) for i in range(config.num_layers)]
         self.local_rope = [config.local_rope(i) for i in range(config.num_layers)]
-        # a lone chain row through every layer's one-call step, its per-forward work done once
+        # the decode rows of a forward through every layer's one-call step, its per-forward work done once
         self.step_stack = StepStack.build([layer.step for layer in self.layers], self.local_rope,
                                           self.sliding)
         self.inv_freq = rope_inv_freq(config).to(self.device)  # [head_dim / 2]
@@ -223,9 +223,11 @@ class NativeModel:
             tables.append((pool.local_cos[positions].unsqueeze(1), pool.local_sin[positions].unsqueeze(1)))
         row_sets = (rows, windowed(rows, cfg.sliding_window, pool.group, self.device, pool.kernel)
                     if any(self.sliding) else rows)
-        chain = self._chain_rows(pool, row_sets) if not compiled and layers is self.layers else None
-        if chain is not None:
-            x = self.step_stack(x, tables, chain, pool.layer_caches)
+        one_call = self._one_call_rows(pool, row_sets) if not compiled and layers is self.layers else None
+        if one_call is not None:
+            x = self.step_stack(x, tables, one_call, pool.layer_caches)
+            for row in rows:  # a tree's nodes are in the cache at store.. (kernel_rows), not kept aside
+                row.tree_kv = None
         else:
             x = self._layers(layers, x, tables, row_sets, pool, compiled)
         x = rms_norm(x, self.norm, cfg.rms_eps, torch.float32)
@@ -245,12 +247,13 @@ class NativeModel:
                 x, pending = layer.forward_open(x, pending, cos, sin, k_cache, v_cache, layer_rows)
         return x if pending is None else x + pending
 
-    def _chain_rows(self, pool: CachePool, row_sets: tuple) -> tuple | None:
-        """The kernel chain row of each row set where every layer runs as one call (StepStack), else None."""
+    def _one_call_rows(self, pool: CachePool, row_sets: tuple) -> tuple | None:
+        """kernel_rows' arrays of each row set where every layer runs the rows as one call
+        (StepStack), else None."""
         if self.step_stack is None:
             return None
-        chain = tuple(kernel_chain_row(rows, pool.group, self.device, pool.k.dtype) for rows in row_sets)
-        return None if any(row is None for row in chain) else chain
+        arrays = tuple(kernel_rows(rows, pool.group, self.device, pool.k.dtype) for rows in row_sets)
+        return None if any(a is None for a in arrays) else arrays
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Token ids [N] -> the first layer's inputs [N, hidden] fp32 (scaled where the architecture

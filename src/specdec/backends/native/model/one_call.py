@@ -2,9 +2,10 @@
 
 `LayerStep.build` says whether a layer qualifies: every linear runs the numba 8-bit kernels
 (BlockLinear8 or MixedBlockLinear8, one activation format per linear) and the norms are
-fp32 (gemma3's q/k norms and sublayer output norms included). A qualifying layer runs a
-forward of one chain row (decode steps, a speculative chain) as one call; batches and
-trees take the separate calls. Both compute the same operations on the same kernels, the
+fp32 (gemma3's q/k norms and sublayer output norms included). A qualifying layer runs the
+decode rows of a forward as one call: a decode step, a speculative chain, a token tree, the
+chains of a batch of sequences (kernels/attention.kernel_rows packs them); prompt chunks
+take the separate calls. Both compute the same operations on the same kernels, the
 activation included (`glu_mul`: the separate path of an fp32 layer with numba's
 norms takes them too), so a row's bits do not depend on the path; tests/test_gguf_loader.py
 compares them. Where every layer qualifies, `StepStack` runs them back to back for the model,
@@ -48,14 +49,15 @@ class LayerStep:
     """One qualifying layer's arrays, formed once, and the call that runs it."""
 
     def __init__(self, norms: tuple[np.ndarray, ...], groups: tuple, eps: float, heads: int, kv_heads: int,
-                 scale: float, gelu: bool):
+                 scale: float, gelu: bool):  # fmt: skip
         self.norms, self.groups, self.eps = norms, groups, np.float32(eps)
         self.heads, self.kv_heads, self.scale, self.gelu = heads, kv_heads, np.float32(scale), gelu
         self.no_pending = np.empty((0, norms[0].shape[0]), np.float32)
 
     @classmethod
     def build(cls, norms: tuple[torch.Tensor | None, ...], linears: tuple, eps: float, heads: int,
-              kv_heads: int, scale: float, gelu: bool) -> LayerStep | None:
+              kv_heads: int,
+              scale: float, gelu: bool) -> LayerStep | None:  # fmt: skip
         """norms: (attn_norm, mlp_norm, q_norm, k_norm, post_attn_norm, post_mlp_norm), None
         where the layer has none; linears: (qkv, o, gate_up, down). None where the layer does
         not qualify (the module docstring)."""
@@ -70,27 +72,25 @@ class LayerStep:
         return cls(arrays, groups, eps, heads, kv_heads, scale, gelu)
 
     def __call__(self, x: torch.Tensor, pending: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor, row) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] fp32 (+ pending) for one chain row `row` (attention.kernel_chain_row)
+                 k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 rows: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] fp32 (+ pending) for the decode rows `rows` (attention.kernel_rows' arrays)
         -> (x + pending, the layer's output), as DecoderLayer.forward_open returns them."""
         pending_rows = self.no_pending if pending is None else pending.contiguous().numpy()
-        row_arrays = (row.slot, row.store, *row.plan.arrays)
         out, delta = self.run(x.contiguous().numpy(), pending_rows, (cos.numpy(), sin.numpy()),
-                              (k_cache.numpy(), v_cache.numpy()), row_arrays)
+                              (k_cache.numpy(), v_cache.numpy()), rows)
         return torch.from_numpy(out), torch.from_numpy(delta)
 
-    def run(self, x: np.ndarray, pending: np.ndarray, rope: tuple, cache: tuple, row: tuple) -> tuple:
+    def run(self, x: np.ndarray, pending: np.ndarray, rope: tuple, cache: tuple, rows: tuple) -> tuple:
         """The call on arrays: x [T, hidden], pending [T or 0, hidden], rope (cos, signed sin),
-        cache (keys, values), row (slot, store, limits, paths, starts) -> (x + pending, output)."""
-        # as numba_ops picks its kernel
-        parallel = int(row[2][-1]) * x.shape[0] * self.heads >= PARALLEL_WORK
+        cache (keys, values), rows (attention.kernel_rows) -> (x + pending, output)."""
         return _jit().decode_layer(x, pending, self.norms, self.eps, *self.groups, rope, self.heads,
-                                   self.kv_heads, cache, row, self.scale, parallel, self.gelu)
+                                   self.kv_heads, cache, rows, self.scale, PARALLEL_WORK, self.gelu)
 
 
 class StepStack:
-    """Every layer's LayerStep, run back to back for one chain row: the views of the rope
-    tables and of the row's plan are formed once a forward, not once a layer, and the
+    """Every layer's LayerStep, run back to back for the decode rows of a forward: the views of
+    the rope tables and the rows' arrays are formed once a forward, not once a layer, and the
     activations stay arrays between layers. The same calls on the same arrays as each layer's
     own `LayerStep.__call__`, so the same bits."""
 
@@ -106,17 +106,16 @@ class StepStack:
         return cls(list(steps), list(local_rope), list(sliding))
 
     def __call__(self, x: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]], rows: tuple,
-                 caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                 caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:  # fmt: skip
         """x [T, hidden] fp32 through every layer, residual included; tables: the (cos, signed
-        sin) [T, 1, dim] of each rope (global, local); rows: the chain row of each row set
-        (all layers, sliding ones)."""
+        sin) [T, 1, dim] of each rope (global, local); rows: attention.kernel_rows' arrays of each
+        row set (all layers, sliding ones)."""
         ropes = [(cos.numpy(), sin.numpy()) for cos, sin in tables]
-        row_arrays = [(row.slot, row.store, *row.plan.arrays) for row in rows]
         x_rows, pending = x.contiguous().numpy(), self.steps[0].no_pending
         for step, local, sliding, (k_cache, v_cache) in zip(self.steps, self.local_rope, self.sliding, caches,
-                                                            strict=True):
+                                                            strict=True):  # fmt: skip
             x_rows, pending = step.run(x_rows, pending, ropes[local], (k_cache.numpy(), v_cache.numpy()),
-                                       row_arrays[sliding])
+                                       rows[sliding])
         return torch.from_numpy(x_rows) + torch.from_numpy(pending)
 
 

@@ -164,15 +164,18 @@ class NativeSequence:
             if not 0 <= node < len(parents) or parents[node] != (indices[j - 1] if j else -1):
                 raise ValueError(f"indices {indices} are not a root-to-leaf path of the tree")
         path = torch.tensor(indices, dtype=torch.long, device=self.device)
-        end = base + len(indices)
-        for layer, (k_nodes, v_nodes) in enumerate(tree_kv):  # [T, kv_heads, dim] each
-            self.pool.k[layer, self.slot, :, :, base:end] = k_nodes.index_select(0, path).permute(1, 2, 0)
-            self.pool.v[layer, self.slot, :, base:end, :-1] = v_nodes.index_select(0, path).transpose(0, 1)
-        if indices != list(range(len(indices))):
-            src = path + base
-            if self._keep_hidden:
-                rows = self.pool.hidden_buffer()[self.slot]  # [max_length, hidden]
-                rows[base : base + len(indices)] = rows.index_select(0, src)
+        end, src, moved = base + len(indices), path + base, indices != list(range(len(indices)))
+        if tree_kv is None and moved:  # the one-call layers wrote node i's keys and values at base + i
+            self.pool.k[:, self.slot, :, :, base:end] = self.pool.k[:, self.slot, :, :, src]
+            self.pool.v[:, self.slot, :, base:end] = self.pool.v[:, self.slot, :, src]
+        elif tree_kv is not None:
+            for layer, (k_nodes, v_nodes) in enumerate(tree_kv):  # [T, kv_heads, dim] each
+                self.pool.k[layer, self.slot, :, :, base:end] = k_nodes.index_select(0, path).permute(1, 2, 0)
+                values = v_nodes.index_select(0, path).transpose(0, 1)
+                self.pool.v[layer, self.slot, :, base:end, :-1] = values
+        if moved and self._keep_hidden:
+            rows = self.pool.hidden_buffer()[self.slot]  # [max_length, hidden]
+            rows[base : base + len(indices)] = rows.index_select(0, src)
         self._length, self._tree = base + len(indices), None
 
 

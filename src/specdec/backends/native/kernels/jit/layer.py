@@ -1,6 +1,7 @@
 """A decoder layer whose linears all run on the int8-activation GGUF kernels (Q8_0, Q5_0,
-Q5_1, Q4_0, Q4_1, Q6_K, Q5_K, Q4_K), run for one chain row as one numba call
-(model/one_call.py wraps it and says when it runs).
+Q5_1, Q4_0, Q4_1, Q6_K, Q5_K, Q4_K), run for the decode rows of a forward (a chain, a token
+tree, the chains of a batch of sequences) as one numba call (model/one_call.py wraps it and
+says when it runs).
 
 At decode widths a layer's kernels take a few tens of microseconds each, and the Python
 around them (tensor conversions, dispatches, one allocation per output) cost about as much
@@ -14,9 +15,8 @@ cached on disk.
 A linear is a `group`: (small, parts, bias, width). `small` says whether the parts read
 blocks of 32 (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1) or the K-quants' super-blocks; every part of a group reads
 that one quantization of the input, as MixedBlockLinear8 does. parts: a tuple of (kind,
-raw, table, units), each writing its columns side by side (kind: the index in
-quant_types.BLOCKS32 of a small-block part, whose raw is its tiles; superblocks.py's
-KIND_CODES of a K-quant's); bias: [width] fp32, or empty.
+raw, table, units), each writing its columns side by side (kind: the type's code in
+quant_types.py; a small-block part's raw is its tiles); bias: [width] fp32, or empty.
 """
 
 from __future__ import annotations
@@ -104,29 +104,46 @@ def _add(x, delta):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True)
-def decode_layer(x, pending, norms, eps, qkv, o, gate_up, down, rope, heads, kv_heads, cache, row,
-                 scale, parallel, gelu):  # pragma: no cover - compiled
-    """One layer on x [T, hidden] + pending (the previous layer's output not yet added; [0,
-    hidden]: none) for one chain row -> (its input with pending added, its output): the
-    separate path's `DecoderLayer.forward_open`. norms: (attn_norm, mlp_norm, q_norm,
-    k_norm, post_attn_norm, post_mlp_norm), the last four empty where the layer has none;
-    rope: (cos, signed_sin) [T, 1, dim]; cache: (k_cache, v_cache); row: (slot, store,
-    limits, paths, starts) as jit.norm_rotate_attend takes them; parallel: attend on numba's
-    threads; gelu: GeGLU (gemma3), else SwiGLU."""
-    attn_norm, mlp_norm, q_norm, k_norm, post_attn_norm, post_mlp_norm = norms
+def attend_rows(mixed, rope, heads, kv_heads, q_norm, k_norm, eps, cache, rows, scale,
+                parallel_work):  # pragma: no cover - compiled
+    """Each row's rotation and attention (jit/attention.norm_rotate_attend) on its own tokens of
+    the fp32 q|k|v projection mixed [T, (heads + 2 kv_heads) * dim] -> [T, heads * dim]. rows:
+    (slots [R], stores [R], offsets [R + 1], limits [T], paths [T, E], starts [T]), as
+    kernels/attention.kernel_rows packs them; a row attends on numba's threads where its keys
+    times its queries' heads reach `parallel_work` (the same bits either way)."""
     cos, sin = rope
     k_cache, v_cache = cache
-    slot, store, limits, paths, starts = row
+    slots, stores, offsets, limits, paths, starts = rows
+    out = np.empty((mixed.shape[0], heads * cos.shape[2]), np.float32)
+    for r in range(slots.shape[0]):
+        a, b = offsets[r], offsets[r + 1]
+        if limits[a:b].max() * (b - a) * heads >= parallel_work:
+            out[a:b] = norm_rotate_attend_parallel(mixed[a:b], cos[a:b], sin[a:b], heads, kv_heads, q_norm,
+                                                   k_norm, eps, k_cache, v_cache, slots[r], stores[r],
+                                                   limits[a:b], paths[a:b], starts[a:b], scale)
+        else:
+            out[a:b] = norm_rotate_attend(mixed[a:b], cos[a:b], sin[a:b], heads, kv_heads, q_norm, k_norm,
+                                          eps, k_cache, v_cache, slots[r], stores[r], limits[a:b],
+                                          paths[a:b], starts[a:b], scale)
+    return out
+
+
+@njit(cache=True, nogil=True)
+def decode_layer(x, pending, norms, eps, qkv, o, gate_up, down, rope, heads, kv_heads, cache, rows,
+                 scale, parallel_work, gelu):  # fmt: skip  # pragma: no cover - compiled
+    """One layer on x [T, hidden] + pending (the previous layer's output not yet added; [0,
+    hidden]: none) for the decode rows of a forward (chains of several sequences, or a token
+    tree) -> (its input with pending added, its output): the separate path's
+    `DecoderLayer.forward_open`. norms: (attn_norm, mlp_norm, q_norm, k_norm, post_attn_norm,
+    post_mlp_norm), the last four empty where the layer has none; rope: (cos, signed_sin) [T,
+    1, dim]; cache: (k_cache, v_cache); rows: as `attend_rows` takes them; gelu: GeGLU
+    (gemma3), else SwiGLU."""
+    attn_norm, mlp_norm, q_norm, k_norm, post_attn_norm, post_mlp_norm = norms
     if pending.shape[0]:
         x = _add(x, pending)
     mixed = linear(qkv, rms_norm_f32(x, attn_norm, eps))
-    if parallel:
-        attn = norm_rotate_attend_parallel(mixed, cos, sin, heads, kv_heads, q_norm, k_norm, eps, k_cache,
-                                           v_cache, slot, store, limits, paths, starts, scale)
-    else:
-        attn = norm_rotate_attend(mixed, cos, sin, heads, kv_heads, q_norm, k_norm, eps, k_cache, v_cache,
-                                  slot, store, limits, paths, starts, scale)
-    delta = linear(o, np.ascontiguousarray(attn))
+    attn = attend_rows(mixed, rope, heads, kv_heads, q_norm, k_norm, eps, cache, rows, scale, parallel_work)
+    delta = linear(o, attn)
     if post_attn_norm.shape[0]:
         delta = rms_norm_f32(delta, post_attn_norm, eps)
     x = _add(x, delta)
