@@ -38,10 +38,10 @@ def write_files(folder: Path) -> list[str]:
     for arch in ARCHS:
         for qtype in QTYPES:
             path = folder / f"{arch}-{qtype}.gguf"
-            write_gguf(path, spec_for(arch, qtype, vocab=512))
+            write_gguf(path, spec_for(arch, qtype))  # the whole tokenizer: Engine needs its merges
             paths.append(str(path))
     path = folder / "llama3-Q4_K.gguf"
-    write_gguf(path, spec_for("llama", "Q4_K", vocab=512, llama3_rope=True))
+    write_gguf(path, spec_for("llama", "Q4_K", llama3_rope=True))
     return [*paths, str(path)]
 
 
