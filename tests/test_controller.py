@@ -53,6 +53,56 @@ def test_bypasses_when_nothing_is_accepted_and_probes_again():
     assert any(k > 0 for k in ks[50:])  # but it keeps probing
 
 
+
+def run_request(controller, tokens: int, slope: float, draft_cost: float, accepted=lambda k: 0, t1=0.03):
+    """One request on cost-model time: each step scores k + 1 rows at t1 * (1 + slope * k) and
+    drafts k tokens at draft_cost * t1 each. Returns (seconds spent, the ks chosen)."""
+    spent, made, ks = 0.0, 0, []
+    while made < tokens:
+        k = controller.next_k()
+        score_s, propose_s = t1 * (1 + slope * k), k * draft_cost * t1
+        n = min(accepted(k), k)
+        controller.observe(k, n, k + 1, score_s, propose_s)
+        spent, made = spent + score_s + propose_s, made + n + 1
+        ks.append(k)
+    return spent, ks
+
+
+def calibrated(slope: float, t1=0.03) -> ScoreCosts:
+    costs = ScoreCosts()
+    for n in ScoreCosts.CALIBRATION_SIZES:
+        costs.observe(n, t1 * (1 + slope * (n - 1)))
+    return costs
+
+
+@pytest.mark.parametrize(("slope", "draft_cost"),
+                         [(0.15, 0.0), (0.5, 0.0), (0.15, 0.3), (0.05, 1.0), (0.3, 0.5)])
+@pytest.mark.parametrize("tokens", [64, 128, 512])
+def test_a_drafter_that_never_wins_costs_at_most_three_percent(slope, draft_cost, tokens):
+    """From a cold controller (the prior says speculate), a drafter none of whose tokens is
+    accepted costs at most 3% over plain decoding, on cheap and on dear drafts; and it was
+    tried. Without the loss budget the dear drafts cost more than that."""
+    spent, ks = run_request(AdaptiveK(costs=calibrated(slope)), tokens, slope, draft_cost)
+    assert any(ks) and spent <= 1.03 * tokens * 0.03, (spent / (tokens * 0.03), ks)
+    unguarded, _ = run_request(AdaptiveK(costs=calibrated(slope), waste_allowance=1e9, waste_share=1.0),
+                               tokens, slope, draft_cost)
+    if draft_cost >= 0.5 and tokens <= 128:
+        assert unguarded > 1.03 * tokens * 0.03
+
+
+@pytest.mark.parametrize(("slope", "draft_cost"), [(0.15, 0.0), (0.15, 0.1), (0.3, 0.05)])
+def test_the_loss_budget_does_not_hold_back_a_drafter_that_wins(slope, draft_cost):
+    """Accepted drafts build credit: a drafter that is mostly right speculates from the first
+    step, its k grows as without the budget, and the request takes the same time."""
+    def request(**budget):
+        return run_request(AdaptiveK(costs=calibrated(slope), **budget), 256, slope, draft_cost,
+                           accepted=lambda k: k - k // 10)
+
+    spent, ks = request()
+    assert (spent, ks) == request(waste_allowance=1e9, waste_share=1.0)
+    assert ks[0] == 1 and max(ks) >= 8 and 0 not in ks and spent < 0.5 * 256 * 0.03
+
+
 def test_expensive_drafts_turn_speculation_off():
     # A draft token that costs as much as a target step cannot pay at 60% acceptance.
     ks = drive(AdaptiveK(), 0.6, 100, t_draft=0.03)
@@ -292,3 +342,43 @@ def test_with_fixed_costs_k_does_not_depend_on_the_machines_load(monkeypatch):
     monkeypatch.setattr(engine_mod, "time", BusyClock())
     busy = stats()
     assert busy.k_history == idle.k_history and busy.num_draft_tokens == idle.num_draft_tokens > 0
+
+
+def test_a_drafters_catch_up_on_the_prompt_is_not_priced_as_drafting(monkeypatch):
+    """A draft model's first proposal also reads the prompt. Taken as the cost of its one
+    drafted token, that time would price every later draft out; only proposals after few new
+    tokens teach the controller what drafting costs."""
+    import specdec.sequence as sequence_mod
+    from conftest import tiny_llama
+    from specdec.drafters import Draft, Drafter
+    from specdec.engine import Engine
+
+    class Clock:
+        now = 0.0
+
+        def perf_counter(self) -> float:
+            return self.now
+
+    clock = Clock()
+
+    class CatchingUp(Drafter):
+        """10 ms per token it absorbs, 100 ms per token it drafts (on the fake clock)."""
+
+        name = "catching-up"
+        seen = 0
+
+        def propose(self, context_ids, k):
+            clock.now += 0.01 * (len(context_ids) - self.seen) + 0.1 * k
+            self.seen = len(context_ids)
+            return Draft([5] * k)
+
+    target = tiny_llama()
+    engine = Engine(target, drafter=CatchingUp(), k="auto")
+    engine.costs = ScoreCosts(fixed=None)
+    for n in ScoreCosts.CALIBRATION_SIZES:  # a target step of 100 ms, rows at 10% each
+        engine.costs.observe(n, 0.1 * (1 + 0.1 * (n - 1)))
+    engine.costs.calibrated = True
+    monkeypatch.setattr(sequence_mod, "time", clock)
+    stats = engine.generate(list(range(3, 203)), max_new_tokens=6, chat=False).stats
+    assert stats.num_draft_tokens > 0 and engine.costs.draft_known
+    assert engine.costs.t_draft == pytest.approx(0.1, abs=0.05)  # not the prompt's 2 s

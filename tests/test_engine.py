@@ -55,6 +55,7 @@ DRAFTERS = {
     "ngram": lambda t: "ngram:min=1",
     "perfect": perfect_drafter,
     "random": random_drafter,
+    "random-tokens": lambda t: "random:seed=3",  # the `random` drafter: uniform tokens, none accepted
 }
 
 

@@ -14,7 +14,6 @@ from specdec import Engine, SpecdecError
 from specdec.backends.hf import HFBackend
 from specdec.drafters import Draft, Drafter
 from specdec.drafters.draft_model import ModelDrafter
-from specdec.engine import Runtime, Sequence
 from specdec.grammar import (
     ConstrainedDraft,
     GrammarMatcher,
@@ -25,6 +24,7 @@ from specdec.grammar import (
 )
 from specdec.request import Prepared, Request
 from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.sequence import Runtime, Sequence
 from specdec.verify import verify_sampling
 
 TOOL = {  # a tool call: fixed keys, an enum, a free string

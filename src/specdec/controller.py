@@ -17,6 +17,14 @@ lives in the shared ScoreCosts): a bypassed drafter is not even asked to propose
 nothing between probes. The first step at a new context bucket is a plain one, which times
 t(1) there. A chosen k is raised to fill the int4 kernel's 4-row block when that is free.
 
+A loss budget bounds what a drafter that never wins can cost, from a request's first step:
+each speculative step is priced at the cost model's rates (the extra rows it scored and the
+drafting, less one step for each accepted token), and a step whose worst case (nothing
+accepted) would push the request's net loss past `waste_allowance` one-token steps plus
+`waste_share` of the time it has run is cut to the k that fits, or made plain. Winning steps
+build credit, so a drafter that pays is never held back. Until a drafting cost has been
+measured, the first speculative step drafts one token: it prices the drafter.
+
 Fixed costs (`ScoreCosts(fixed={n: seconds})`, or `SPECDEC_SCORE_COSTS="1=1.0,8=2.2"` for every
 cost model a process makes) freeze t(n): nothing is timed or learned, so k depends on the
 tokens alone, never on how busy the machine is. The test suite runs that way.
@@ -44,8 +52,8 @@ class FixedK:
     def tree_nodes(self, k: int) -> int:
         return k  # a tree scores as many tokens as the chain would
 
-    def observe(self, num_drafted: int, num_accepted: int, num_scored: int, score_s: float, propose_s: float,
-                context: int | None = None) -> None:
+    def observe(self, num_drafted: int, num_accepted: int, num_scored: int, score_s: float,
+                propose_s: float | None, context: int | None = None) -> None:
         pass
 
 
@@ -102,6 +110,7 @@ class ScoreCosts:
         self.clock = clock  # what calibrate times forwards with
         self._tables: dict[int, dict[int, float]] = {}  # bucket -> n -> EMA of seconds
         self.t_draft = 0.0
+        self.draft_known = fixed is not None  # t_draft measured at least once (fixed costs: it is 0)
         self._fit: tuple[float, float] | None = None  # the reference bucket's (t1, slope), refitted lazily
         self.calibrated = False
         if fixed is None and os.environ.get(FIXED_COSTS_ENV):
@@ -150,9 +159,13 @@ class ScoreCosts:
         table[num_scored] = score_s if old is None else 0.8 * old + 0.2 * score_s
         self._fit = None
 
-    def observe_draft(self, num_drafted: int, propose_s: float) -> None:
-        if num_drafted > 0 and not self.frozen:
-            self.t_draft = 0.8 * self.t_draft + 0.2 * (propose_s / num_drafted)
+    def observe_draft(self, num_drafted: int, propose_s: float | None) -> None:
+        """num_drafted tokens took propose_s seconds to draft (None: the time also paid for
+        catching up on many new tokens, so it says nothing of a drafted token's cost)."""
+        if num_drafted > 0 and propose_s is not None and not self.frozen:
+            per_token = propose_s / num_drafted
+            self.t_draft = 0.8 * self.t_draft + 0.2 * per_token if self.draft_known else per_token
+            self.draft_known = True
 
     def _reference(self) -> int:
         return max(self._tables, key=lambda b: (len(self._tables[b]), -b)) if self._tables else 0
@@ -215,6 +228,8 @@ class AdaptiveK:
     prior_weight: float = 2.0
     min_gain: float = 1.02  # speculate only when it beats plain decoding by this factor
     max_backoff: int = 64
+    waste_allowance: float = 0.5  # one-token steps a request may lose to drafts before any credit
+    waste_share: float = 0.02  # and this share of the time the request has run
     costs: ScoreCosts | None = None  # shared across requests by an Engine; else private
 
     def __post_init__(self) -> None:
@@ -227,6 +242,8 @@ class AdaptiveK:
         self.drafted = 0  # tokens drafted in this request
         self.context = 0  # tokens in the target's cache at the step being planned
         self._timed: set[int] = set()  # context buckets where this request asked for a plain step
+        self.loss = 0.0  # seconds this request's drafts cost beyond what their accepted tokens saved
+        self.credit = 0.0  # seconds of loss the request may carry: the allowance plus a share of its time
 
     @property
     def alpha(self) -> float:
@@ -283,7 +300,7 @@ class AdaptiveK:
             return 0
         if self.bypassed:  # probe: try speculation again
             self.bypassed = False
-            self.k = max(1, min(self.k_init, self.best_k()))
+            self.k = self.affordable(max(1, min(self.k_init, self.best_k())))
             return self.k
         best = self.best_k()
         if self.rate(best) < self.min_gain * self.rate(0):
@@ -292,20 +309,45 @@ class AdaptiveK:
             self._backoff = min(self._backoff * 2, self.max_backoff)
             return 0
         self._backoff = max(4, self._backoff // 2)
-        self.k = self.fill_block(min(best, self.k + self.grow))
+        self.k = self.affordable(self.fill_block(min(best, self.k + self.grow)))
         return self.k
 
-    def observe(self, num_drafted: int, num_accepted: int, num_scored: int, score_s: float, propose_s: float,
-                context: int | None = None) -> None:
+    def worst_loss(self, k: int) -> float:
+        """What a k-token draft loses if nothing is accepted: its extra rows and its drafting."""
+        return self.score_cost(k + 1) - self.score_cost(1) + k * self.costs.t_draft
+
+    def affordable(self, k: int) -> int:
+        """k cut to what the loss budget allows: the largest k whose worst case keeps the
+        request's net loss within its credit (0: a plain step)."""
+        if not self.costs.draft_known:
+            k = min(k, 1)  # the drafting cost is unknown: one token prices it
+        budget = self.waste_allowance * self.score_cost(1) + self.credit - self.loss
+        while k > 0 and self.worst_loss(k) > budget:
+            k -= 1
+        return k
+
+    def observe(self, num_drafted: int, num_accepted: int, num_scored: int, score_s: float,
+                propose_s: float | None, context: int | None = None) -> None:
         """num_scored tokens went through one target forward that took score_s seconds, after
-        `context` cached tokens (default: the context next_k was given)."""
+        `context` cached tokens (default: the context next_k was given); drafting took
+        propose_s (None: not a sample of drafting alone, see ScoreCosts.observe_draft)."""
         self.costs.observe(num_scored, score_s, self.context if context is None else context)
+        self.costs.observe_draft(num_drafted, propose_s)
+        self._account(num_drafted, num_accepted, num_scored)
         if num_drafted == 0:
             return
         self.drafted += num_drafted
-        self.costs.observe_draft(num_drafted, propose_s)
         self._accepted = self.decay * self._accepted + num_accepted
         self._rejected = self.decay * self._rejected + (1 if num_accepted < num_drafted else 0)
+
+    def _account(self, num_drafted: int, num_accepted: int, num_scored: int) -> None:
+        """Price the step at the cost model's rates: the drafted rows and their drafting,
+        less a one-token step for each accepted token; and earn credit for the tokens made."""
+        t1 = self.score_cost(1)
+        self.credit += self.waste_share * t1 * (1 + num_accepted)
+        if num_drafted > 0:
+            extra_rows = self.score_cost(num_scored) - self.score_cost(max(1, num_scored - num_drafted))
+            self.loss += extra_rows + num_drafted * self.costs.t_draft - num_accepted * t1
 
 
 def make_controller(k: str | int, costs: ScoreCosts | None = None,

@@ -33,11 +33,11 @@ import torch
 from specdec.backends.prefix_cache import PrefixCache
 from specdec.config import EngineConfig
 from specdec.drafters import Draft, Drafter
-from specdec.engine import Runtime, Sequence
 from specdec.errors import SpecdecError
 from specdec.grammar import GrammarMatcher, json_object, json_schema
 from specdec.request import Prepared
 from specdec.sampling import SamplingParams
+from specdec.sequence import Runtime, Sequence
 from specdec.tools import tool_plan
 
 KEYS = ("id", "name", "query", "items", "value", "tags", "note", "count")

@@ -96,7 +96,7 @@ class DrafterSpec:
 DrafterFactory = Callable[[DrafterSpec, object], Drafter]
 REGISTRY: Registry[DrafterFactory] = Registry(
     "drafter", __name__,
-    ("none", "ngram", "draft_model", "layerskip", "eagle", "suffix", "retrieval", "hybrid"),
+    ("none", "ngram", "draft_model", "layerskip", "eagle", "suffix", "retrieval", "hybrid", "random_tokens"),
     "drafter",
 )
 register, available = REGISTRY.register, REGISTRY.available

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from specdec.engine import GenerationResult
+from specdec.sequence import GenerationResult
 from specdec.serve.protocol import ResponseBuilder, mark_closed_by_budget, sse, usage
 
 

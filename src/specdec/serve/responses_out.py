@@ -16,7 +16,7 @@ import json
 import time
 import uuid
 
-from specdec.engine import GenerationResult
+from specdec.sequence import GenerationResult
 from specdec.serve.responses import ResponsesRequest, rename
 
 

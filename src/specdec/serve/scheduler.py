@@ -36,9 +36,9 @@ from specdec.backends import Backend, forward_batch
 from specdec.config import EngineConfig, split_k
 from specdec.controller import ScoreCosts
 from specdec.drafters import Drafter
-from specdec.engine import GenerationResult, Runtime, Sequence
 from specdec.errors import SpecdecError
 from specdec.request import Prepared
+from specdec.sequence import GenerationResult, Runtime, Sequence
 from specdec.serve.slots import BackendSlots, DrafterPool, LoadPolicy
 
 __all__ = ["GenRequest", "LoadPolicy", "QueueFull", "RequestTimeout", "Scheduler", "ServerShutdown"]
