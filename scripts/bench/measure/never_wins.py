@@ -2,7 +2,7 @@
 plain decoding on the same prompt, in turns.
 
     python scripts/bench/measure/never_wins.py [--methods random,layerskip,model:PATH]
-        [--data scripts/bench/data/fresh_prompts.jsonl] [--max-new-tokens 128] [--rounds 2]
+        [--data scripts/bench/data/fresh_prompts.jsonl] [--max-new-tokens 128] [--rounds 2] [--backend auto]
 
 One engine per method (plain decoding is `none`) shares the loaded target. Before each request
 the engine forgets what it learned (its cost model and the drafter's acceptance rate), so every
@@ -39,7 +39,7 @@ def measure(args) -> dict:
     prompts = [json.loads(line) for line in Path(args.data).read_text().splitlines() if line.strip()]
     target = load_model(args.target)
     methods = ["none", *[m for m in args.methods.split(",") if m and m != "none"]]
-    engines = {m: Engine(target=target, drafter=m, k="auto") for m in methods}
+    engines = {m: Engine(target=target, drafter=m, k="auto", backend=args.backend) for m in methods}
     walls = {m: {p["id"]: [] for p in prompts} for m in methods}
     replies = {m: {} for m in methods}
     tau = {m: [0, 0] for m in methods}  # emitted tokens, steps
@@ -71,6 +71,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--methods", default="random,layerskip")
+    parser.add_argument("--backend", default="auto", help="the target's backend, as the CLI's --backend")
     parser.add_argument("--data", default=str(ROOT / "scripts/bench/data/fresh_prompts.jsonl"))
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
