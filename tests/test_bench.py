@@ -148,7 +148,7 @@ def test_lossy_engine_is_reported_as_a_mismatch(target, draft, monkeypatch, tmp_
         k = draft_tokens.shape[0]
         return VerifyResult(k, int(target_argmax[k]), k)
 
-    monkeypatch.setattr("specdec.engine.verify_greedy", accept_everything)
+    monkeypatch.setattr("specdec.sequence.verify_greedy", accept_everything)
     from specdec.drafters.draft_model import ModelDrafter
     from specdec.engine import Engine
 

@@ -328,6 +328,7 @@ def test_with_fixed_costs_k_does_not_depend_on_the_machines_load(monkeypatch):
     """What failed on a busy machine: measured step times bypassed speculation. With fixed
     costs, an engine whose every timing is erratic chooses the same k, step for step."""
     import specdec.engine as engine_mod
+    import specdec.sequence as sequence_mod
     from conftest import tiny_llama
     from specdec.engine import Engine
 
@@ -339,7 +340,9 @@ def test_with_fixed_costs_k_does_not_depend_on_the_machines_load(monkeypatch):
         return Engine(target, drafter="ngram:min=1", k="auto").generate(prompt, max_new_tokens=24).stats
 
     idle = stats()
-    monkeypatch.setattr(engine_mod, "time", BusyClock())
+    clock = BusyClock()  # the forwards' times (engine) and the drafts' (sequence)
+    monkeypatch.setattr(engine_mod, "time", clock)
+    monkeypatch.setattr(sequence_mod, "time", clock)
     busy = stats()
     assert busy.k_history == idle.k_history and busy.num_draft_tokens == idle.num_draft_tokens > 0
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import specdec.engine as engine_mod
+import specdec.sequence as sequence_mod
 from conftest import spy_trees, tiny_llama
 from specdec import verify
 from specdec.config import EngineConfig
@@ -245,8 +245,8 @@ def _draws_in_turn(draft_tokens, draft_probs, target_probs, generator, position)
 
 def test_draws_taken_in_turn_depend_on_k(target, monkeypatch):
     """The faulty sampler fails the test above: its reply changes with k."""
-    monkeypatch.setattr(engine_mod, "PositionDraws", lambda seed: torch.Generator().manual_seed(seed))
-    monkeypatch.setattr(engine_mod, "verify_sampling", _draws_in_turn)
+    monkeypatch.setattr(sequence_mod, "PositionDraws", lambda seed: torch.Generator().manual_seed(seed))
+    monkeypatch.setattr(sequence_mod, "verify_sampling", _draws_in_turn)
     replies = [_reply(target, "ngram:min=1", k, 2).token_ids for k in (1, 4)]
     assert replies[0] != replies[1]
 

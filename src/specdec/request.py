@@ -10,7 +10,7 @@ limit. It comes from exactly one builder per front door:
 
 `prepare(tokenizer, ...)` binds it to a model: the prompt's token ids, the token budget left
 in the context, and a fresh grammar matcher for the reply (response_format or tool calls).
-The result, a `Prepared`, is what `engine.Sequence` and the server's scheduler take.
+The result, a `Prepared`, is what `sequence.Sequence` and the server's scheduler take.
 
 Adding an API field: one field here, one line in its builder(s), and its use.
 """

@@ -2,14 +2,14 @@
 
 Every scheduler step:
 1. admits waiting requests while fewer than `max_batch` are active: a cache slot, a drafter,
-   `engine.Sequence.start`;
+   `sequence.Sequence.start`;
 2. drops cancelled and timed-out requests, returning their cache slot;
 3. prefills new prompts a few chunks at a time (`LoadPolicy.prefill_tokens` a step, all
    prefilling requests together), so a long prompt does not freeze the running streams;
-4. lets every prefilled request draft (`engine.Sequence.plan`), with k capped by the load policy;
+4. lets every prefilled request draft (`sequence.Sequence.plan`), with k capped by the load policy;
 5. scores all drafts in one `backends.forward_batch` (a true batched forward when the
    backend has a pool, one forward per sequence otherwise);
-6. verifies, rolls back and emits per request (`engine.Sequence.advance`).
+6. verifies, rolls back and emits per request (`sequence.Sequence.advance`).
 Requests join between steps and finish independently. Each request has its own drafter,
 controller, generator and k, so the step logic is exactly Engine's. An exception in one
 request's part of a step (drafting, prefill, scoring, verifying, finishing) fails that
