@@ -7,12 +7,15 @@ back-pressure are in test_server_errors.
 
 from __future__ import annotations
 
+import os
+import re
 import time
 
 import httpx
 import openai
 import pytest
 
+from conftest import save_loaded, tiny_llama
 from served_helpers import (  # noqa: F401  (fixtures)
     KEY,
     MODEL,
@@ -158,6 +161,9 @@ def test_real_model_serves_lossless_chat(tmp_path):
     """SmolLM2-135M: streamed equals not streamed, and the ngram drafter changes nothing."""
     srv = ServerProcess("smollm2-135m", "--served-model-name", "smol", backend="auto")
     try:
+        slots, _, limit = _stated_kv_memory(srv.lines)  # 16 windows of 8192 tokens: 5.7 GiB, if all full
+        if os.path.exists("/proc/self/statm"):
+            assert slots == 16 and _resident(srv.proc.pid) < min(1.5 * 1024**3, limit / 2)
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=300)
         messages = [{"role": "user", "content": "List three colors as a JSON array."}]
         base = dict(model="smol", messages=messages, max_tokens=24, temperature=0)
@@ -186,5 +192,44 @@ def test_decoded_prefix_cache_serves_a_conversation_from_its_cache(model_dir):  
         second = client.chat.completions.create(model=name, messages=messages, max_tokens=12, temperature=0)
         assert second.usage.prompt_tokens > first.usage.prompt_tokens
         assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+    finally:
+        srv.close()
+
+
+
+def _resident(pid: int) -> int:
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _stated_kv_memory(lines: list[str]) -> tuple[int, float, float]:
+    """(slots, bytes a token, the most in bytes) from the server's ready line."""
+    line = next(x for x in lines if "specdec serve: ready" in x)
+    stated = re.search(r"KV cache: (\d+) slots x \d+ tokens, float32, ([\d.]+) KiB a token; committed as "
+                       r"tokens are held, at most ([\d.]+) GiB", line)
+    assert stated, line
+    return int(stated.group(1)), float(stated.group(2)) * 1024, float(stated.group(3)) * 1024**3
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads resident memory from /proc")
+def test_prompts_up_to_the_models_window_are_served_in_memory_that_grows_with_them(tmp_path):
+    """A model with an 8192-token window takes a 6,300-token prompt by default (the old default
+    window stopped at 4096), and the server's memory grows by what the prompt holds, within
+    what its start-up line states for its 16 slots."""
+    long_window = save_loaded(tiny_llama(0, layers=16, hidden=256, max_positions=8192), tmp_path / "long")
+    srv = ServerProcess(long_window, "--served-model-name", "long", backend="native")
+    try:
+        slots, per_token, limit = _stated_kv_memory(srv.lines)
+        assert slots == 16 and limit >= 0.99 * 16 * 8192 * per_token  # as rounded in the line
+        started = _resident(srv.proc.pid)
+        assert started < limit / 2  # 16 windows of 8192 tokens: 2 GiB
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        words = [w for line in PROMPTS for w in line.split()]
+        prompt = " ".join(words[i % len(words)] for i in range(3800))  # ~6,300 tokens
+        reply = client.completions.create(model="long", prompt=prompt, max_tokens=4, temperature=0)
+        held = reply.usage.prompt_tokens + 4
+        assert 4096 < held <= 8192
+        grown = _resident(srv.proc.pid) - started
+        assert grown < held * per_token + 256 * 1024**2  # the prompt's cache, and the prefill's scratch
     finally:
         srv.close()

@@ -61,7 +61,8 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE",
                    help="backend option, repeatable (native: precision=gguf|fp32|bf16|int8|int4, gguf: a "
                         "GGUF's own types, the default for GGUF files on a cpu; device=cuda, max_length=N "
-                        "(default: the model's window up to 4096), kv_dtype=fp32|bf16|fp16, compile=1: "
+                        "(default: the model's window, its memory committed as tokens are held), "
+                        "kv_dtype=fp32|bf16|fp16, compile=1: "
                         "torch.compile the decode step, for faster single streams; no token trees, and a "
                         "batch runs one sequence at a time)")
     p.add_argument("--draft-device", metavar="DEVICE",

@@ -14,6 +14,7 @@ is one module with a class that satisfies `Backend` and a factory registered wit
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -158,8 +159,35 @@ class Backend(RollbackLM, Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class KVMemory:
+    """The size of a pool's KV cache. Where it is `lazy` (a Linux CPU), memory is committed as
+    tokens are written and given back when a slot is cleared, so `committed_bytes` follows the
+    tokens held and `limit_bytes` (every slot full) is address space, not memory in use."""
+
+    slots: int
+    window: int  # tokens a slot may hold
+    dtype: str
+    bytes_per_token: int
+    limit_bytes: int
+    held_tokens: int  # positions the slots have made ready, summed (rounded up per slot)
+    committed_bytes: int  # an estimate, page by page
+    lazy: bool
+
+    def describe(self) -> str:
+        gib = 1024**3
+        growth = "committed as tokens are held" if self.lazy else "allocated whole"
+        return (f"KV cache: {self.slots} slots x {self.window} tokens, {self.dtype}, "
+                f"{self.bytes_per_token / 1024:.1f} KiB a token; {growth}, "
+                f"at most {self.limit_bytes / gib:.2f} GiB")
+
+
 class SlotPool(Protocol):
     """Sequences over one shared KV cache, scored together by one batched forward."""
+
+    def kv_memory(self) -> KVMemory:
+        """The cache's size now and at most."""
+        ...
 
     @property
     def free_slots(self) -> int:

@@ -102,7 +102,7 @@ def run_serve(args: argparse.Namespace) -> None:
         server.should_exit = True
 
     config.on_load_error = on_load_error
-    config.on_ready = lambda: print("specdec serve: ready", file=sys.stderr, flush=True)
+    config.on_ready = lambda: print(ready_line(app.state.gateway.scheduler), file=sys.stderr, flush=True)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"specdec serve: listening on http://{shown}:{port} (loading {config.engine.target})",
@@ -110,3 +110,29 @@ def run_serve(args: argparse.Namespace) -> None:
     server.run(sockets=[sock])
     if failures:
         raise SpecdecError(failures[0])
+
+
+def ready_line(scheduler) -> str:
+    """What the server says when it is ready: the KV memory it may use, and a warning where
+    every slot full would not fit in the memory available now."""
+    memory = scheduler.kv_memory()
+    if memory is None:
+        return "specdec serve: ready"
+    line = f"specdec serve: ready; {memory.describe()}"
+    available = available_memory()
+    if available and memory.limit_bytes > available:
+        line += (f" (more than the {available / 1024**3:.1f} GiB available now: fewer --cache-slots, a "
+                 "shorter max_length or kv_dtype=bf16 bound it)")
+    return line
+
+
+def available_memory() -> int:
+    """MemAvailable from /proc/meminfo in bytes (0 where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specdec.backends import Backend, forward_batch
+from specdec.backends import Backend, KVMemory, forward_batch
 from specdec.config import EngineConfig, split_k
 from specdec.controller import ScoreCosts
 from specdec.drafters import Drafter
@@ -171,6 +171,10 @@ class Scheduler:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def kv_memory(self) -> KVMemory | None:
+        """The shared KV cache's size, where the backend has a pool (None otherwise)."""
+        return self.slots.pool.kv_memory() if self.slots.pool is not None else None
 
     def retry_after(self) -> int:
         """Seconds until a slot is likely free, from recent request latencies."""

@@ -10,7 +10,6 @@ import torch
 
 from specdec.backends.native.kernels.cpu import forced_fallback
 from specdec.backends.native.kernels.precisions import LM_HEADS
-from specdec.backends.native.model.batch_runner import DEFAULT_MAX_LENGTH
 from specdec.backends.native.model.native_model import GGUF_PRECISION, NativeModel
 from specdec.backends.native.model.sequence import NativeSequence
 from specdec.errors import SpecdecError
@@ -22,13 +21,6 @@ NATIVE_OPTIONS = ("precision", "device", "max_length", "slots", "compile", "lm_h
 # attention kernel takes (numba_ops.usable); bf16 and fp16 halve the cache and run the PyTorch
 # routine of attention.py, batch-invariant as well.
 KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-# The cache is preallocated, so a window as long as a 128k-context file's would be allocated
-# whole (Qwen2.5-1.5B at 128k: 28 layers x 2 kv heads x 128 dims x 2 x 4 bytes = 7.5 GB in
-# fp32): a cache is cache.DEFAULT_MAX_LENGTH (4096) tokens unless max_length asks for more
-# (up to the model's window), room for agent turns at a fraction of the weights' memory.
-DEFAULT_CONTEXT_CAP = DEFAULT_MAX_LENGTH
 
 
 # a GGUF target (LoadedModel) or an HF model -> {(precision, device, ...): model}
@@ -122,7 +114,7 @@ def make_native_backend(target, prefix_cache: str = "prompt", precision: str | N
                         lm_head: str = "auto", kv_dtype: str = "fp32") -> NativeSequence:
     """A sequence over a fresh pool (its own KV cache) for a LoadedModel's weights: a GGUF's read
     from its file, others' from the transformers model. The cache holds `max_length` tokens
-    (default: the model's window up to DEFAULT_CONTEXT_CAP) of `kv_dtype` (KV_DTYPES)."""
+    (default: the model's window) of `kv_dtype` (KV_DTYPES), committed as they are held."""
     device = check_device(device if device is not None else target.device)
     if lm_head not in LM_HEADS:
         raise SpecdecError(f"unknown lm_head {lm_head!r}; choose one of: {', '.join(LM_HEADS)}", "lm_head")
@@ -133,7 +125,7 @@ def make_native_backend(target, prefix_cache: str = "prompt", precision: str | N
         model = native_model_for(target, precision, device, _flag(compile), lm_head)
     except ValueError as e:  # lm_head ort8 where it cannot run
         raise SpecdecError(str(e), "lm_head") from None
-    length = int(max_length) if max_length else min(model.config.max_positions, DEFAULT_CONTEXT_CAP)
+    length = int(max_length) if max_length else None
     pool = model.new_pool(int(slots), length, KV_DTYPES[kv_dtype], prefix_cache=prefix_cache)
     if _flag(compile) and not model.compiled:
         model.compile(pool)  # traced on this pool's cache shapes; the seconds are in compile_seconds

@@ -1,5 +1,6 @@
 """The native backend's batch runner: `CachePool` owns the KV cache of several sequences,
-preallocated once as [layers, slots, kv_heads, max_length, head_dim], and runs their tokens as
+laid out once as [layers, slots, kv_heads, max_length, head_dim] over memory that is committed
+as tokens are written (model/kv_memory.py), and runs their tokens as
 packed forwards of the model (`forward_batch` for decode chains and prompts side by side,
 `forward_prompt` for one prompt's chunks). A slot is one sequence (model/sequence.py's
 `NativeSequence`); tokens are stored by position, so rollback is moving the length pointer.
@@ -11,13 +12,15 @@ from typing import Protocol
 
 import torch
 
-from specdec.backends.native.kernels.attention import new_cache, plan_chain, uses_kernel
+from specdec.backends import KVMemory
+from specdec.backends.native.kernels.attention import padded, plan_chain, uses_kernel
 from specdec.backends.native.model.config import DECODE_ATTENTION_MAX, KVRow, NativeConfig
+from specdec.backends.native.model.kv_memory import LazyTensor, committed_bytes
 from specdec.backends.native.model.sequence import COMPILE_BUCKETS, NativeSequence, PooledModel
 from specdec.backends.prefix_cache import prefix_cache_mode
 from specdec.errors import SpecdecError
 
-DEFAULT_MAX_LENGTH = 4096
+ONES_AHEAD = 256  # value rows given their column of ones this many positions at a time
 
 
 class PackedModel(PooledModel, Protocol):
@@ -35,23 +38,27 @@ class PackedModel(PooledModel, Protocol):
 
 
 class CachePool:
-    """A preallocated KV cache for `slots` sequences of up to `max_length` tokens each; every
-    sequence's prefix cache runs in mode `prefix_cache`."""
+    """A KV cache for `slots` sequences of up to `max_length` tokens each (default: the
+    model's window), whose memory is committed as tokens are held; every sequence's prefix
+    cache runs in mode `prefix_cache`."""
 
     def __init__(self, model: PackedModel, slots: int = 1, max_length: int | None = None,
                  kv_dtype=torch.float32, prefix_cache: str = "prompt"):
         cfg = model.config
         if slots < 1:
             raise SpecdecError(f"a cache pool needs at least one slot, got {slots}", "slots")
-        max_length = max_length or min(cfg.max_positions, DEFAULT_MAX_LENGTH)
+        max_length = max_length or cfg.max_positions
         if not 1 <= max_length <= cfg.max_positions:
             raise SpecdecError(f"max_length must be in 1..{cfg.max_positions}, got {max_length}",
                                "max_length")
         self.model, self.slots, self.max_length = model, slots, max_length
         # keys [layers, slots, kv_heads, head_dim, length], values [layers, slots, kv_heads, length,
-        # head_dim + 1], in whole attention chunks (attention.py)
-        self.k, self.v = new_cache((cfg.num_layers, slots), cfg.num_kv_heads, max_length, cfg.head_dim,
-                                   kv_dtype, model.device)
+        # head_dim + 1] whose last column is ones up to `_ones`, in whole attention chunks (attention.py)
+        lead, length = (cfg.num_layers, slots), padded(max_length)
+        self._keys = LazyTensor((*lead, cfg.num_kv_heads, cfg.head_dim, length), kv_dtype, model.device)
+        self._values = LazyTensor((*lead, cfg.num_kv_heads, length, cfg.head_dim + 1), kv_dtype, model.device)
+        self.k, self.v = self._keys.tensor, self._values.tensor
+        self._ones = [0] * slots  # value rows of each slot that carry their ones
         self.layer_caches = list(zip(self.k.unbind(0), self.v.unbind(0), strict=True))  # views, made once
         self.kernel = uses_kernel(model.device, kv_dtype)  # numba_ops, or the PyTorch routine
         self.group = cfg.num_heads // cfg.num_kv_heads  # query heads per kv head
@@ -59,7 +66,7 @@ class CachePool:
         self.local_cos, self.local_sin = model.rope_tables(max_length, local=True)  # gemma3's sliding layers
         self._free = list(range(slots - 1, -1, -1))
         self.prefix_mode = prefix_cache_mode(prefix_cache)
-        self._hidden: torch.Tensor | None = None  # see hidden_buffer
+        self._hidden: LazyTensor | None = None  # see hidden_buffer
 
     @property
     def free_slots(self) -> int:
@@ -73,8 +80,45 @@ class CachePool:
     def release(self, seq: NativeSequence) -> None:
         if seq.pool is not self or seq.slot is None:
             raise ValueError("this sequence does not hold a slot of this pool")
+        self.clear(seq.slot)
         self._free.append(seq.slot)
         seq.slot = None
+
+    def reserve(self, slot: int, length: int) -> None:
+        """Make positions up to `length` of `slot` ready to be written: their value rows get
+        the column of ones that attention's normaliser reads (a page is committed only when
+        its tokens come near)."""
+        if length > self._ones[slot]:
+            end = min(self.v.shape[3], -(-length // ONES_AHEAD) * ONES_AHEAD)
+            self.v[:, slot, :, self._ones[slot] : end, -1] = 1.0
+            self._ones[slot] = end
+
+    def clear(self, slot: int) -> None:
+        """Give a slot's memory back to the system; its cache reads as empty afterwards."""
+        if not self._ones[slot]:
+            return
+        for buffer in (self._keys, self._values):
+            per_slot = buffer.tensor[0, 0].numel()
+            for layer in range(buffer.shape[0]):
+                buffer.release((layer * self.slots + slot) * per_slot, per_slot)
+        if self._hidden is not None:
+            per_slot = self._hidden.tensor[0].numel()
+            self._hidden.release(slot * per_slot, per_slot)
+        self._ones[slot] = 0
+
+    def kv_memory(self) -> KVMemory:
+        """The cache's size: what a token costs, the most it may hold and what it holds now."""
+        cfg, item = self.model.config, self._keys.itemsize
+        heads = cfg.num_layers * cfg.num_kv_heads
+        hidden = 0 if self._hidden is None else cfg.hidden_size * self._hidden.itemsize
+        buffers = [b for b in (self._keys, self._values, self._hidden) if b is not None]
+        committed = sum(committed_bytes(n * item, heads * cfg.head_dim)  # key rows
+                        + committed_bytes(n * (cfg.head_dim + 1) * item, heads)  # value rows
+                        + committed_bytes(n * hidden, 1) for n in self._ones)
+        return KVMemory(slots=self.slots, window=self.max_length, dtype=str(self._keys.dtype).split(".")[-1],
+                        bytes_per_token=heads * (2 * cfg.head_dim + 1) * item + hidden,
+                        limit_bytes=sum(b.nbytes for b in buffers), held_tokens=sum(self._ones),
+                        committed_bytes=committed, lazy=self._keys.lazy)
 
     def forward_batch(self, sequences: list[NativeSequence], token_lists: list[list[int]],
                       unscored: list[list[int]] | None = None, last_only: bool = False,
@@ -212,11 +256,12 @@ class CachePool:
         return hidden, logits.cpu()
 
     def hidden_buffer(self) -> torch.Tensor:
-        """[slots, max_length, hidden] post-norm features of cached tokens, allocated on first use."""
+        """[slots, max_length, hidden] post-norm features of cached tokens, made on first use."""
         if self._hidden is None:
             cfg = self.model.config
-            self._hidden = torch.zeros(self.slots, self.max_length, cfg.hidden_size, device=self.model.device)
-        return self._hidden
+            self._hidden = LazyTensor((self.slots, self.max_length, cfg.hidden_size), torch.float32,
+                                      self.model.device)
+        return self._hidden.tensor
 
 
 def _runs_of(chunks: list[list[int]], short_rows: int) -> list[tuple[bool, list[list[int]]]]:

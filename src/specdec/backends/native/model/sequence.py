@@ -38,6 +38,10 @@ class SequencePool(Protocol):
 
     def hidden_buffer(self) -> torch.Tensor: ...
 
+    def reserve(self, slot: int, length: int) -> None: ...
+
+    def clear(self, slot: int) -> None: ...
+
     def forward_batch(self, sequences: list, token_lists: list[list[int]],
                       unscored: list[list[int]] | None = None, last_only: bool = False,
                       prompt: bool = False) -> list[torch.Tensor]: ...
@@ -97,6 +101,8 @@ class NativeSequence:
     def reset(self) -> None:
         self._length, self._tree = 0, None
         self.prefix_cache.truncate(0)
+        if self.slot is not None:
+            self.pool.clear(self.slot)  # its memory goes back until tokens come again
 
     def prefill(self, token_ids: list[int], all_logits: bool = True, keep: int = 0) -> torch.Tensor:
         return chunked_prefill(self, self._prefill_chunks, token_ids, all_logits, keep,
@@ -121,6 +127,7 @@ class NativeSequence:
             raise ValueError("call keep() or rollback() after forward_tree before appending")
         if self._length + count > self.max_length:
             raise ValueError(f"context overflow: {self._length} + {count} > {self.max_length}")
+        self.pool.reserve(self.slot, self._length + count)
         return self._length
 
     def forward_tree(self, token_ids: list[int], parents: list[int]) -> torch.Tensor:

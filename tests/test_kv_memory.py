@@ -1,0 +1,116 @@
+"""KV memory committed as tokens are held: the lazy tensor behind the cache, the pool's
+accounting, the model's own window by default, and the server's start-up line."""
+
+import sys
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from specdec.backends import KVMemory
+from specdec.backends.native.model import kv_memory
+from specdec.backends.native.model.kv_memory import LazyTensor, resident_bytes
+from specdec.backends.native.model.native_model import NativeModel
+from specdec.serve.cli import ready_line
+
+MIB = 1024**2
+linux_only = pytest.mark.skipif(sys.platform != "linux", reason="demand paging is read from /proc")
+
+
+@linux_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_lazy_tensor_commits_what_is_written_and_gives_it_back(dtype):
+    before = resident_bytes()
+    lazy = LazyTensor((1024, 1024 * 1024 // 2), dtype)  # 1 or 2 GiB of address space
+    assert lazy.lazy and resident_bytes() - before < 16 * MIB
+    rows = 64 if dtype == torch.bfloat16 else 32  # 64 MiB either way
+    lazy.tensor[:rows] = 1.0
+    written = resident_bytes() - before
+    assert 60 * MIB < written < 80 * MIB
+    lazy.release(0, rows * lazy.shape[1])
+    assert resident_bytes() - before < written - 56 * MIB
+    assert float(lazy.tensor[:rows].abs().sum()) == 0.0  # given back pages read as zeros
+
+
+def test_release_keeps_the_pages_it_only_partly_covers():
+    lazy = LazyTensor((4 * kv_memory.PAGE,), torch.uint8)
+    lazy.tensor[:] = 7
+    lazy.release(1, 2 * kv_memory.PAGE)  # covers page 1 whole, pages 0 and 2 in part
+    expected = torch.full((4 * kv_memory.PAGE,), 7, dtype=torch.uint8)
+    expected[kv_memory.PAGE : 2 * kv_memory.PAGE] = 0
+    assert torch.equal(lazy.tensor, expected)
+
+
+def test_elsewhere_the_tensor_is_allocated_whole(monkeypatch):
+    monkeypatch.setattr(kv_memory.sys, "platform", "darwin")
+    whole = LazyTensor((8, 8), torch.float32)
+    assert not whole.lazy and whole.tensor.sum() == 0
+    whole.release(0, 64)  # a no-op
+    assert whole.tensor.shape == (8, 8)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return NativeModel.from_hf(tiny_llama(max_positions=2048).model)
+
+
+def _greedy(seq, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    logits = seq.prefill(prompt)
+    tokens = [int(logits[-1].argmax())]
+    for _ in range(steps):
+        logits = seq.forward(tokens[-1:])
+        tokens.append(int(logits[-1].argmax()))
+    return tokens, logits
+
+
+def test_the_window_is_the_models_own_by_default(model):
+    pool = model.new_pool(slots=3)
+    assert pool.max_length == model.config.max_positions == 2048
+    memory = pool.kv_memory()
+    assert memory.window == 2048 and memory.slots == 3 and memory.held_tokens == 0
+    cfg = model.config
+    assert memory.bytes_per_token == cfg.num_layers * cfg.num_kv_heads * (2 * cfg.head_dim + 1) * 4
+    assert memory.limit_bytes >= 3 * 2048 * memory.bytes_per_token
+
+
+@pytest.mark.parametrize("lazy", [True, False])
+def test_memory_follows_the_tokens_held_and_cleared_slots_read_as_new(model, monkeypatch, lazy):
+    if not lazy:
+        monkeypatch.setattr(kv_memory.sys, "platform", "darwin")
+    pool = model.new_pool(slots=2)
+    assert pool.kv_memory().lazy == (lazy and sys.platform == "linux")
+    prompt = [5 + i % 300 for i in range(400)]
+    first, second = pool.new_sequence(), pool.new_sequence()
+    fresh, fresh_logits = _greedy(first, prompt, 8)
+    alone = pool.kv_memory()
+    assert 408 <= alone.held_tokens <= 408 + 256 and alone.committed_bytes >= 408 * alone.bytes_per_token // 2
+    _greedy(second, prompt[:50], 4)
+    both = pool.kv_memory()
+    assert alone.held_tokens < both.held_tokens <= alone.held_tokens + 54 + 256
+    first.reset()  # an evicted slot: its memory goes back
+    assert pool.kv_memory().held_tokens == both.held_tokens - alone.held_tokens
+    again, again_logits = _greedy(first, prompt, 8)  # over given-back pages: the same bits
+    assert again == fresh and torch.equal(again_logits, fresh_logits)
+    pool.release(second)
+    assert pool.kv_memory().held_tokens == alone.held_tokens
+
+
+def test_the_ready_line_states_the_memory_and_warns_past_what_is_available(monkeypatch):
+    memory = KVMemory(slots=16, window=8192, dtype="float32", bytes_per_token=46_000,
+                      limit_bytes=16 * 8192 * 46_000, held_tokens=0, committed_bytes=0, lazy=True)
+
+    class Scheduler:
+        def kv_memory(self):
+            return memory
+
+    line = ready_line(Scheduler())
+    assert line.startswith("specdec serve: ready; KV cache: 16 slots x 8192 tokens, float32")
+    assert "committed as tokens are held, at most 5.62 GiB" in line
+    monkeypatch.setattr("specdec.serve.cli.available_memory", lambda: 2 * 1024**3)
+    assert "more than the 2.0 GiB available now" in ready_line(Scheduler())
+
+    class NoPool:
+        def kv_memory(self):
+            return None
+
+    assert ready_line(NoPool()) == "specdec serve: ready"
