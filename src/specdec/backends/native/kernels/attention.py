@@ -298,19 +298,22 @@ def _slot_keys(k_cache, v_cache, slot: int, keys: int) -> tuple[torch.Tensor, to
 
 def _masked_row(q_row, k_cache, v_cache, row, gqa: bool, dtype: torch.dtype,
                 scale: float | None) -> torch.Tensor:
-    q_row = q_row.transpose(0, 1).unsqueeze(0)  # [1, heads, T, dim]
-    if q_row.dtype != dtype:
-        q_row = q_row.to(dtype)
-    # [1, kv_heads, S, dim]: a copy, because SDPA's fused CPU kernel wants the keys' last dim
-    # contiguous (the cache holds them transposed); a view sends it to the unfused math path,
-    # about 3x slower on a 128-token prompt chunk
-    k_row = k_cache[row.slot : row.slot + 1, :, :, : row.kv_len].transpose(2, 3)
-    k_row = k_row.to(dtype, memory_format=torch.contiguous_format)
-    v_row = v_cache[row.slot : row.slot + 1, :, : row.kv_len]
-    if v_row.dtype != dtype:
-        v_row = v_row.to(dtype)
-    out = F.scaled_dot_product_attention(q_row, k_row, v_row, attn_mask=row.mask, enable_gqa=gqa, scale=scale)
-    return out[0].transpose(0, 1)  # [T, heads, dim]
+    t, heads, dim = q_row.shape
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads if gqa else 1
+    # [1, kv_heads, group * T, dim]: the heads that share a kv head as more queries of it, so
+    # the fused kernel reads each key once for all of them (enable_gqa would not)
+    q_row = q_row.to(dtype).view(t, kv_heads, group, dim).permute(1, 2, 0, 3)
+    q_row = q_row.reshape(1, kv_heads, group * t, dim)
+    # keys and values copied contiguous: SDPA's fused CPU kernel wants the last dim contiguous
+    # (the cache holds keys transposed, values beside their column of ones); with views it
+    # takes a path about 2x slower at 4k keys. (.to(memory_format=...) returns a view as it is
+    # where the dtype already matches, so .contiguous())
+    k_row = k_cache[row.slot : row.slot + 1, :, :, : row.kv_len].transpose(2, 3).to(dtype).contiguous()
+    v_row = v_cache[row.slot : row.slot + 1, :, : row.kv_len].to(dtype).contiguous()
+    mask = row.mask if group == 1 else row.mask.repeat(group, 1)  # [group * T, S]
+    out = F.scaled_dot_product_attention(q_row, k_row, v_row, attn_mask=mask, scale=scale)
+    return out.view(kv_heads, group, t, dim).permute(2, 0, 1, 3).reshape(t, heads, dim)  # [T, heads, dim]
 
 
 def attend(q_row: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: KeyPlan,
