@@ -33,8 +33,12 @@ run: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
 
+# Two workers of one thread each (tests/conftest.py): the suite's serial Python and its servers'
+# waits overlap; a file's tests stay on one worker, sharing their module fixtures.
+TEST_WORKERS ?= 2
+
 test: lint
-	$(BIN)/pytest -q --durations=25
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 test-fast: lint
 	$(BIN)/pytest -q -m "not slow"
@@ -42,7 +46,7 @@ test-fast: lint
 # The whole suite while two busy loops keep two cores busy: no test may depend on wall time.
 test-under-load: lint
 	@yes > /dev/null & a=$$!; yes > /dev/null & b=$$!; \
-	$(BIN)/pytest -q --durations=25; rc=$$?; kill $$a $$b; exit $$rc
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25; rc=$$?; kill $$a $$b; exit $$rc
 
 # The hooks (scripts/docs/hooks.py) render the configuration reference from the code and the
 # benchmark tables from docs/results/*.json (scripts/bench/record.py writes them).

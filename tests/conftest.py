@@ -16,6 +16,13 @@ import torch
 FIXED_SCORE_COSTS = "1=1.0,17=2.6"
 os.environ["SPECDEC_SCORE_COSTS"] = FIXED_SCORE_COSTS
 
+# Under pytest-xdist (`make test` runs two workers) each worker and the processes it spawns run
+# one thread: two workers of two threads each oversubscribe the cores, and OpenMP's spinning
+# then slowed small matmuls tenfold. Tests of thread counts set theirs explicitly.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 CORPUS = [
     "def add(a, b):\n    return a + b\n",
     '{"name": "search", "arguments": {"query": "weather in Paris"}}',

@@ -213,7 +213,7 @@ def _stated_kv_memory(lines: list[str]) -> tuple[int, float, float]:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads resident memory from /proc")
 def test_prompts_up_to_the_models_window_are_served_in_memory_that_grows_with_them(tmp_path):
-    """A model with an 8192-token window takes a 6,300-token prompt by default (the old default
+    """A model with an 8192-token window takes a 4,400-token prompt by default (the old default
     window stopped at 4096), and the server's memory grows by what the prompt holds, within
     what its start-up line states for its 16 slots."""
     long_window = save_loaded(tiny_llama(0, layers=16, hidden=256, max_positions=8192), tmp_path / "long")
@@ -225,7 +225,7 @@ def test_prompts_up_to_the_models_window_are_served_in_memory_that_grows_with_th
         assert started < limit / 2  # 16 windows of 8192 tokens: 2 GiB
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=300)
         words = [w for line in PROMPTS for w in line.split()]
-        prompt = " ".join(words[i % len(words)] for i in range(3800))  # ~6,300 tokens
+        prompt = " ".join(words[i % len(words)] for i in range(2650))  # ~4,400 tokens
         reply = client.completions.create(model="long", prompt=prompt, max_tokens=4, temperature=0)
         held = reply.usage.prompt_tokens + 4
         assert 4096 < held <= 8192
