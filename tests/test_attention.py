@@ -1,9 +1,12 @@
 """The batch-invariant attention routine (backends/native/attention.py): a query's bits do not
 depend on how many queries share the call, for chains, token trees and batched rows, on tiny
-random models and on the real one; and it is attention (it matches SDPA within rounding)."""
+random models and on the real one; and it is attention (it matches SDPA within rounding).
+Each holds for an fp32 and a bf16 cache (`kv_dtype`); the kernel over a bf16 cache gives the
+bits of the kernel over an fp32 cache holding the same values."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +16,7 @@ from specdec.backends import make_backend
 from specdec.backends.native.kernels import attention as attn
 from specdec.backends.native.kernels import numba_ops
 from specdec.backends.native.model.config import KVRow
-from specdec.tree import tree_path
+from specdec.tree import depth_first, tree_depths, tree_path
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +35,25 @@ def one_by_one(backend, tokens: list[int]) -> torch.Tensor:
 # ---- the routine alone -------------------------------------------------------------------------
 
 
-def random_cache(kv_heads: int, length: int, dim: int, seed: int):
+def random_cache(kv_heads: int, length: int, dim: int, seed: int, dtype=torch.float32):
     """keys [1, kv_heads, dim, L] and values [1, kv_heads, L, dim + 1], as attention.new_cache."""
     gen = torch.Generator().manual_seed(seed)
     k = torch.randn(1, kv_heads, dim, attn.padded(length), generator=gen)
     v = attn.ones_column(torch.randn(1, kv_heads, attn.padded(length), dim, generator=gen))
-    return k, v
+    return k.to(dtype), v.to(dtype)
+
+
+KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the caches the kernel reads
+
+
+@pytest.fixture(params=list(KV_DTYPES))
+def kv_dtype(request) -> str:
+    return request.param
+
+
+def arrays(caches) -> list:
+    """Caches as the jit kernels take them (bf16 as its bits)."""
+    return [numba_ops.cache_array(cache) for cache in caches]
 
 
 @pytest.fixture(params=["kernel", "torch"])
@@ -51,13 +67,13 @@ def routine(request, monkeypatch):
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 2), (4, 4), (16, 2)])
 @pytest.mark.parametrize(("past", "t"), [(0, 1), (5, 8), (60, 9), (64, 3), (190, 17)])
-def test_each_query_gets_the_bits_of_a_call_of_its_own(routine, heads, kv_heads, past, t):
+def test_each_query_gets_the_bits_of_a_call_of_its_own(routine, kv_dtype, heads, kv_heads, past, t):
     """T queries in one call against each query alone (its keys up to its position): equal bits,
-    and both within rounding of SDPA with a causal mask."""
+    and both within rounding of SDPA with a causal mask over the cache's values."""
     dim, gen = 16, torch.Generator().manual_seed(past + t)
     q = torch.randn(t, heads, dim, generator=gen)
     k, v = torch.randn(t, kv_heads, dim, generator=gen), torch.randn(t, kv_heads, dim, generator=gen)
-    k_cache, v_cache = random_cache(kv_heads, past + t + 70, dim, seed=1)
+    k_cache, v_cache = random_cache(kv_heads, past + t + 70, dim, seed=1, dtype=KV_DTYPES[kv_dtype])
     together = attn.attention(q, k, v, k_cache, v_cache, [KVRow(0, 0, t, past, past + t, None)],
                               heads != kv_heads)
     for j in range(t):
@@ -65,14 +81,14 @@ def test_each_query_gets_the_bits_of_a_call_of_its_own(routine, heads, kv_heads,
         alone = attn.attention(q[j : j + 1], k[j : j + 1], v[j : j + 1], k_cache, v_cache, [row],
                                heads != kv_heads)
         assert torch.equal(together[j], alone[0]), j
-    keys, values = k_cache[..., : past + t].transpose(2, 3), v_cache[:, :, : past + t, :dim]
+    keys, values = k_cache[..., : past + t].transpose(2, 3).float(), v_cache[:, :, : past + t, :dim].float()
     mask = torch.ones(t, past + t, dtype=torch.bool).tril(past)
     expected = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask,
                                               enable_gqa=heads != kv_heads)[0].transpose(0, 1)
     torch.testing.assert_close(together, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_the_kernel_gives_the_same_bits_on_one_thread_or_several():
+def test_the_kernel_gives_the_same_bits_on_one_thread_or_several(kv_dtype):
     """jit.attend_parallel spreads kv heads over numba's threads; heads share
     nothing, so its bits are attend's (chains and tree paths)."""
     if not attn.uses_kernel("cpu"):
@@ -80,13 +96,106 @@ def test_the_kernel_gives_the_same_bits_on_one_thread_or_several():
     from specdec.backends.native.kernels.jit.attention import attend, attend_parallel
 
     gen = torch.Generator().manual_seed(0)
-    k_cache, v_cache = random_cache(4, 200, 16, seed=2)
+    k_cache, v_cache = random_cache(4, 200, 16, seed=2, dtype=KV_DTYPES[kv_dtype])
     q, k, v = (torch.randn(6, 8, 16, generator=gen), torch.randn(6, 4, 16, generator=gen),
                torch.randn(6, 4, 16, generator=gen))
     for plan in (attn.plan_chain(150, 6, 2, "cpu", True),
                  attn.plan_tree(144, [-1, 0, 0, 1, 2, 2], [0, 1, 1, 2, 2, 2], 2, "cpu", True)):
-        args = (q.numpy(), k.numpy(), v.numpy(), k_cache.numpy(), v_cache.numpy(), 0, -1, *plan.arrays, 0.25)
+        args = (q.numpy(), k.numpy(), v.numpy(), *arrays((k_cache, v_cache)), 0, -1, *plan.arrays, 0.25)
         assert torch.equal(torch.from_numpy(attend(*args)), torch.from_numpy(attend_parallel(*args)))
+
+
+@pytest.mark.parametrize("past", [0, 7, 62, 129])
+@pytest.mark.parametrize("parents", [[-1, 0, 0, 1, 2, 2, 5], [-1, -1, 0, 1, 1]])
+def test_a_tree_node_gets_the_bits_of_its_path_attended_step_by_step(routine, kv_dtype, past, parents):
+    """The routine's own outputs (the logits of a small model round them away, see below): a
+    token tree's node against its path attended one token per step, each step storing its key
+    first. With a bf16 cache the tree must round its own keys and values as the cache holds
+    them, or a node would weigh its ancestors with bits a step never sees."""
+    heads, kv_heads, dim, t = 6, 2, 16, len(parents)
+    gen = torch.Generator().manual_seed(past)
+    q = torch.randn(t, heads, dim, generator=gen)
+    k, v = torch.randn(t, kv_heads, dim, generator=gen), torch.randn(t, kv_heads, dim, generator=gen)
+    cache = random_cache(kv_heads, past + t + 70, dim, seed=4, dtype=KV_DTYPES[kv_dtype])
+    depths = tree_depths(parents)
+    row = KVRow(0, 0, t, past, past + t, None, tree=(depth_first(parents), depths), tree_kv=[])
+    tree = attn.attention(q, k, v, *(c.clone() for c in cache), [row], True)
+    for i in range(t):
+        k_cache, v_cache = (c.clone() for c in cache)
+        for depth, node in enumerate(tree_path(parents, i)):
+            step = KVRow(0, 0, 1, past + depth, past + depth + 1, None)
+            out = attn.attention(q[node : node + 1], k[node : node + 1], v[node : node + 1], k_cache, v_cache,
+                                 [step], True)
+        assert torch.equal(tree[i], out[0]), i
+
+
+@pytest.mark.parametrize("threads", ["attend", "attend_parallel"])
+def test_the_kernel_reads_a_bf16_cache_as_an_fp32_one_of_the_same_values(threads):
+    """A bf16 element is widened exactly and then takes the fp32 kernel's arithmetic in the same
+    order: over a bf16 cache, the bits of the kernel over an fp32 cache holding the same values
+    (its new keys and values given rounded), for chains and trees, stored (store >= 0, as the
+    one-call layers store a tree's nodes) or not; and what it stores is torch's cast."""
+    if not attn.uses_kernel("cpu"):
+        pytest.skip("numba is not installed")
+    import specdec.backends.native.kernels.jit.attention as jit
+
+    attend, gen = getattr(jit, threads), torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(6, 9, 64, generator=gen), torch.randn(6, 3, 64, generator=gen),
+               torch.randn(6, 3, 64, generator=gen))
+    bf16 = random_cache(3, 1200, 64, seed=6, dtype=torch.bfloat16)
+    plans = ((attn.plan_chain(1100, 6, 3, "cpu", True), 1094),
+             (attn.plan_chain(1100, 6, 3, "cpu", True, window=300), 1094),
+             (attn.plan_tree(1000, [-1, 0, 0, 1, 2, 2], [0, 1, 1, 2, 2, 2], 3, "cpu", True), -1),
+             (attn.plan_tree(1000, [-1, 0, 1, -1, 3, 3], [0, 1, 2, 0, 1, 1], 3, "cpu", True), 1000))
+    for plan, store in plans:
+        wide, narrow = [c.float() for c in bf16], [c.clone() for c in bf16]
+        rounded = [x.bfloat16().float().numpy() for x in (k, v)]
+        got = attend(q.numpy(), k.numpy(), v.numpy(), *arrays(narrow), 0, store, *plan.arrays, 0.125)
+        want = attend(q.numpy(), *rounded, *arrays(wide), 0, store, *plan.arrays, 0.125)
+        assert np.array_equal(got, want), (plan.paths.shape, store)
+        assert all(torch.equal(a.float(), b) for a, b in zip(narrow, wide, strict=True))  # stored alike
+        unrounded = attend(q.numpy(), k.numpy(), v.numpy(), *arrays(wide), 0, store, *plan.arrays, 0.125)
+        assert not np.array_equal(got, unrounded)  # the rounding shows
+
+
+def test_the_kernel_stores_bf16_as_torch_casts_it():
+    """Keys and values stored by the kernel into a bf16 cache: torch's cast bit for bit (to
+    nearest, ties to even), over ties, halfway values at each exponent, infinities, values that
+    round up to infinity, subnormals and signed zeros; a NaN stays a NaN."""
+    if not attn.uses_kernel("cpu"):
+        pytest.skip("numba is not installed")
+    gen = torch.Generator().manual_seed(7)
+    bits = torch.randint(-(2**31), 2**31, (4, 3, 64), generator=gen, dtype=torch.int64)
+    bits[0] = (bits[0] & ~0xFFFF) | 0x8000  # exact ties: even and odd high halves
+    bits[1, 0, :8] = torch.tensor([0x7F800000, -0x800000, 0x7F7FFFFF, 0x7F7F8000, 1, 0x8000, 0, -(2**31)])
+    k = bits.to(torch.int32).view(torch.float32)
+    k = torch.where(k.isnan(), torch.full_like(k, 2.5), k)
+    k[3, 0, 0] = float("nan")
+    k_cache, v_cache = attn.new_cache((1,), 3, 64, 64, dtype=torch.bfloat16)
+    numba_ops.attend_kernel(torch.zeros(4, 3, 64), k, -k, k_cache, v_cache, 0, 0, np.arange(1, 5),
+                            np.full((4, 0), -1))
+    stored_k, stored_v = k_cache[0, :, :, :4].permute(2, 0, 1), v_cache[0, :, :4, :64].transpose(0, 1)
+    finite = ~k.isnan()
+    assert torch.equal(stored_k[finite].view(torch.int16), k[finite].bfloat16().view(torch.int16))
+    assert torch.equal(stored_v[finite].view(torch.int16), (-k[finite]).bfloat16().view(torch.int16))
+    assert stored_k[3, 0, 0].isnan() and stored_v[3, 0, 0].isnan()
+
+
+def test_the_kernel_takes_fp32_and_bf16_caches_and_the_routine_the_rest(monkeypatch):
+    """numba_ops.usable: fp32 and bf16 caches on the kernel, fp16 on the PyTorch routine; and
+    SPECDEC_ATTENTION=torch or the forced fallback put every cache on the routine."""
+    if not numba_ops.importable():
+        pytest.skip("numba is not installed")
+    cpu = torch.device("cpu")
+    assert numba_ops.usable(cpu, torch.float32) and numba_ops.usable(cpu, torch.bfloat16)
+    assert not numba_ops.usable(cpu, torch.float16)
+    assert not numba_ops.usable(torch.device("meta"), torch.float32)
+    with pytest.raises(ValueError, match="reads fp32 and bf16"):
+        numba_ops.cache_array(torch.zeros(4, dtype=torch.float16))
+    for variable, value in ((numba_ops.CHOICE_ENV, "torch"), ("SPECDEC_CPU_KERNELS", "fallback")):
+        with monkeypatch.context() as patched:
+            patched.setenv(variable, value)
+            assert not any(numba_ops.usable(cpu, dtype) for dtype in KV_DTYPES.values())
 
 
 def test_a_fully_masked_chunk_adds_nothing():
@@ -109,9 +218,9 @@ def test_tree_parents_from_depth_first_order():
 
 @pytest.mark.parametrize("precision", ["int4", "int8"])
 @pytest.mark.parametrize("past", [5, 60, 64, 130])  # chains inside one chunk and across chunk bounds
-def test_chain_scores_with_the_bits_of_one_token_steps(routine, target, precision, past):
+def test_chain_scores_with_the_bits_of_one_token_steps(routine, kv_dtype, target, precision, past):
     tokens = random_tokens(past + 12, seed=past)
-    chain, steps = (make_backend("native", target, precision=precision) for _ in range(2))
+    chain, steps = (make_backend("native", target, precision=precision, kv_dtype=kv_dtype) for _ in range(2))
     chain.prefill(tokens[:past])
     steps.prefill(tokens[:past])
     assert torch.equal(chain.forward(tokens[past:]), one_by_one(steps, tokens[past:]))
@@ -119,9 +228,9 @@ def test_chain_scores_with_the_bits_of_one_token_steps(routine, target, precisio
 
 @pytest.mark.parametrize("past", [0, 7, 62, 129])
 @pytest.mark.parametrize("parents", [[-1, 0, 0, 1, 2, 2, 5], [-1, -1, 0, 1, 1], [-1, 0, 1, 2, 3, 4, 5, 6, 7]])
-def test_tree_nodes_score_with_the_bits_of_their_paths(routine, target, past, parents):
+def test_tree_nodes_score_with_the_bits_of_their_paths(routine, kv_dtype, target, past, parents):
     prefix, nodes = random_tokens(past, seed=past), random_tokens(len(parents), seed=3)
-    tree, steps = (make_backend("native", target, precision="int4") for _ in range(2))
+    tree, steps = (make_backend("native", target, precision="int4", kv_dtype=kv_dtype) for _ in range(2))
     tree.prefill(prefix) if prefix else tree.reset()
     logits = tree.forward_tree(nodes, parents)
     for i in range(len(parents)):
@@ -129,13 +238,13 @@ def test_tree_nodes_score_with_the_bits_of_their_paths(routine, target, past, pa
         assert torch.equal(logits[i], one_by_one(steps, [nodes[j] for j in tree_path(parents, i)])[-1]), i
 
 
-def test_batched_rows_score_with_the_bits_of_one_token_steps(routine, target):
+def test_batched_rows_score_with_the_bits_of_one_token_steps(routine, kv_dtype, target):
     """Several sequences in one packed forward (the server's SlotPool), each a chain of its own
     length at its own context, against one-token steps of each alone."""
     prefixes = [random_tokens(n, seed=n) for n in (70, 3, 128, 40)]
     chains = [random_tokens(n, seed=90 + n) for n in (5, 1, 9, 0)]
-    steps = make_backend("native", target, precision="int4")
-    pool = steps.pool.model.new_pool(slots=4)
+    steps = make_backend("native", target, precision="int4", kv_dtype=kv_dtype)
+    pool = steps.pool.model.new_pool(slots=4, kv_dtype=KV_DTYPES[kv_dtype])
     seqs = [pool.new_sequence() for _ in prefixes]
     for seq, prefix in zip(seqs, prefixes, strict=True):
         seq.prefill(prefix)
@@ -147,12 +256,12 @@ def test_batched_rows_score_with_the_bits_of_one_token_steps(routine, target):
 
 
 @pytest.mark.slow
-def test_real_model_chains_and_trees_are_bit_identical_to_steps(routine, smollm2):
-    """SmolLM2-135M at the cpu default (int4), past a few chunks of context."""
+def test_real_model_chains_and_trees_are_bit_identical_to_steps(routine, kv_dtype, smollm2):
+    """SmolLM2-135M at the cpu default (its GGUF's own types), past a few chunks of context."""
     ids = smollm2.tokenizer.encode(
         "The harbour office opened at seven, and the ferries waited for the fog. " * 12)
     past, chain_ids = ids[:150], ids[150:158]
-    chain, steps = (make_backend("native", smollm2) for _ in range(2))
+    chain, steps = (make_backend("native", smollm2, kv_dtype=kv_dtype) for _ in range(2))
     chain.prefill(past)
     steps.prefill(past)
     assert torch.equal(chain.forward(chain_ids), one_by_one(steps, chain_ids))

@@ -73,11 +73,12 @@ def test_the_window_is_the_models_own_by_default(model):
     assert memory.limit_bytes >= 3 * 2048 * memory.bytes_per_token
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("lazy", [True, False])
-def test_memory_follows_the_tokens_held_and_cleared_slots_read_as_new(model, monkeypatch, lazy):
+def test_memory_follows_the_tokens_held_and_cleared_slots_read_as_new(model, monkeypatch, lazy, kv_dtype):
     if not lazy:
         monkeypatch.setattr(kv_memory.sys, "platform", "darwin")
-    pool = model.new_pool(slots=2)
+    pool = model.new_pool(slots=2, kv_dtype=kv_dtype)
     assert pool.kv_memory().lazy == (lazy and sys.platform == "linux")
     prompt = [5 + i % 300 for i in range(400)]
     first, second = pool.new_sequence(), pool.new_sequence()

@@ -142,17 +142,18 @@ def test_numba_add_rms_norm_gives_the_bits_of_the_add_then_the_norm():
     assert not torch.equal(normed, numba_ops.rms_norm_bf16(x, weight, 1e-5))  # the delta counts
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("past", "t"), [(0, 1), (37, 1), (100, 4), (250, 9)])
-def test_rotate_attend_gives_the_bits_of_its_three_steps(past, t):
+def test_rotate_attend_gives_the_bits_of_its_three_steps(past, t, kv_dtype):
     """One call for a chain row (rotation, attention, the cast to bf16) against split_rotate,
-    the attention kernel and torch's cast, each cache written by its own path."""
+    the attention kernel and torch's cast, each cache (fp32 or bf16) written by its own path."""
     if not attention.uses_kernel("cpu"):
         pytest.skip("numba is not installed")
     heads, kv_heads, dim = 9, 3, 64
     gen = torch.Generator().manual_seed(past + t)
     qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, generator=gen).to(torch.bfloat16)
     cos, sin = torch.randn(t, 1, dim, generator=gen), torch.randn(t, 1, dim, generator=gen)
-    caches = [attention.new_cache((2,), kv_heads, 300, dim) for _ in range(2)]
+    caches = [attention.new_cache((2,), kv_heads, 300, dim, dtype=kv_dtype) for _ in range(2)]
     for k_cache, v_cache in caches:
         k_cache.copy_(torch.randn(k_cache.shape, generator=torch.Generator().manual_seed(7)))
         v_cache[..., :dim] = torch.randn(v_cache[..., :dim].shape, generator=torch.Generator().manual_seed(8))

@@ -53,22 +53,24 @@ def test_tree_forward_matches_chain_forwards(model, shape):
     torch.testing.assert_close(seq.forward(tail), expected, **TOL)
 
 
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("precision", ["int4", "int8"])
 @pytest.mark.parametrize("shape", ["branches", "forest"])
-def test_tree_scores_every_path_with_the_bits_of_plain_decoding(target, precision, shape):
+def test_tree_scores_every_path_with_the_bits_of_plain_decoding(target, precision, shape, kv_dtype):
     """Tree nodes attend with their path laid out as a chain would hold it (attention.py), so
     each node's logits, and the cache kept after `keep`, are bit-identical to decoding that
     path one token per step: token trees stay exact over a quantized target (whose kernels
-    are row-wise; fp32 GEMM is not, see test_quantized_scoring_is_batch_invariant)."""
+    are row-wise; fp32 GEMM is not, see test_quantized_scoring_is_batch_invariant), with an
+    fp32 or a bf16 cache."""
     parents = TREES[shape]
     prefix, nodes, tail = (random_tokens(7, seed=5), random_tokens(len(parents), seed=6),
                            random_tokens(2, seed=7))
-    tree = make_backend("native", target, precision=precision)
+    tree = make_backend("native", target, precision=precision, kv_dtype=kv_dtype)
     tree.prefill(prefix)
     logits = tree.forward_tree(nodes, parents)  # [T, V]
     deepest = max(range(len(parents)), key=lambda i: len(tree_path(parents, i)))
     for i in range(len(parents)):
-        steps = make_backend("native", target, precision=precision)
+        steps = make_backend("native", target, precision=precision, kv_dtype=kv_dtype)
         steps.prefill(prefix)
         path = [nodes[j] for j in tree_path(parents, i)]
         rows = torch.cat([steps.forward([token]) for token in path])
@@ -110,21 +112,23 @@ def test_hidden_states_follow_rollback_and_keep(target, model):
 
 
 @pytest.mark.slow
-def test_compiled_model_is_close_to_eager_and_consistent_with_itself():
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_compiled_model_is_close_to_eager_and_consistent_with_itself(kv_dtype):
     """torch.compile of a tiny model at the cpu default, int4 (about a minute of compiling on
     two cores). Inductor fuses norms and rotations with its own rounding, so compiled logits
     are only close to eager ones; but a compiled model must agree with itself bit for bit
     whatever it scores at once: a chain of drafts, a batch of sequences (run one by one), a
-    token tree (its compiled layers around the kernel's attention), and what keep() leaves."""
+    token tree (its compiled layers around the kernel's attention), and what keep() leaves;
+    with an fp32 or a bf16 cache."""
     from torch._dynamo.utils import counters
 
     eager = NativeModel.from_hf(tiny_llama(seed=0, layers=1).model, "int4")
     compiled = NativeModel.from_hf(tiny_llama(seed=0, layers=1).model, "int4")
-    pool = compiled.new_pool(slots=2)
+    pool = compiled.new_pool(slots=2, kv_dtype=kv_dtype)
     assert compiled.compile(pool) > 0  # traced in one slot
     graphs = counters["stats"]["unique_graphs"]
     tokens = random_tokens(20, seed=13)
-    a, b = eager.new_pool().new_sequence(), pool.new_sequence()
+    a, b = eager.new_pool(kv_dtype=kv_dtype).new_sequence(), pool.new_sequence()
     torch.testing.assert_close(b.prefill(tokens[:9]), a.prefill(tokens[:9]), **TOL)
     for chunk in (tokens[9:10], tokens[10:13], tokens[13:20]):  # 3 and 7 tokens are padded to 4 and 8
         torch.testing.assert_close(b.forward(chunk), a.forward(chunk), **TOL)

@@ -1,6 +1,6 @@
 """The one-call path of the native backend: decode rows, batches of sequences and token trees
 run each layer as one compiled call (model/one_call.py), with the bits of the separate calls,
-on synthetic files of every architecture."""
+on synthetic files of every architecture, over an fp32 and a bf16 KV cache."""
 
 from __future__ import annotations
 
@@ -24,9 +24,13 @@ def _separate(model, monkeypatch) -> None:
         monkeypatch.setattr(layer, "step", None)
 
 
+KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the caches the numba kernel reads
+
+
+@pytest.mark.parametrize("kv_dtype", list(KV_DTYPES))
 @pytest.mark.parametrize(("arch", "qtype", "whole_layer"), ONE_CALL_FILES)
 def test_decode_rows_run_in_one_call_with_the_bits_of_the_separate_calls(tmp_path_factory, arch, qtype,
-                                                                         whole_layer, monkeypatch):
+                                                                         whole_layer, kv_dtype, monkeypatch):
     """A forward's decode rows take one numba call per layer: the whole layer where every linear
     is a numba 8-bit kernel (model/one_call.py: gemma3's q/k norms, sublayer output norms, GELU
     and sliding windows, a qkv bias (qwen2), q/k norms (qwen3), a window (mistral), phi3's fused
@@ -42,7 +46,7 @@ def test_decode_rows_run_in_one_call_with_the_bits_of_the_separate_calls(tmp_pat
     one_call, layer_call = native_layer.norm_rotate_attend, LayerStep.run
     monkeypatch.setattr(native_layer, "norm_rotate_attend", lambda *a: calls.append("attend") or one_call(*a))
     monkeypatch.setattr(LayerStep, "run", lambda self, *a: calls.append("layer") or layer_call(self, *a))
-    pool = model.new_pool(slots=2, max_length=256)
+    pool = model.new_pool(slots=2, max_length=256, kv_dtype=KV_DTYPES[kv_dtype])
     a, b = pool.new_sequence(), pool.new_sequence()
     for seq, start in ((a, 0), (b, 7)):
         seq.prefill(TOKENS[start : start + 30])
@@ -68,9 +72,10 @@ def test_decode_rows_run_in_one_call_with_the_bits_of_the_separate_calls(tmp_pat
     assert all(torch.equal(x, y) for run in runs for x, y in zip(run, reference, strict=True))
 
 
+@pytest.mark.parametrize("kv_dtype", list(KV_DTYPES))
 @pytest.mark.parametrize(("arch", "qtype"), [(a, q) for a, q, whole in ONE_CALL_FILES if whole])
 def test_a_token_tree_runs_in_one_call_with_the_bits_of_the_separate_calls(tmp_path_factory, arch, qtype,
-                                                                           monkeypatch):
+                                                                           kv_dtype, monkeypatch):
     """A token tree through the StepStack (its nodes' keys written to the cache, and keep()
     compacting the chosen path there) gives the logits, and leaves the cache, of the separate
     calls (the nodes' keys kept aside): the next step after keep() has the same bits too."""
@@ -79,7 +84,7 @@ def test_a_token_tree_runs_in_one_call_with_the_bits_of_the_separate_calls(tmp_p
     calls = []
     layer_call = LayerStep.run
     monkeypatch.setattr(LayerStep, "run", lambda self, *a: calls.append("layer") or layer_call(self, *a))
-    seq = model.new_pool(max_length=256).new_sequence()
+    seq = model.new_pool(max_length=256, kv_dtype=KV_DTYPES[kv_dtype]).new_sequence()
     seq.prefill(TOKENS[:30])
     parents = [-1, 0, 0, 1, 1, 3, -1]
 

@@ -17,8 +17,9 @@ from specdec.backends.native.kernels import cpu
 from test_gguf_loader import _write
 
 # A whole model's logits at a thread count: a 270-token prefill (two whole chunks and a short
-# one), 8 greedy steps and a 4-token chain; one digest per file. Run in a fresh interpreter per
-# count, since numba fixes its thread count at its first parallel launch.
+# one), 8 greedy steps and a 4-token chain; one digest per file (bf16kv:...: over a bf16 KV
+# cache). Run in a fresh interpreter per count, since numba fixes its thread count at its first
+# parallel launch.
 THREADS_SCRIPT = """
 import hashlib, json, sys
 import torch
@@ -26,7 +27,8 @@ torch.set_num_threads(int(sys.argv[1]))
 from specdec.backends.native.model.native_model import NativeModel
 digests = {}
 for spec in sys.argv[2:]:
-    path = spec.removeprefix("compiled:")  # compiled:...: the decoder layers torch.compile'd
+    kv_dtype = torch.bfloat16 if spec.startswith("bf16kv:") else torch.float32
+    path = spec.removeprefix("bf16kv:").removeprefix("compiled:")  # compiled:...: the layers torch.compile'd
     if path.startswith("hf:"):  # hf:PRECISION:DIRECTORY, over transformers' model as the loader builds it
         from transformers import AutoModelForCausalLM
         _, precision, directory = path.split(":", 2)
@@ -34,7 +36,7 @@ for spec in sys.argv[2:]:
     else:
         model = NativeModel.from_gguf(path)
     vocab = model.config.vocab_size
-    pool = model.new_pool(max_length=512)
+    pool = model.new_pool(max_length=512, kv_dtype=kv_dtype)
     if spec.startswith("compiled:"):
         model.compile(pool)
     seq = pool.new_sequence()
@@ -84,21 +86,24 @@ def _digests_at_one_and_two_threads(paths: list) -> tuple[dict, dict]:
 def test_whole_models_give_the_same_bits_at_one_and_two_threads(tmp_path_factory):
     """Prefill (prompt kernels, a short chunk's decode kernels, SDPA), decode steps and a
     verify chain, every architecture with a quant type each: bit-identical logits at 1 and 2
-    threads on the CPU at hand."""
+    threads on the CPU at hand; and a few of them over a bf16 KV cache (the one-call layers,
+    gemma3's sliding window, F16's separate calls)."""
     pairs = [("llama", "Q4_K"), ("mistral", "Q4_0"), ("qwen2", "Q8_0"), ("qwen3", "Q6_K"), ("gemma3", "Q5_K"),
              ("phi3", "Q4_1"), ("llama", "F16")]
     paths = [_write(tmp_path_factory, arch, qtype)[0] for arch, qtype in pairs]
+    paths += [f"bf16kv:{paths[i]}" for i in (0, 4, 6)]
     one, two = _digests_at_one_and_two_threads(paths)
     assert one == two
 
 
 @pytest.mark.slow
 def test_the_embedded_model_gives_the_same_bits_at_one_and_two_threads():
-    """The same on the real SmolLM2 file, whose 576/1536-wide matrices take other GEMM paths."""
+    """The same on the real SmolLM2 file, whose 576/1536-wide matrices take other GEMM paths,
+    with an fp32 and a bf16 KV cache."""
     from specdec.models import builtin_gguf_path
 
     path = builtin_gguf_path("smollm2-135m")
-    one, two = _digests_at_one_and_two_threads([path])
+    one, two = _digests_at_one_and_two_threads([path, f"bf16kv:{path}"])
     assert one == two
 
 

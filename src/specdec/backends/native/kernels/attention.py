@@ -27,7 +27,10 @@ Two implementations keep this contract: on the cpu with numba installed, one com
 per layer computes each query on its own (kernels/numba_ops.py: batch-invariant by
 construction, and far fewer ops at one query); elsewhere the PyTorch routine below. A cache
 pool picks one when it is made (`plan_chain`, `plan_tree`); they differ in the last bits, so
-a process never mixes them for one cache.
+a process never mixes them for one cache. The kernel reads fp32 and bf16 caches (a bf16
+element widened exactly, then the fp32 arithmetic, so a bf16 cache gives the bits of an fp32
+cache holding the same values); an fp16 cache takes the routine. Either way a tree's own keys
+and values are rounded to the cache's type before they are read, as a step reads them back.
 
 The cache keeps keys transposed, [kv_heads, dim, length], so that a query's scores run along
 contiguous keys; values are [kv_heads, length, dim + 1] with a last column of ones.
@@ -417,7 +420,8 @@ def _tree_row(q, k, v, k_cache, v_cache, row, scale: float | None) -> torch.Tens
     index = torch.cat([block.tail_index for block in plan.blocks]).reshape(-1)
 
     def own(cached: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:  # -> [kv_heads, T, L, columns]
-        nodes = nodes.transpose(0, 1).to(cached.dtype)
+        # rounded as the cache will hold them (bf16, fp16): a step would read them from there
+        nodes = nodes.transpose(0, 1).to(k_cache.dtype).to(cached.dtype)
         if nodes.shape[2] < cached.shape[2]:
             nodes = ones_column(nodes)
         source = torch.cat([cached[:, plan.keys :], nodes], dim=1)

@@ -40,12 +40,27 @@ def importable() -> bool:
     return True
 
 
+# Caches the kernel reads: fp32, and bf16 as its bits (jit/kv.py widens them). fp16 takes the
+# PyTorch routine.
+KERNEL_KV_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def usable(device: torch.device, kv_dtype: torch.dtype) -> bool:
     """Whether a cache on `device` holding `kv_dtype` is attended by the kernel
     (SPECDEC_ATTENTION=torch picks the PyTorch routine, for comparisons)."""
     if os.environ.get(CHOICE_ENV, "").lower() == "torch" or forced_fallback():
         return False
-    return device.type == "cpu" and kv_dtype == torch.float32 and importable()
+    return device.type == "cpu" and kv_dtype in KERNEL_KV_DTYPES and importable()
+
+
+def cache_array(cache: torch.Tensor) -> np.ndarray:
+    """A cache tensor as the kernels take it: fp32 as it is, bf16 as its bits (uint16; numpy
+    has no bf16). A view either way: the kernels write into the tensor's memory."""
+    if cache.dtype == torch.bfloat16:
+        return cache.view(torch.uint16).numpy()
+    if cache.dtype != torch.float32:  # fp16 bits would be read as bf16's
+        raise ValueError(f"the attention kernel reads fp32 and bf16 caches, not {cache.dtype}")
+    return cache.numpy()
 
 
 # Below this many (keys x query heads) a call stays on the calling thread: starting numba's
@@ -105,8 +120,9 @@ def attend_kernel(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_c
     0; scale None: head_dim ** -0.5); returns [T, heads, dim]."""
     attend = _kernels(limits, q.shape[0] * q.shape[1])[0]
     starts = np.zeros_like(limits) if starts is None else starts
-    return torch.from_numpy(attend(q.numpy(), k_new.numpy(), v_new.numpy(), k_cache.numpy(), v_cache.numpy(),
-                                   slot, store, limits, paths, starts, _scale(scale, q.shape[-1])))
+    return torch.from_numpy(attend(q.numpy(), k_new.numpy(), v_new.numpy(), cache_array(k_cache),
+                                   cache_array(v_cache), slot, store, limits, paths, starts,
+                                   _scale(scale, q.shape[-1])))
 
 
 def _scale(scale: float | None, dim: int) -> np.float32:
@@ -159,7 +175,7 @@ def rotate_attend(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
     kernel = _kernels(limits, qkv.shape[0] * heads)[1]
     starts = np.zeros_like(limits) if starts is None else starts
     bits = kernel(qkv.view(torch.uint16).numpy(), cos.numpy(), signed_sin.numpy(), heads, kv_heads,
-                  k_cache.numpy(), v_cache.numpy(), slot, store, limits, paths, starts,
+                  cache_array(k_cache), cache_array(v_cache), slot, store, limits, paths, starts,
                   _scale(scale, cos.shape[-1]))
     return torch.from_numpy(bits).view(torch.bfloat16)
 
@@ -175,8 +191,8 @@ def norm_rotate_attend(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.T
     starts = np.zeros_like(limits) if starts is None else starts
     q_weight, k_weight = norms if norms is not None else (_NO_NORM, _NO_NORM)
     out = kernel(qkv.contiguous().numpy(), cos.numpy(), signed_sin.numpy(), heads, kv_heads,
-                 q_weight.numpy(), k_weight.numpy(), np.float32(eps), k_cache.numpy(), v_cache.numpy(), slot,
-                 store, limits, paths, starts, _scale(scale, cos.shape[-1]))
+                 q_weight.numpy(), k_weight.numpy(), np.float32(eps), cache_array(k_cache),
+                 cache_array(v_cache), slot, store, limits, paths, starts, _scale(scale, cos.shape[-1]))
     return torch.from_numpy(out)
 
 

@@ -22,7 +22,12 @@ import torch
 
 from specdec.backends.native.kernels.int8_blocks import BlockLinear8, MixedBlockLinear8
 from specdec.backends.native.kernels.linear import FusedLinear, PromptSame
-from specdec.backends.native.kernels.numba_ops import PARALLEL_WORK, fast_norms_usable, numba_threads
+from specdec.backends.native.kernels.numba_ops import (
+    PARALLEL_WORK,
+    cache_array,
+    fast_norms_usable,
+    numba_threads,
+)
 
 
 def _group(linear) -> tuple | None:
@@ -78,7 +83,7 @@ class LayerStep:
         -> (x + pending, the layer's output), as DecoderLayer.forward_open returns them."""
         pending_rows = self.no_pending if pending is None else pending.contiguous().numpy()
         out, delta = self.run(x.contiguous().numpy(), pending_rows, (cos.numpy(), sin.numpy()),
-                              (k_cache.numpy(), v_cache.numpy()), rows)
+                              (cache_array(k_cache), cache_array(v_cache)), rows)
         return torch.from_numpy(out), torch.from_numpy(delta)
 
     def run(self, x: np.ndarray, pending: np.ndarray, rope: tuple, cache: tuple, rows: tuple) -> tuple:
@@ -114,8 +119,8 @@ class StepStack:
         x_rows, pending = x.contiguous().numpy(), self.steps[0].no_pending
         for step, local, sliding, (k_cache, v_cache) in zip(self.steps, self.local_rope, self.sliding, caches,
                                                             strict=True):  # fmt: skip
-            x_rows, pending = step.run(x_rows, pending, ropes[local], (k_cache.numpy(), v_cache.numpy()),
-                                       rows[sliding])
+            cache = (cache_array(k_cache), cache_array(v_cache))
+            x_rows, pending = step.run(x_rows, pending, ropes[local], cache, rows[sliding])
         return torch.from_numpy(x_rows) + torch.from_numpy(pending)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from specdec.backends.native.kernels.jit.kv import encode, load
 from specdec.backends.native.kernels.jit.norms import (
     bf16_rows,
     exp_nonpositive,
@@ -19,9 +20,10 @@ from specdec.backends.native.kernels.jit.norms import (
 LOWEST = np.float32(-3.4e38)  # the score of a key outside a sliding window: never a maximum
 
 vector, matrix = "float32[::1]", "float32[:, ::1]"  # numba signatures
+ELEMENTS = ("float32", "uint16")  # a cache's elements: fp32, or bf16 bits (kv.py)
 
 
-@njit(f"void({matrix}, {matrix}, {matrix}, int64, int64)", cache=True, nogil=True)
+@njit([f"void({e}[:, ::1], {matrix}, {matrix}, int64, int64)" for e in ELEMENTS], cache=True, nogil=True)
 def scores(keys_t, qs, s, lo, count):  # pragma: no cover - compiled
     """s[r, i] = sum over d, in order, of qs[r, d] * keys_t[d, i] for lo <= i < count. Four dims
     per pass over the scores and four lanes per pass over the keys (unroll and jam): the same
@@ -43,7 +45,7 @@ def scores(keys_t, qs, s, lo, count):  # pragma: no cover - compiled
             c0, c1, c2, c3 = qs[r + 2, d], qs[r + 2, d + 1], qs[r + 2, d + 2], qs[r + 2, d + 3]
             e0, e1, e2, e3 = qs[r + 3, d], qs[r + 3, d + 1], qs[r + 3, d + 2], qs[r + 3, d + 3]
             for i in range(n):
-                x0, x1, x2, x3 = k0[i], k1[i], k2[i], k3[i]
+                x0, x1, x2, x3 = load(k0[i]), load(k1[i]), load(k2[i]), load(k3[i])
                 s0[i] = (((s0[i] + a0 * x0) + a1 * x1) + a2 * x2) + a3 * x3
                 s1[i] = (((s1[i] + b0 * x0) + b1 * x1) + b2 * x2) + b3 * x3
                 s2[i] = (((s2[i] + c0 * x0) + c1 * x1) + c2 * x2) + c3 * x3
@@ -53,10 +55,10 @@ def scores(keys_t, qs, s, lo, count):  # pragma: no cover - compiled
             for x in range(r, r + 4):
                 qd, row, kd = qs[x, rest], s[x], keys_t[rest]
                 for i in range(lo, count):
-                    row[i] += qd * kd[i]
+                    row[i] += qd * load(kd[i])
 
 
-@njit(f"void({matrix}, {vector}, {vector}, int64, int64)", cache=True, nogil=True)
+@njit([f"void({e}[:, ::1], {vector}, {vector}, int64, int64)" for e in ELEMENTS], cache=True, nogil=True)
 def weighted_sum(values, w, acc, start, count):  # pragma: no cover - compiled
     """acc[c] += sum over start <= i < count, in order, of w[i] * values[i, c]; four keys per
     pass (start is a multiple of four: the passes fall where they would from 0)."""
@@ -66,15 +68,17 @@ def weighted_sum(values, w, acc, start, count):  # pragma: no cover - compiled
         v0, v1, v2, v3 = values[i], values[i + 1], values[i + 2], values[i + 3]
         w0, w1, w2, w3 = w[i], w[i + 1], w[i + 2], w[i + 3]
         for c in range(columns):
-            acc[c] = (((acc[c] + w0 * v0[c]) + w1 * v1[c]) + w2 * v2[c]) + w3 * v3[c]
+            p0, p1, p2, p3 = load(v0[c]), load(v1[c]), load(v2[c]), load(v3[c])
+            acc[c] = (((acc[c] + w0 * p0) + w1 * p1) + w2 * p2) + w3 * p3
         i += 4
     for rest in range(i, count):
         wi, vi = w[rest], values[rest]
         for c in range(columns):
-            acc[c] += wi * vi[c]
+            acc[c] += wi * load(vi[c])
 
 
-@njit(f"void({matrix}, {matrix}, {matrix}, int64, int64, int64)", cache=True, nogil=True)
+@njit([f"void({e}[:, ::1], {matrix}, {matrix}, int64, int64, int64)" for e in ELEMENTS], cache=True,
+      nogil=True)
 def weighted_sum4(values, w, acc, r, lo, count):  # pragma: no cover - compiled
     """weighted_sum for lanes r .. r + 3 at once over keys lo .. count - 1 (multiples of four):
     each lane's sums in its own order, while a pass loads the four value rows once for all
@@ -89,7 +93,7 @@ def weighted_sum4(values, w, acc, r, lo, count):  # pragma: no cover - compiled
         x20, x21, x22, x23 = w2[i], w2[i + 1], w2[i + 2], w2[i + 3]
         x30, x31, x32, x33 = w3[i], w3[i + 1], w3[i + 2], w3[i + 3]
         for c in range(columns):
-            p0, p1, p2, p3 = v0[c], v1[c], v2[c], v3[c]
+            p0, p1, p2, p3 = load(v0[c]), load(v1[c]), load(v2[c]), load(v3[c])
             a0[c] = (((a0[c] + x00 * p0) + x01 * p1) + x02 * p2) + x03 * p3
             a1[c] = (((a1[c] + x10 * p0) + x11 * p1) + x12 * p2) + x13 * p3
             a2[c] = (((a2[c] + x20 * p0) + x21 * p1) + x22 * p2) + x23 * p3
@@ -203,50 +207,56 @@ def head(q, k_new, v_new, keys_t, values, h, first, last, limits, paths, starts,
 
 @njit(cache=True, nogil=True)
 def begin(q, k_new, v_new, k_cache, v_cache, slot, store):  # pragma: no cover - compiled
-    """Write the row's keys and values at store.. (unless store < 0); the output [T, heads, dim]."""
-    if store >= 0:
-        for j in range(k_new.shape[0]):
-            for h in range(k_new.shape[1]):
-                for d in range(k_new.shape[2]):
-                    k_cache[slot, h, d, store + j] = k_new[j, h, d]
-                    v_cache[slot, h, store + j, d] = v_new[j, h, d]
-    return np.empty(q.shape, np.float32)
+    """Write the row's keys and values at store.. (unless store < 0); returns the output [T,
+    heads, dim] and the row's keys and values as the cache holds them (rounded to bf16 for a
+    bf16 cache): a tree path reads its nodes' from there, so they weigh as a chain's cached
+    ones would."""
+    k_own, v_own = np.empty(k_new.shape, np.float32), np.empty(v_new.shape, np.float32)
+    for j in range(k_new.shape[0]):
+        for h in range(k_new.shape[1]):
+            for d in range(k_new.shape[2]):
+                key, value = encode(k_new[j, h, d], k_cache), encode(v_new[j, h, d], v_cache)
+                k_own[j, h, d], v_own[j, h, d] = load(key), load(value)
+                if store >= 0:
+                    k_cache[slot, h, d, store + j] = key
+                    v_cache[slot, h, store + j, d] = value
+    return np.empty(q.shape, np.float32), k_own, v_own
 
 
-rows, cache = "float32[:, :, :]", "float32[:, :, :, ::1]"  # rows may be strided views; caches are whole
-SIGNATURE = (f"float32[:, :, ::1]({rows}, {rows}, {rows}, {cache}, {cache}, int64, int64, int64[::1], "
-             "int64[:, ::1], int64[::1], float32)")
+rows = "float32[:, :, :]"  # rows may be strided views; caches are whole
+SIGNATURES = [f"float32[:, :, ::1]({rows}, {rows}, {rows}, {e}[:, :, :, ::1], {e}[:, :, :, ::1], int64, "
+              "int64, int64[::1], int64[:, ::1], int64[::1], float32)" for e in ELEMENTS]
 
 
-@njit(SIGNATURE, cache=True, nogil=True)
+@njit(SIGNATURES, cache=True, nogil=True)
 def attend(q, k_new, v_new, k_cache, v_cache, slot, store, limits, paths, starts,
            scale):  # pragma: no cover - compiled
     """q [T, heads, dim]; k_new, v_new [T, kv_heads, dim]: the row's own keys and values,
     written to the slot at positions store.. first unless store < 0; k_cache [slots,
     kv_heads, dim, L] (keys along the last axis), v_cache [slots, kv_heads, L, dim + 1] (a
-    last column of ones: the normaliser); limits [T]: the slot's keys query j reads;
-    paths [T, E]: the row's own tokens it reads next, a tree path (-1: none); starts [T]: the
-    first cached key query j reads (0, or where its sliding window begins).
-    Returns [T, heads, dim]. A lane is one query head."""
-    out, widest = begin(q, k_new, v_new, k_cache, v_cache, slot, store), limits.max()
+    last column of ones: the normaliser), both fp32 or both bf16 bits (kv.py); limits [T]:
+    the slot's keys query j reads; paths [T, E]: the row's own tokens it reads next, a tree
+    path (-1: none); starts [T]: the first cached key query j reads (0, or where its sliding
+    window begins). Returns [T, heads, dim]. A lane is one query head."""
+    (out, k_own, v_own), widest = begin(q, k_new, v_new, k_cache, v_cache, slot, store), limits.max()
     lanes = q.shape[0] * q.shape[1] // k_new.shape[1]
     for h in range(k_new.shape[1]):
-        head(q, k_new, v_new, k_cache[slot, h], v_cache[slot, h], h, 0, lanes, limits, paths, starts, widest,
+        head(q, k_own, v_own, k_cache[slot, h], v_cache[slot, h], h, 0, lanes, limits, paths, starts, widest,
              scale, out)
     return out
 
 
-@njit(SIGNATURE, cache=True, nogil=True, parallel=True)
+@njit(SIGNATURES, cache=True, nogil=True, parallel=True)
 def attend_parallel(q, k_new, v_new, k_cache, v_cache, slot, store, limits, paths, starts,
                     scale):  # pragma: no cover
     """`attend` on numba's threads, four lanes of a head per work item: the same bits (a
     lane's do not depend on the lanes that share its pass)."""
-    out, widest = begin(q, k_new, v_new, k_cache, v_cache, slot, store), limits.max()
+    (out, k_own, v_own), widest = begin(q, k_new, v_new, k_cache, v_cache, slot, store), limits.max()
     lanes, kv_heads = q.shape[0] * q.shape[1] // k_new.shape[1], k_new.shape[1]
     quads = -(-lanes // 4)
     for item in prange(kv_heads * quads):  # four lanes of one head per item: even shares of work
         h, first = item // quads, item % quads * 4
-        head(q, k_new, v_new, k_cache[slot, h], v_cache[slot, h], h, first, min(first + 4, lanes), limits,
+        head(q, k_own, v_own, k_cache[slot, h], v_cache[slot, h], h, first, min(first + 4, lanes), limits,
              paths, starts, widest, scale, out)
     return out
 
