@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from specdec.backends.native.kernels.jit.kv import encode
+
 LOG2E = np.float32(1.4426950408889634)
 LN2_HI = np.float32(0.693145751953125)  # ln 2 split so that k * LN2_HI is exact (Cody-Waite)
 LN2_LO = np.float32(1.4286067653302226e-06)
@@ -40,14 +42,11 @@ def exp_nonpositive(s, count, w, bits):  # pragma: no cover - compiled
         w[i] = w[i] * scale[i]
 
 
-@njit("void(uint32[::1], uint16[::1])", cache=True, nogil=True)
-def to_bf16_bits(bits, out):  # pragma: no cover - compiled
-    """fp32 bits -> bf16 bits rounded to nearest even, as torch's cast (NaN stays NaN)."""
-    for i in range(bits.shape[0]):
-        b = bits[i]
-        rounded = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-        quiet = (b >> np.uint32(16)) | np.uint32(0x40)
-        out[i] = np.uint16(quiet if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000) else rounded)
+@njit("void(float32[::1], uint16[::1])", cache=True, nogil=True)
+def to_bf16_bits(values, out):  # pragma: no cover - compiled
+    """fp32 -> bf16 bits rounded to nearest even, as torch's cast (NaN stays NaN): kv.encode."""
+    for i in range(values.shape[0]):
+        out[i] = encode(values[i], out)
 
 
 @njit(cache=True, nogil=True)
@@ -77,7 +76,7 @@ def norm_row(x, weight, eps, y, partial, out):  # pragma: no cover - compiled
     inv = inverse_rms(x, eps, partial)
     for i in range(x.shape[0]):
         y[i] = (x[i] * inv) * weight[i]
-    to_bf16_bits(y.view(np.uint32), out)
+    to_bf16_bits(y, out)
 
 
 @njit("float32[:, ::1](float32[:, ::1], float32[::1], float32)", cache=True, nogil=True)
@@ -205,7 +204,6 @@ def silu_mul_bf16(gate_up):  # pragma: no cover - compiled
     e = np.empty(inner, np.float32)
     e_bits = np.empty(inner, np.int32)
     y = np.empty(inner, np.float32)
-    y_bits = y.view(np.uint32)
     for r in range(rows):
         for i in range(2 * inner):
             bits[i] = np.uint32(gate_up[r, i]) << np.uint32(16)  # bf16 -> fp32 is exact
@@ -215,7 +213,7 @@ def silu_mul_bf16(gate_up):  # pragma: no cover - compiled
         for i in range(inner):  # sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) below; no branch
             numerator = np.float32(1) if x[i] >= 0 else e[i]
             y[i] = (x[i] * (numerator / (np.float32(1) + e[i]))) * x[inner + i]
-        to_bf16_bits(y_bits, out[r])
+        to_bf16_bits(y, out[r])
     return out
 
 
@@ -225,5 +223,5 @@ def bf16_rows(out):  # pragma: no cover - compiled
     flat = out.reshape(out.shape[0], out.shape[1] * out.shape[2])
     bits = np.empty(flat.shape, np.uint16)
     for j in range(flat.shape[0]):
-        to_bf16_bits(flat[j].view(np.uint32), bits[j])
+        to_bf16_bits(flat[j], bits[j])
     return bits
