@@ -120,9 +120,15 @@ def dot4(b, w, signed: bool, offset: int, x, xsum4):
             halves.append(call_intrinsic(b, "llvm.x86.avx2.pmadd.wd", vec(i32, 8), [pairs, splat(1, 16)]))
         lanes = b.shuffle_vector(halves[0], halves[1], vector(list(range(16)), i32))
     else:
-        p = b.mul((b.sext if signed else b.zext)(w, vec(i32, 64)), b.sext(x, vec(i32, 64)))
-        parts = [b.shuffle_vector(p, p, vector(list(range(j, 64, 4)), i32)) for j in range(4)]
-        lanes = b.add(b.add(parts[0], parts[1]), b.add(parts[2], parts[3]))
+        # byte e of each lane's four, widened in place by shifts (no shuffles: wide strided
+        # shuffles made the backend's instruction selection take minutes for the kernels)
+        w32, x32 = b.bitcast(w, vec(i32, 16)), b.bitcast(x, vec(i32, 16))
+        widen_w = b.ashr if signed else b.lshr
+        lanes = None
+        for e in range(4):
+            up = splat(24 - 8 * e, 16, i32)
+            p = b.mul(widen_w(b.shl(w32, up), splat(24, 16, i32)), b.ashr(b.shl(x32, up), splat(24, 16, i32)))
+            lanes = p if lanes is None else b.add(lanes, p)
     return b.add(lanes, b.mul(xsum4, splat(offset, 16, i32))) if offset and not signed else lanes
 
 
