@@ -175,3 +175,16 @@ def test_make_run_request_is_valid(monkeypatch):
     assert plan.choice == "required" and plan.parallel is False
     assert {t["function"]["name"] for t in plan.tools} == {"get_weather", "search_contacts", "send_email",
                                                           "create_event"}
+
+
+def test_the_cli_loads_without_dynamo_onnx_or_transformers_model_code():
+    """Every process start pays for what `specdec.cli` imports (each server, replica and
+    command): Dynamo, onnx and transformers' model classes wait until something uses them."""
+    import subprocess
+    import sys
+
+    heavy = ("torch._dynamo", "onnx", "transformers.modeling_utils", "specdec.backends.hf")
+    code = f"import sys, specdec.cli, specdec.serve.app; print([m for m in {heavy!r} if m in sys.modules])"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "[]"

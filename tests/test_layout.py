@@ -26,6 +26,9 @@ MAX_FUNCTION_LINES = 60
 
 # (importing module, imported specdec module) -> why the import waits for the call.
 ALLOWED_LATE_IMPORTS: dict[tuple[str, str], str] = {
+    **{(name, "specdec.backends.hf"): (
+        "backends.hf loads transformers' model code (a second), and every command's parser loads this"
+    ) for name in ("specdec.bench.peers", "specdec.train.cli", "specdec.train.layerskip_search")},
     ("specdec.serve.cli", "specdec.serve.app"): (
         "serve.app needs fastapi (the serve extra), and every command's parser loads serve.cli"
     ),

@@ -310,3 +310,41 @@ def test_quantized_linear_error_is_bounded(precision, bound, rows):
     assert (y - expected).norm() / expected.norm() < bound
 
 
+
+
+# ---- eagerly in compiled graphs ------------------------------------------------------------------
+
+
+def test_marked_methods_run_plain_until_a_compile_wraps_them(monkeypatch):
+    from specdec.backends.native.kernels import cpu
+
+    monkeypatch.setattr(cpu, "_MARKED", [])  # this test's own marks; the layers' stay as they are
+
+    class Layer:
+        @cpu.eager_in_graphs
+        def forward(self, x):
+            return x + 1
+
+    assert not hasattr(Layer.forward, "_torchdynamo_disable") and Layer().forward(1) == 2
+    cpu.disable_marked_in_graphs()
+    cpu.disable_marked_in_graphs()  # once: not wrapped twice
+    assert Layer.forward._torchdynamo_disable
+    assert not hasattr(Layer.forward._torchdynamo_orig_callable, "_torchdynamo_disable")
+    assert Layer().forward(1) == 2
+
+    class Later:  # marked after compiling began: wrapped at once
+        @cpu.eager_in_graphs
+        def forward(self, x):
+            return x
+
+    assert Later.forward._torchdynamo_disable
+
+
+def test_the_layers_that_compiled_graphs_must_call_eagerly_are_marked():
+    from specdec.backends.native.kernels import cpu
+    from specdec.backends.native.kernels.int8_blocks import BlockLinear8, MixedBlockLinear8
+    from specdec.backends.native.kernels.precisions import FP16Linear
+
+    cpu.disable_marked_in_graphs()  # what NativeModel.compile does first
+    for layer in (BlockLinear8, MixedBlockLinear8, FP16Linear, OrtBlockLinear):
+        assert layer.forward._torchdynamo_disable, layer.__name__

@@ -24,7 +24,6 @@ from collections.abc import Sequence
 
 import torch
 
-from specdec.backends.hf import HFBackend
 from specdec.bench.run import Runner, TurnRecord
 from specdec.drafters import DrafterSpec
 from specdec.drafters.draft_model import ModelDrafter
@@ -170,6 +169,8 @@ def make_peers(peers: Sequence[str], target, target_name: str, methods: Sequence
 def _draft_model(method: str, engine, target) -> torch.nn.Module:
     """The transformers model behind `method` (model:NAME): the one its engine's drafter
     already runs on the hf backend, else the target's own or a freshly loaded one."""
+    from specdec.backends.hf import HFBackend  # transformers' model code, for this peer only
+
     drafter = engine.drafter if engine is not None else None
     if isinstance(drafter, ModelDrafter) and isinstance(drafter.backend, HFBackend):
         return drafter.backend.model

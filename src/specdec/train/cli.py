@@ -11,7 +11,6 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from specdec.backends.hf import HFBackend
 from specdec.cli_args import engine_config, positive_int
 from specdec.drafters.draft_model import ModelDrafter
 from specdec.drafters.eagle import EagleDrafter, save_head
@@ -236,6 +235,8 @@ def _trainee(args, target, settings, meta, examples):
     the EAGLE head's vocabulary (None for a draft)."""
     eos = target.eos_token_ids
     if args.kind == "draft":
+        from specdec.backends.hf import HFBackend  # transformers' model code: a draft's trainer only
+
         model = _initial_draft(args, target, settings)
         if args.lora:
             model = D.apply_lora(model, args.lora)

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.backends.hf import HFBackend
 from specdec.drafters.common import DecoderParts
 from specdec.drafters.layerskip import LayerStack, default_layers
 from specdec.engine import Engine
@@ -74,6 +73,8 @@ def _min_time(fn: Callable[[], object], repeats: int = 5) -> float:
 
 def measure_costs(target, max_k: int, context: list[int]) -> dict:
     """Seconds for: a target decode step, verifying k+1 tokens, and a draft step per layer count."""
+    from specdec.backends.hf import HFBackend  # transformers' model code, for this search only
+
     backend = HFBackend(target.model)
     backend.prefill(context)
     base = backend.length

@@ -73,6 +73,37 @@ def _(x, w_t):
     return x.new_empty(x.shape[0], w_t.shape[1])  # [M, N]
 
 
+_MARKED: list[tuple[type, str]] | None = []  # methods still plain; None once compiling has begun
+
+
+class eager_in_graphs:  # noqa: N801 - a decorator
+    """Marks a layer method that compiled graphs must call eagerly (numba, numpy, ONNX Runtime,
+    an op Dynamo cannot trace). torch.compiler.disable on the class would import torch._dynamo
+    with the module, about 2 s of every process's start; `disable_marked_in_graphs` wraps the
+    marked methods when a model is first compiled instead, and eager calls run them plain."""
+
+    def __init__(self, method):
+        self.method = method
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        if _MARKED is None:  # compiling has begun: wrapped at once
+            setattr(owner, name, torch.compiler.disable(self.method))
+            return
+        setattr(owner, name, self.method)
+        _MARKED.append((owner, name))
+
+
+def disable_marked_in_graphs() -> None:
+    """Before a first torch.compile: each marked method becomes torch.compiler.disable's
+    wrapper of itself, and methods marked later are wrapped as they are defined."""
+    global _MARKED
+    if _MARKED is None:
+        return
+    for owner, name in _MARKED:
+        setattr(owner, name, torch.compiler.disable(owner.__dict__[name]))
+    _MARKED = None
+
+
 def forced_fallback() -> bool:
     return os.environ.get(FORCE_ENV, "").lower() == "fallback"
 

@@ -43,7 +43,7 @@ import functools
 import numpy as np
 import torch
 
-from specdec.backends.native.kernels.cpu import forced_fallback
+from specdec.backends.native.kernels.cpu import eager_in_graphs, forced_fallback
 from specdec.backends.native.kernels.int8_reference import (
     BLOCK,
     SUPER,
@@ -104,7 +104,7 @@ class BlockLinear8(torch.nn.Module):
         held = self.scales.nbytes + (0 if self.tiles is None else self.tiles.nbytes)
         return held + (0 if self.bias is None else self.bias.nbytes)
 
-    @torch.compiler.disable  # numba and numpy: compiled graphs call it eagerly
+    @eager_in_graphs  # numba and numpy
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         if self.kernel == "numba":
             rows = float_rows(x)
@@ -198,7 +198,7 @@ class MixedBlockLinear8(torch.nn.Module):
         parts = tuple(part.numba_part() for part in self.parts)
         return self.parts[0].small_blocks, parts, _bias_array(self.bias), self.out_features
 
-    @torch.compiler.disable
+    @eager_in_graphs
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, sum N]
         if self.kernel != "numba":
             return torch.cat([p.forward(x) for p in self.parts], dim=-1)

@@ -16,19 +16,19 @@ slower here), so Q4_1's asymmetric blocks do not map onto it.
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import torch
+
+from specdec.backends.native.kernels.cpu import eager_in_graphs
 
 BLOCK = 32
 
 
 def ort_available() -> bool:
-    try:
-        import onnx  # noqa: F401
-        import onnxruntime  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Both packages installed; found, not imported (onnx alone takes a second to import)."""
+    return all(importlib.util.find_spec(name) is not None for name in ("onnx", "onnxruntime"))
 
 
 def quantize_symmetric(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,7 +87,7 @@ class OrtBlockLinear(torch.nn.Module):
     def from_float(cls, weight: torch.Tensor, bits: int = 8, **kwargs) -> OrtBlockLinear:
         return cls(*quantize_symmetric(weight, bits), bits=bits, **kwargs)
 
-    @torch.compiler.disable  # an external runtime; compiled graphs call it eagerly
+    @eager_in_graphs  # an external runtime
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N] fp32
         a = x.detach().to("cpu", torch.float32).contiguous().numpy()
         return torch.from_numpy(self.session.run(None, {"A": a})[0])

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.backends.native.kernels.cpu import (
+    eager_in_graphs,
     forced_fallback,
     has_int4_kernel,
     one_thread_mm,
@@ -104,7 +105,7 @@ class FP16Linear(torch.nn.Module):
         self.register_buffer("bias", bias, persistent=False)  # [N]; the kernel wants one
         self.out_features, self.act_dtype = weight.shape[0], torch.float32
 
-    @torch.compiler.disable  # dynamo cannot trace this op; compiled layers call it eagerly
+    @eager_in_graphs  # dynamo cannot trace this op
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         return torch.fbgemm_linear_fp16_weight(x.float(), self.packed, self.bias).to(x.dtype)
 
