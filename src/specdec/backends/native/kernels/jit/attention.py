@@ -23,39 +23,91 @@ vector, matrix = "float32[::1]", "float32[:, ::1]"  # numba signatures
 ELEMENTS = ("float32", "uint16")  # a cache's elements: fp32, or bf16 bits (kv.py)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _score_rest(keys_t, qs, s, first, last, d, lo, count):  # pragma: no cover - compiled
+    for rest in range(d, qs.shape[1]):  # the dims past the last four, one at a time
+        for x in range(first, last):
+            qd, row, kd = qs[x, rest], s[x], keys_t[rest]
+            for i in range(lo, count):
+                row[i] += qd * load(kd[i])
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _scores4(keys_t, qs, s, r, lo, count):  # pragma: no cover - compiled
+    dim, n = qs.shape[1], count - lo  # loops from 0 over rows sliced at lo: LLVM vectorises those best
+    s0, s1, s2, s3 = s[r, lo:count], s[r + 1, lo:count], s[r + 2, lo:count], s[r + 3, lo:count]
+    d = 0
+    while d + 4 <= dim:
+        k0, k1, k2, k3 = (keys_t[d, lo:count], keys_t[d + 1, lo:count], keys_t[d + 2, lo:count],
+                          keys_t[d + 3, lo:count])
+        a0, a1, a2, a3 = qs[r, d], qs[r, d + 1], qs[r, d + 2], qs[r, d + 3]
+        b0, b1, b2, b3 = qs[r + 1, d], qs[r + 1, d + 1], qs[r + 1, d + 2], qs[r + 1, d + 3]
+        c0, c1, c2, c3 = qs[r + 2, d], qs[r + 2, d + 1], qs[r + 2, d + 2], qs[r + 2, d + 3]
+        e0, e1, e2, e3 = qs[r + 3, d], qs[r + 3, d + 1], qs[r + 3, d + 2], qs[r + 3, d + 3]
+        for i in range(n):
+            x0, x1, x2, x3 = load(k0[i]), load(k1[i]), load(k2[i]), load(k3[i])
+            s0[i] = (((s0[i] + a0 * x0) + a1 * x1) + a2 * x2) + a3 * x3
+            s1[i] = (((s1[i] + b0 * x0) + b1 * x1) + b2 * x2) + b3 * x3
+            s2[i] = (((s2[i] + c0 * x0) + c1 * x1) + c2 * x2) + c3 * x3
+            s3[i] = (((s3[i] + e0 * x0) + e1 * x1) + e2 * x2) + e3 * x3
+        d += 4
+    _score_rest(keys_t, qs, s, r, r + 4, d, lo, count)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _scores3(keys_t, qs, s, r, lo, count):  # pragma: no cover - compiled
+    dim, n = qs.shape[1], count - lo
+    s0, s1, s2 = s[r, lo:count], s[r + 1, lo:count], s[r + 2, lo:count]
+    d = 0
+    while d + 4 <= dim:
+        k0, k1, k2, k3 = (keys_t[d, lo:count], keys_t[d + 1, lo:count], keys_t[d + 2, lo:count],
+                          keys_t[d + 3, lo:count])
+        a0, a1, a2, a3 = qs[r, d], qs[r, d + 1], qs[r, d + 2], qs[r, d + 3]
+        b0, b1, b2, b3 = qs[r + 1, d], qs[r + 1, d + 1], qs[r + 1, d + 2], qs[r + 1, d + 3]
+        c0, c1, c2, c3 = qs[r + 2, d], qs[r + 2, d + 1], qs[r + 2, d + 2], qs[r + 2, d + 3]
+        for i in range(n):
+            x0, x1, x2, x3 = load(k0[i]), load(k1[i]), load(k2[i]), load(k3[i])
+            s0[i] = (((s0[i] + a0 * x0) + a1 * x1) + a2 * x2) + a3 * x3
+            s1[i] = (((s1[i] + b0 * x0) + b1 * x1) + b2 * x2) + b3 * x3
+            s2[i] = (((s2[i] + c0 * x0) + c1 * x1) + c2 * x2) + c3 * x3
+        d += 4
+    _score_rest(keys_t, qs, s, r, r + 3, d, lo, count)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _scores1(keys_t, qs, s, r, lo, count):  # pragma: no cover - compiled
+    dim, n = qs.shape[1], count - lo
+    s0 = s[r, lo:count]
+    d = 0
+    while d + 4 <= dim:
+        k0, k1, k2, k3 = (keys_t[d, lo:count], keys_t[d + 1, lo:count], keys_t[d + 2, lo:count],
+                          keys_t[d + 3, lo:count])
+        a0, a1, a2, a3 = qs[r, d], qs[r, d + 1], qs[r, d + 2], qs[r, d + 3]
+        for i in range(n):
+            s0[i] = (((s0[i] + a0 * load(k0[i])) + a1 * load(k1[i])) + a2 * load(k2[i])) + a3 * load(k3[i])
+        d += 4
+    _score_rest(keys_t, qs, s, r, r + 1, d, lo, count)
+
+
 @njit([f"void({e}[:, ::1], {matrix}, {matrix}, int64, int64)" for e in ELEMENTS], cache=True, nogil=True)
 def scores(keys_t, qs, s, lo, count):  # pragma: no cover - compiled
     """s[r, i] = sum over d, in order, of qs[r, d] * keys_t[d, i] for lo <= i < count. Four dims
     per pass over the scores and four lanes per pass over the keys (unroll and jam): the same
-    roundings, a fraction of the loads and stores. lanes is a multiple of four (head pads
-    with zero rows)."""
+    roundings, a fraction of the loads and stores. The lanes past the last four go three at a
+    time, or one at a time (a decode step of a GQA group of 3 has three lanes: a fourth, idle
+    lane cost a quarter of the arithmetic, and one lane alone pays for four)."""
     lanes, dim = qs.shape
-    n = count - lo  # the loops below run from 0 over rows sliced at lo, which LLVM vectorises best
     for r in range(lanes):
         for i in range(lo, count):
             s[r, i] = 0
-    for r in range(0, lanes, 4):
-        s0, s1, s2, s3 = s[r, lo:count], s[r + 1, lo:count], s[r + 2, lo:count], s[r + 3, lo:count]
-        d = 0
-        while d + 4 <= dim:
-            k0, k1, k2, k3 = (keys_t[d, lo:count], keys_t[d + 1, lo:count], keys_t[d + 2, lo:count],
-                              keys_t[d + 3, lo:count])
-            a0, a1, a2, a3 = qs[r, d], qs[r, d + 1], qs[r, d + 2], qs[r, d + 3]
-            b0, b1, b2, b3 = qs[r + 1, d], qs[r + 1, d + 1], qs[r + 1, d + 2], qs[r + 1, d + 3]
-            c0, c1, c2, c3 = qs[r + 2, d], qs[r + 2, d + 1], qs[r + 2, d + 2], qs[r + 2, d + 3]
-            e0, e1, e2, e3 = qs[r + 3, d], qs[r + 3, d + 1], qs[r + 3, d + 2], qs[r + 3, d + 3]
-            for i in range(n):
-                x0, x1, x2, x3 = load(k0[i]), load(k1[i]), load(k2[i]), load(k3[i])
-                s0[i] = (((s0[i] + a0 * x0) + a1 * x1) + a2 * x2) + a3 * x3
-                s1[i] = (((s1[i] + b0 * x0) + b1 * x1) + b2 * x2) + b3 * x3
-                s2[i] = (((s2[i] + c0 * x0) + c1 * x1) + c2 * x2) + c3 * x3
-                s3[i] = (((s3[i] + e0 * x0) + e1 * x1) + e2 * x2) + e3 * x3
-            d += 4
-        for rest in range(d, dim):
-            for x in range(r, r + 4):
-                qd, row, kd = qs[x, rest], s[x], keys_t[rest]
-                for i in range(lo, count):
-                    row[i] += qd * load(kd[i])
+    quads = lanes // 4 * 4
+    for r in range(0, quads, 4):
+        _scores4(keys_t, qs, s, r, lo, count)
+    if lanes - quads == 3:
+        _scores3(keys_t, qs, s, quads, lo, count)
+    else:
+        for r in range(quads, lanes):
+            _scores1(keys_t, qs, s, r, lo, count)
 
 
 @njit([f"void({e}[:, ::1], {vector}, {vector}, int64, int64)" for e in ELEMENTS], cache=True, nogil=True)
@@ -98,6 +150,24 @@ def weighted_sum4(values, w, acc, r, lo, count):  # pragma: no cover - compiled
             a1[c] = (((a1[c] + x10 * p0) + x11 * p1) + x12 * p2) + x13 * p3
             a2[c] = (((a2[c] + x20 * p0) + x21 * p1) + x22 * p2) + x23 * p3
             a3[c] = (((a3[c] + x30 * p0) + x31 * p1) + x32 * p2) + x33 * p3
+
+
+@njit(cache=True, nogil=True)
+def weighted_sum3(values, w, acc, r, lo, count):  # pragma: no cover - compiled
+    """weighted_sum4 for the three lanes r .. r + 2 (a GQA group of three, or the last three)."""
+    columns = values.shape[1]
+    a0, a1, a2 = acc[r], acc[r + 1], acc[r + 2]
+    w0, w1, w2 = w[r], w[r + 1], w[r + 2]
+    for i in range(lo, count, 4):
+        v0, v1, v2, v3 = values[i], values[i + 1], values[i + 2], values[i + 3]
+        x00, x01, x02, x03 = w0[i], w0[i + 1], w0[i + 2], w0[i + 3]
+        x10, x11, x12, x13 = w1[i], w1[i + 1], w1[i + 2], w1[i + 3]
+        x20, x21, x22, x23 = w2[i], w2[i + 1], w2[i + 2], w2[i + 3]
+        for c in range(columns):
+            p0, p1, p2, p3 = load(v0[c]), load(v1[c]), load(v2[c]), load(v3[c])
+            a0[c] = (((a0[c] + x00 * p0) + x01 * p1) + x02 * p2) + x03 * p3
+            a1[c] = (((a1[c] + x10 * p0) + x11 * p1) + x12 * p2) + x13 * p3
+            a2[c] = (((a2[c] + x20 * p0) + x21 * p1) + x22 * p2) + x23 * p3
 
 
 @njit(f"float32({vector}, int64, {vector})", cache=True, nogil=True)
@@ -156,16 +226,24 @@ def lane_finish(w, acc, r, n, path, v_new, h, out):  # pragma: no cover - compil
 
 @njit(cache=True, nogil=True)
 def weighted_sums(values, w, acc, lo, counts):  # pragma: no cover - compiled
-    """acc[r] = w[r, :counts[r]] @ values[:counts[r]] for every lane r (a multiple of four
-    lanes), from key lo (a multiple of four below which every weight is 0: skipping those
-    zero terms leaves the bits as they are): four lanes at a time as far as all four have
-    keys (weighted_sum4), each lane on its own after that."""
+    """acc[r] = w[r, :counts[r]] @ values[:counts[r]] for every lane r, from key lo (a multiple
+    of four below which every weight is 0: skipping those zero terms leaves the bits as they
+    are): four lanes at a time as far as all four have keys (weighted_sum4), each lane on its
+    own after that; past the last four, three at a time or one (as `scores`)."""
     acc[:] = 0
-    for r in range(0, acc.shape[0], 4):
+    lanes = acc.shape[0]
+    quads = lanes // 4 * 4
+    for r in range(0, quads, 4):
         shared = max(lo, min(counts[r], counts[r + 1], counts[r + 2], counts[r + 3]) // 4 * 4)
         weighted_sum4(values, w, acc, r, lo, shared)
         for x in range(r, r + 4):
             weighted_sum(values, w[x], acc[x], shared, counts[x])
+    shared = lo
+    if lanes - quads == 3:
+        shared = max(lo, min(counts[quads], counts[quads + 1], counts[quads + 2]) // 4 * 4)
+        weighted_sum3(values, w, acc, quads, lo, shared)
+    for x in range(quads, lanes):
+        weighted_sum(values, w[x], acc[x], shared, counts[x])
 
 
 @njit(cache=True, nogil=True)
@@ -176,24 +254,21 @@ def head(q, k_new, v_new, keys_t, values, h, first, last, limits, paths, starts,
     [dim, L] and values [L, dim + 1]. A lane's bits do not depend on which lanes share them."""
     dim, group = q.shape[2], q.shape[1] // k_new.shape[1]
     lanes = last - first
-    jammed = -(-lanes // 4) * 4  # up to three idle lanes (zero weights) fill the last four
-    s = np.empty((jammed, widest + paths.shape[1]), np.float32)
+    s = np.empty((lanes, widest + paths.shape[1]), np.float32)
     w = np.empty_like(s)
-    w[lanes:] = 0
     bits = np.empty(s.shape, np.int32)
-    acc = np.empty((jammed, values.shape[1]), np.float32)
-    qs = np.zeros((jammed, dim), np.float32)
+    acc = np.empty((lanes, values.shape[1]), np.float32)
+    qs = np.empty((lanes, dim), np.float32)
     tops = np.empty(16, np.float32)
-    counts, extras = np.empty(jammed, np.int64), np.zeros(jammed, np.int64)
-    begins = np.empty(jammed, np.int64)
-    for x in range(jammed):
-        j, g = min(first + x, last - 1) // group, (first + x) % group
+    counts, extras = np.empty(lanes, np.int64), np.zeros(lanes, np.int64)
+    begins = np.empty(lanes, np.int64)
+    for x in range(lanes):
+        j, g = (first + x) // group, (first + x) % group
         counts[x], begins[x] = limits[j], starts[j]
-        if x < lanes:
-            while extras[x] < paths.shape[1] and paths[j, extras[x]] >= 0:
-                extras[x] += 1
-            for d in range(dim):
-                qs[x, d] = q[j, h * group + g, d] * scale
+        while extras[x] < paths.shape[1] and paths[j, extras[x]] >= 0:
+            extras[x] += 1
+        for d in range(dim):
+            qs[x, d] = q[j, h * group + g, d] * scale
     lo = min(begins[:lanes].min(), widest) // 4 * 4  # keys before every lane's window: not read at all
     scores(keys_t, qs, s, lo, widest)  # a lane ignores the keys past its limit
     for x in range(lanes):
