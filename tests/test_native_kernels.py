@@ -340,11 +340,18 @@ def test_marked_methods_run_plain_until_a_compile_wraps_them(monkeypatch):
     assert Later.forward._torchdynamo_disable
 
 
-def test_the_layers_that_compiled_graphs_must_call_eagerly_are_marked():
-    from specdec.backends.native.kernels import cpu
+def test_a_gguf_models_layers_call_their_kernels_eagerly_in_compiled_graphs(smollm2):
+    """What NativeModel.compile does before tracing, on the embedded model's own types: each
+    layer (PromptSame over a numba kernel, holding its bound method) now holds the wrapper."""
     from specdec.backends.native.kernels.int8_blocks import BlockLinear8, MixedBlockLinear8
+    from specdec.backends.native.kernels.linear import PromptSame, bind_for_graphs
     from specdec.backends.native.kernels.precisions import FP16Linear
+    from specdec.backends.native.model.backend import native_model_for
 
-    cpu.disable_marked_in_graphs()  # what NativeModel.compile does first
+    modules = [m for layer in native_model_for(smollm2).layers for m in layer.modules()]
+    held = [m for m in modules if isinstance(m, PromptSame)]
+    assert held and all(isinstance(m.layer, (BlockLinear8, MixedBlockLinear8)) for m in held)
+    bind_for_graphs(modules)
+    assert all(m.forward._torchdynamo_disable for m in held)
     for layer in (BlockLinear8, MixedBlockLinear8, FP16Linear, OrtBlockLinear):
         assert layer.forward._torchdynamo_disable, layer.__name__

@@ -10,6 +10,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from specdec.backends.native.kernels.cpu import disable_marked_in_graphs
 from specdec.backends.native.kernels.precisions import make_linear
 
 
@@ -81,7 +82,12 @@ class PromptSame(torch.nn.Module):
     def __init__(self, layer: torch.nn.Module):
         super().__init__()
         self.layer, self.out_features, self.act_dtype = layer, layer.out_features, layer.act_dtype
-        self.forward = self.prompt_forward = layer.forward  # no extra frame per call
+        self.rebind()
+
+    def rebind(self) -> None:
+        """forward is the layer's own bound method (no extra frame per call), bound again once
+        cpu.disable_marked_in_graphs has wrapped the layer's class for a compile."""
+        self.forward = self.prompt_forward = self.layer.forward
 
 
 class PromptView(torch.nn.Module):
@@ -100,3 +106,13 @@ def prompt_view(linear):
             return FusedLinear.from_layers([PromptView(linear.fused)], linear.sizes)
         return FusedLinear.from_layers([PromptView(p) for p in linear.parts], linear.sizes)
     return PromptView(linear)
+
+
+def bind_for_graphs(modules) -> None:
+    """Before a first torch.compile over `modules`: the marked layer methods become the wrappers
+    that compiled graphs call eagerly (cpu.disable_marked_in_graphs), and each PromptSame, which
+    holds its layer's method bound before, binds it again."""
+    disable_marked_in_graphs()
+    for module in modules:
+        if isinstance(module, PromptSame):
+            module.rebind()

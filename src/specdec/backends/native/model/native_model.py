@@ -25,13 +25,8 @@ import torch.nn.functional as F
 from specdec.backends.native.gguf.reader import read_gguf
 from specdec.backends.native.gguf.state import float_state, quant_state
 from specdec.backends.native.kernels.attention import kernel_rows, windowed
-from specdec.backends.native.kernels.cpu import (
-    cpu_features,
-    disable_marked_in_graphs,
-    forced_fallback,
-    gemm_rows_independent,
-)
-from specdec.backends.native.kernels.linear import FusedLinear, Linear, prompt_view
+from specdec.backends.native.kernels.cpu import cpu_features, forced_fallback, gemm_rows_independent
+from specdec.backends.native.kernels.linear import FusedLinear, Linear, bind_for_graphs, prompt_view
 from specdec.backends.native.kernels.precisions import PRECISIONS, make_linear, make_lm_head
 from specdec.backends.native.model.batch_runner import COMPILE_BUCKETS, CachePool
 from specdec.backends.native.model.config import SUPPORTED_TYPES, KVRow, NativeConfig, default_inv_freq
@@ -122,8 +117,8 @@ class NativeModel:
         if not self.compiled:
             # each bucket (and the first cache lengths) traces its own graph; keep them all
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            disable_marked_in_graphs()  # numba's and ORT's layers run eagerly in the graphs
             for layer in self.layers:
+                bind_for_graphs(layer.modules())  # numba's and ORT's layers run eagerly in the graphs
                 layer.compile(dynamic=True)  # one graph, shared by all layers
             self.compiled = True
         pool = pool or self.new_pool(max_length=2 * COMPILE_BUCKETS[-1] + 1)
