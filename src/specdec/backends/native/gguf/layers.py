@@ -151,12 +151,18 @@ def _shared(data: np.ndarray, dtype) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(data).view(dtype))
 
 
-@functools.cache
 def _fbgemm_usable() -> bool:
     """fbgemm's fp16 GEMM is built here, the fallback is not forced, and it computes a row the
-    same alone as among 8 (checked once per process on random weights: on an AVX2 EPYC it
-    does not, and an F16 matrix then takes RowwiseLinear)."""
-    if forced_fallback() or "fbgemm" not in torch.backends.quantized.supported_engines:
+    same alone as among 8. The fallback is read at each call (a test forces it after another
+    built an F16 layer); the check itself runs once per process."""
+    return not forced_fallback() and _fbgemm_batch_invariant()
+
+
+@functools.cache
+def _fbgemm_batch_invariant() -> bool:
+    """Checked on random weights: on an AVX2 EPYC fbgemm does not compute a row the same alone as
+    among 8, and an F16 matrix then takes RowwiseLinear."""
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
         return False
     g = torch.Generator().manual_seed(0)
     layer = FP16Linear(torch.randn(320, 512, generator=g))
