@@ -3,6 +3,7 @@ side, with the roofline of each forward.
 
     python scripts/bench/measure/scoring_cost.py [--target smollm2-135m] [--contexts 100,1000,4000]
         [--sizes 1,2,4,8,16] [--repeats 15] [--threads 2] [--rates GBPS,GMACS] [--no-llamacpp]
+        [--kv-dtype bf16|fp32]
 
 Per context c (a prefill of c tokens, then forwards rolled back after each): the median
 milliseconds of a chain of n tokens, a 6-node token tree and a batch of 4 sequences x 4
@@ -30,11 +31,16 @@ from specdec.models import load_model, resolve
 
 TREE = [-1, 0, 0, 1, 1, 2]  # 6 nodes: the root's two children, two below the first, one below the second
 BATCH = (4, 4)  # sequences x tokens
+# seconds between the engines' blocks: each one's thread pool spins for a while after its last
+# call, and a block that starts while the other's threads still spin runs on half the cores.
+# Each block then starts with an untimed call, since the first call after a pause runs slow.
+SETTLE = 0.2
 
 
-def file_costs(path) -> dict:
+def file_costs(path, kv_element_bytes: int) -> dict:
     """Bytes of the file's matrices (the weights one forward reads once) and their weights per
-    token, i.e. multiply-adds; and each token's cache bytes and multiply-adds per context token."""
+    token, i.e. multiply-adds; and each token's cache bytes (elements of `kv_element_bytes`) and
+    multiply-adds per context token."""
     f = gguf_file(path)
     arch = f.meta("general.architecture")
     matrices = [t for name, t in f.tensors.items() if len(t.shape) == 2 and name != "token_embd.weight"]
@@ -45,7 +51,7 @@ def file_costs(path) -> dict:
     dim = int(f.meta(f"{arch}.attention.key_length", int(f.meta(f"{arch}.embedding_length")) // heads))
     return {"weight_bytes": sum(t.data.nbytes for t in matrices),
             "weights": sum(t.shape[0] * t.shape[1] for t in matrices),
-            "kv_bytes_per_token": layers * kv_heads * dim * 2 * 4,  # keys and values, fp32
+            "kv_bytes_per_token": layers * kv_heads * dim * 2 * kv_element_bytes,  # keys and values
             "attention_macs_per_key": layers * heads * dim * 2}  # scores and weighted sums, per query
 
 
@@ -118,11 +124,17 @@ def measure_context(seqs, peer, c: int, ids: list[int], sizes: list[int],
                           lambda: [s.rollback(c) for s in group])
     times: dict[str, list[float]] = {name: [] for name in cases}
     times.update({f"llama.cpp {n}": [] for n in sizes} if peer is not None else {})
+    first = next(iter(cases.values()))
     for round_ in range(repeats + 2):  # two warm-up rounds
+        time.sleep(SETTLE)
+        timed(*first)  # untimed: the first call after an idle moment runs slow
         for name, (call, undo) in cases.items():
             elapsed = timed(call, undo)
             if round_ >= 2:
                 times[name].append(elapsed)
+        time.sleep(SETTLE)
+        if peer is not None:
+            peer.feed(new[:1], c)
         for n in sizes if peer is not None else ():
             elapsed = peer.feed(new[:n], c)
             if round_ >= 2:
@@ -139,6 +151,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rates", default=None, help="GB/s,G MAC/s of machine_rates.py, for the roofline")
     p.add_argument("--no-llamacpp", action="store_true")
+    p.add_argument("--kv-dtype", default=None, help="specdec's KV-cache type (default: the backend's)")
     args = p.parse_args()
     import torch
 
@@ -148,13 +161,16 @@ def main() -> None:
     target = load_model(args.target)
     path = resolve(args.target)[1]
     length = max(contexts) + max(sizes) + BATCH[0] + 8
-    seq = make_backend("native", target, prefix_cache="off", slots=BATCH[0], max_length=length)
+    seq = make_backend("native", target, prefix_cache="off", slots=BATCH[0], max_length=length,
+                       kv_dtype=args.kv_dtype)
     seqs = [seq] + [seq.pool.new_sequence() for _ in range(BATCH[0] - 1)]
     peer = None if args.no_llamacpp else LlamaCpp(path, args.threads, length + 64)
     text = "The harbour office opened at seven, and the ferries waited for the fog. " * 800
     ids = target.tokenizer.encode(text)
-    costs = file_costs(path)
-    report = {"target": args.target, "threads": args.threads, "rates": rates, "costs": costs, "ms": {},
+    costs = file_costs(path, seq.pool.kv_dtype.itemsize)
+    kv_dtype = str(seq.pool.kv_dtype).removeprefix("torch.")
+    report = {"target": args.target, "threads": args.threads, "kv_dtype": kv_dtype, "rates": rates,
+              "costs": costs, "ms": {},
               "rows": []}
     for c in contexts:
         times = measure_context(seqs, peer, c, ids, sizes, args.repeats)
@@ -166,9 +182,9 @@ def main() -> None:
         one, peer_one = ms["chain 1"], ms.get("llama.cpp 1")
         for name in [*(f"chain {n}" for n in sizes), "tree 6", "batch 4x4"]:
             n = name.split()[1]
-            peer = ms.get(f"llama.cpp {n}") if name.startswith("chain") else None
+            theirs = ms.get(f"llama.cpp {n}") if name.startswith("chain") else None
             cells = [c, name, f"{ms[name]:.1f} ({ms[name] / one:.2f}x)",
-                     "-" if peer is None else f"{peer:.1f} ({peer / peer_one:.2f}x)",
+                     "-" if theirs is None else f"{theirs:.1f} ({theirs / peer_one:.2f}x)",
                      "-" if roof[name] is None else f"{roof[name]:.1f} ({roof[name] / ms[name]:.0%})"]
             report["rows"].append(cells)
             print("  ".join(str(x) for x in cells), flush=True)

@@ -51,7 +51,7 @@ class CachePool:
         if not 1 <= max_length <= cfg.max_positions:
             raise SpecdecError(f"max_length must be in 1..{cfg.max_positions}, got {max_length}",
                                "max_length")
-        self.model, self.slots, self.max_length = model, slots, max_length
+        self.model, self.slots, self.max_length, self.kv_dtype = model, slots, max_length, kv_dtype
         # keys [layers, slots, kv_heads, head_dim, length], values [layers, slots, kv_heads, length,
         # head_dim + 1] whose last column is ones up to `_ones`, in whole attention chunks (attention.py)
         lead, length = (cfg.num_layers, slots), padded(max_length)
