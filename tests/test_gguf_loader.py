@@ -86,7 +86,9 @@ def _transformers_logits(path: Path, tokens: list[int], inv_freq: torch.Tensor |
 
 
 def _native_logits(path: Path, tokens: list[int]) -> torch.Tensor:
-    return NativeModel.from_gguf(path).new_pool(max_length=256).new_sequence().prefill(tokens)
+    """Over an fp32 KV cache (not the default bf16), so that the bounds measure the weight kernels."""
+    pool = NativeModel.from_gguf(path).new_pool(max_length=256, kv_dtype=torch.float32)
+    return pool.new_sequence().prefill(tokens)
 
 
 # ---- the reader --------------------------------------------------------------------------------

@@ -73,6 +73,22 @@ def test_the_window_is_the_models_own_by_default(model):
     assert memory.limit_bytes >= 3 * 2048 * memory.bytes_per_token
 
 
+@pytest.mark.parametrize("precision, option, dtype", [
+    (None, None, torch.bfloat16), ("int8", None, torch.bfloat16), ("fp32", None, torch.float32),
+    (None, "bf16", torch.bfloat16), (None, "fp32", torch.float32), ("fp32", "fp16", torch.float16)])
+def test_the_cache_is_bf16_on_the_cpu_unless_the_option_or_fp32_weights_say_so(precision, option, dtype):
+    """The backend's default halves the bytes a step reads at long contexts; fp32 weights keep an
+    fp32 cache; the option still chooses, and an unknown type is a one-line error naming it."""
+    from specdec.backends import make_backend
+    from specdec.errors import SpecdecError
+
+    target = tiny_llama(max_positions=256)
+    seq = make_backend("native", target, max_length=64, kv_dtype=option, precision=precision)
+    assert seq.pool.kv_dtype == dtype and seq.pool.kv_memory().bytes_per_token % dtype.itemsize == 0
+    with pytest.raises(SpecdecError, match="kv_dtype"):
+        make_backend("native", target, max_length=64, kv_dtype="int3")
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("lazy", [True, False])
 def test_memory_follows_the_tokens_held_and_cleared_slots_read_as_new(model, monkeypatch, lazy, kv_dtype):

@@ -257,7 +257,7 @@ def test_prompts_run_dense_and_never_share_a_pass_with_steps(target):
     # a model whose own layers and head are the int4 model's prompt layers and head
     reference = NativeModel.from_hf(target.model, prompt_precision(torch.device("cpu"), "int4"))
     reference.dense, reference.lm_head = None, int4.pool.model.dense[1]
-    fp32 = reference.new_pool().new_sequence()
+    fp32 = reference.new_pool(kv_dtype=int4.pool.kv_dtype).new_sequence()  # (reference's default may differ)
     assert torch.equal(int4.prefill(tokens[:40]), fp32.prefill(tokens[:40]))
     alone = int4.forward(tokens[40:43])  # a step: int4 layers
     assert not torch.equal(alone, fp32.forward(tokens[40:43]))

@@ -17,8 +17,8 @@ from specdec.errors import SpecdecError
 NATIVE_OPTIONS = ("precision", "device", "max_length", "slots", "compile", "lm_head", "kv_dtype")
 
 
-# KV-cache element types (the kv_dtype option). fp32 is the default; bf16 and fp16 halve the
-# cache. The numba attention kernel reads fp32 and bf16 (numba_ops.usable); fp16 runs the
+# KV-cache element types (the kv_dtype option; the default: NativeModel.default_kv_dtype). bf16
+# and fp16 halve the cache. The numba attention kernel reads fp32 and bf16 (numba_ops.usable); fp16 runs the
 # PyTorch routine of attention.py, batch-invariant as well.
 KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -111,14 +111,15 @@ def default_precision(device=None, gguf: bool = False) -> str:
 
 def make_native_backend(target, prefix_cache: str = "prompt", precision: str | None = None, device=None,
                         max_length: int | None = None, slots: int = 1, compile: bool = False,
-                        lm_head: str = "auto", kv_dtype: str = "fp32") -> NativeSequence:
+                        lm_head: str = "auto", kv_dtype: str | None = None) -> NativeSequence:
     """A sequence over a fresh pool (its own KV cache) for a LoadedModel's weights: a GGUF's read
     from its file, others' from the transformers model. The cache holds `max_length` tokens
-    (default: the model's window) of `kv_dtype` (KV_DTYPES), committed as they are held."""
+    (default: the model's window) of `kv_dtype` (KV_DTYPES; default: the model's
+    default_kv_dtype), committed as they are held."""
     device = check_device(device if device is not None else target.device)
     if lm_head not in LM_HEADS:
         raise SpecdecError(f"unknown lm_head {lm_head!r}; choose one of: {', '.join(LM_HEADS)}", "lm_head")
-    if kv_dtype not in KV_DTYPES:
+    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
         raise SpecdecError(f"unknown kv_dtype {kv_dtype!r}; choose one of: {', '.join(KV_DTYPES)}",
                            "kv_dtype")
     try:
@@ -126,7 +127,7 @@ def make_native_backend(target, prefix_cache: str = "prompt", precision: str | N
     except ValueError as e:  # lm_head ort8 where it cannot run
         raise SpecdecError(str(e), "lm_head") from None
     length = int(max_length) if max_length else None
-    pool = model.new_pool(int(slots), length, KV_DTYPES[kv_dtype], prefix_cache=prefix_cache)
+    pool = model.new_pool(int(slots), length, KV_DTYPES.get(kv_dtype), prefix_cache=prefix_cache)
     if _flag(compile) and not model.compiled:
         model.compile(pool)  # traced on this pool's cache shapes; the seconds are in compile_seconds
     return pool.new_sequence()

@@ -187,10 +187,20 @@ class NativeModel:
         return cls(config, state, precision, device, dense_prompts=precision != GGUF_PRECISION,
                    lm_head=lm_head)
 
-    def new_pool(self, slots: int = 1, max_length: int | None = None, kv_dtype=torch.float32,
+    def new_pool(self, slots: int = 1, max_length: int | None = None, kv_dtype: torch.dtype | None = None,
                  prefix_cache: str = "prompt") -> CachePool:
-        """A KV cache for `slots` sequences whose prefix caches run in mode `prefix_cache`."""
-        return CachePool(self, slots, max_length, kv_dtype, prefix_cache)
+        """A KV cache for `slots` sequences whose prefix caches run in mode `prefix_cache`, its
+        elements `kv_dtype` (default: `default_kv_dtype`)."""
+        return CachePool(self, slots, max_length, kv_dtype or self.default_kv_dtype, prefix_cache)
+
+    @property
+    def default_kv_dtype(self) -> torch.dtype:
+        """bf16 for quantized or bf16 weights on a CPU: half the bytes a decode step reads at long
+        contexts, with every row's bits still its own (a key is rounded once, when it is stored,
+        whichever forward stores it; llama.cpp keeps 16-bit keys too). fp32 weights keep an fp32
+        cache (they ask for full precision), and so does any other device."""
+        quantized = self.device.type == "cpu" and self.precision != "fp32"
+        return torch.bfloat16 if quantized else torch.float32
 
     def rope_tables(self, length: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin [length, head_dim], computed as transformers does (bit for bit);
