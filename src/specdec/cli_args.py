@@ -62,9 +62,9 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
                    help="backend option, repeatable (native: precision=gguf|fp32|bf16|int8|int4, gguf: a "
                         "GGUF's own types, the default for GGUF files on a cpu; device=cuda, max_length=N "
                         "(default: the model's window, its memory committed as tokens are held), "
-                        "kv_dtype=bf16|fp32|fp16 (default: bf16 on a cpu), compile=1: "
-                        "torch.compile the decode step, for faster single streams; no token trees, and a "
-                        "batch runs one sequence at a time)")
+                        "kv_dtype=bf16|fp32|fp16 (default: bf16 on a cpu, fp32 with precision=fp32), "
+                        "compile=1: torch.compile the decode step, for faster single streams; no token "
+                        "trees, and a batch runs one sequence at a time)")
     p.add_argument("--draft-device", metavar="DEVICE",
                    help="where a model drafter runs, e.g. cpu while the target is on cuda (default: cpu for "
                         "a GGUF draft, else the draft model's)")

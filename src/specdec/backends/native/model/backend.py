@@ -17,9 +17,9 @@ from specdec.errors import SpecdecError
 NATIVE_OPTIONS = ("precision", "device", "max_length", "slots", "compile", "lm_head", "kv_dtype")
 
 
-# KV-cache element types (the kv_dtype option; the default: NativeModel.default_kv_dtype). bf16
-# and fp16 halve the cache. The numba attention kernel reads fp32 and bf16 (numba_ops.usable); fp16 runs the
-# PyTorch routine of attention.py, batch-invariant as well.
+# KV-cache element types (the kv_dtype option; the default: NativeModel.default_kv_dtype).
+# bf16 and fp16 halve the cache. The numba attention kernel reads fp32 and bf16
+# (numba_ops.usable); fp16 runs the PyTorch routine of attention.py, batch-invariant as well.
 KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
