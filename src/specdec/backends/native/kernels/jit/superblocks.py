@@ -40,8 +40,10 @@ from numba.extending import intrinsic
 
 from specdec.backends.native.kernels.jit.ir import (
     CACHE,
+    DOT,
     DOT_ROWS,
     Rows,
+    call_intrinsic,
     const,
     data_pointer,
     dispatch,
@@ -189,12 +191,11 @@ def _super_body(b, rows: Rows, qt: QuantType, rp, wp, units, ahead=None):
         if ahead is not None:
             prefetch(b, b.gep(unit.src, [ahead]))
         chunks, scales, offset, d, minimum = reader(unit)
+        pairs = _scale_pairs(b, qt, scales)
         for r, pick in enumerate(rows.picks):
-            isum = None
-            for c, (q, sc) in enumerate(zip(chunks, scales, strict=True)):
-                x, xsum4 = rows.chunk(pick, b.add(b.mul(loop.index, const(4)), const(c)))
-                lanes = b.mul(dot4(b, q, False, offset, x, xsum4), sc)  # exact: |lane| < 2^23
-                isum = lanes if isum is None else b.add(isum, lanes)
+            dots = [dot4(b, q, False, offset, *rows.chunk(pick, b.add(b.mul(loop.index, const(4)), const(c))))
+                    for c, q in enumerate(chunks)]
+            isum = _scaled_sum(b, dots, scales, pairs)
             x_scale = b.load(b.gep(rows.sp, [rows.slot(pick, loop.index, 256)]))
             term = b.fmul(splat_value(b, b.fmul(d, x_scale), 16), b.sitofp(isum, ir.VectorType(f32, 16)))
             b.store(b.fadd(b.load(accs[r]), term), accs[r])
@@ -208,6 +209,45 @@ def _super_body(b, rows: Rows, qt: QuantType, rp, wp, units, ahead=None):
     if not qt.with_min:  # Q6_K: no min term
         return totals
     return [b.fsub(total, b.load(v)) for total, v in zip(totals, mins, strict=True)]
+
+
+def _scale_pairs(b, qt: QuantType, scales):
+    """Q4_K's and Q5_K's sub-block scales of chunks 0 and 1, and of 2 and 3, as the 16-bit
+    halves of each lane (for `_scaled_sum`), where the CPU multiplies 16-bit pairs; else None.
+    Their chunks' lane sums fit in 16 bits (|sum of four q x| <= 4 * 31 * 127); Q6_K's, whose
+    q - 32 takes 32 * xsum4 off them, need not."""
+    if qt.ggml is Q.Q6_K or DOT not in ("vnni", "avx2"):
+        return None
+    high = splat(16, 16, i32)
+    return [b.or_(scales[c], b.shl(scales[c + 1], high)) for c in (0, 2)]
+
+
+def _scaled_sum(b, dots, scales, pairs):
+    """<16 x i32>: per lane, the sum over the four chunks of its dot times its sub-block scale,
+    exact (|lane| < 2^23, so the grouping does not matter). With `pairs`, two chunks' dots
+    share one pmaddwd: their low 16 bits side by side, times the scale pairs, summed."""
+    if pairs is None:
+        isum = None
+        for lanes in (b.mul(dot, sc) for dot, sc in zip(dots, scales, strict=True)):
+            isum = lanes if isum is None else b.add(isum, lanes)
+        return isum
+    sums = []
+    for c, pair in zip((0, 2), pairs, strict=True):
+        low = b.and_(dots[c], splat(0xFFFF, 16, i32))
+        words = b.bitcast(b.or_(low, b.shl(dots[c + 1], splat(16, 16, i32))), vec(i16, 32))
+        sums.append(_madd_pairs(b, words, b.bitcast(pair, vec(i16, 32))))
+    return b.add(sums[0], sums[1])
+
+
+def _madd_pairs(b, x, y):  # <32 x i16> twice -> <16 x i32>: x[2j] y[2j] + x[2j+1] y[2j+1]
+    if DOT == "vnni":  # AVX-512 VNNI implies AVX-512BW's vpmaddwd
+        return call_intrinsic(b, "llvm.x86.avx512.pmaddw.d.512", vec(i32, 16), [x, y])
+    halves = []
+    for h in range(2):
+        pick = vector(list(range(16 * h, 16 * h + 16)), i32)
+        halves.append(call_intrinsic(b, "llvm.x86.avx2.pmadd.wd", vec(i32, 8),
+                                     [b.shuffle_vector(x, x, pick), b.shuffle_vector(y, y, pick)]))
+    return b.shuffle_vector(halves[0], halves[1], vector(list(range(16)), i32))
 
 
 def _dot(qt: QuantType, rows: int):
