@@ -269,6 +269,32 @@ def test_prompts_run_dense_and_never_share_a_pass_with_steps(target):
     assert torch.equal(mixed[1], fp32.prefill(tokens[5:45]))
 
 
+@pytest.mark.parametrize("hidden", [False, True], ids=["kv", "kv+hidden"])
+def test_a_forked_prefix_continues_with_the_bits_of_a_cold_prefill(target, hidden):
+    """CachePool.fork copies a cached prefix (a shared system prompt) into a free slot: a prompt
+    that shares it prefills from there with the logits and hidden states of a cold prefill, and
+    the source keeps its own conversation."""
+    shared = random_tokens(140, seed=41)  # past one chunk of 128: the prefix kept is 128 tokens
+    ours, theirs = shared + random_tokens(25, seed=42), shared + random_tokens(30, seed=43)
+    source = make_backend("native", target, precision="int8", slots=3)
+    cold = source.pool.new_sequence()
+    if hidden:
+        source.enable_hidden_states()
+        cold.enable_hidden_states()
+    source.prefill(ours)
+    keep = source.prefix_cache.cached_prefix(theirs)
+    fork = source.pool.fork(source, keep)
+    assert keep == 128 and fork.length == keep and source.pool.free_slots == 0  # source, cold, fork
+    assert fork.prefix_cache.cached_prefix(theirs) == keep
+    warm, expected = fork.prefill(theirs, keep=keep), cold.prefill(theirs)
+    assert torch.equal(warm, expected[keep:])
+    if hidden:
+        assert torch.equal(fork.hidden, cold.hidden)
+    assert source.length == len(ours) and source.prefix_cache.cached_prefix(ours + [5]) == 128
+    with pytest.raises(ValueError, match="fork"):
+        source.pool.fork(source, len(ours) + 1)
+
+
 # ---- quantization ----------------------------------------------------------------------------
 
 

@@ -346,3 +346,27 @@ def test_requests_share_a_calibrated_cost_model_fed_by_solo_steps_only(target, m
     assert any(s == 0.0 for _, s in seen)  # batched steps: no cost sample (observe ignores 0)
     assert all(s > 0 for _, s in seen[-3:])  # the longer request finishes alone
     assert sched.max_batch_seen == 2
+
+
+@pytest.mark.parametrize("max_slots", [3, 1])
+def test_a_conversation_sharing_only_a_prefix_forks_it_and_both_stay_warm(max_slots):
+    """Two agents share a system prompt: the second one's first turn finds its prefix in the
+    first one's idle slot. With a free slot, the prefix is copied there and the first agent's
+    next turn still finds its whole prompt; with none, the slot is taken (the first agent's
+    cache past the shared prefix is lost)."""
+    target = tiny_llama(seed=0, max_positions=512)
+    slots = slots_mod.BackendSlots("native", target, {"slots": max_slots, "precision": "int8"}, "prompt",
+                         max_slots=max_slots)
+    shared = [5 + i % 200 for i in range(130)]  # one whole chunk of 128 is shared
+    ours = shared + [5 + i * 7 % 390 for i in range(140)]  # 270 tokens: two whole chunks
+    theirs = shared + list(range(260, 270))
+    first = slots.acquire(ours)
+    first.prefill(ours)
+    slots.release(first)
+    second = slots.acquire(theirs)
+    assert second.prefix_cache.cached_prefix(theirs) == 128 and (second is first) == (max_slots == 1)
+    second.prefill(theirs, keep=128)
+    slots.release(second)
+    again = slots.acquire(ours + [7, 8])
+    kept = again.prefix_cache.cached_prefix(ours + [7, 8])
+    assert again is first and kept == (128 if max_slots == 1 else 256)

@@ -198,6 +198,12 @@ class SlotPool(Protocol):
         """A fresh sequence in a free slot."""
         ...
 
+    def fork(self, source: Backend, length: int) -> Backend:
+        """A sequence in a free slot holding the first `length` tokens of `source`'s cache (a
+        prefix its `prefix_cache` would let a prefill keep), with their bits; `source` keeps
+        its own."""
+        ...
+
     def forward_batch(self, sequences: list[Backend], token_lists: list[list[int]],
                       unscored: list[list[int]] | None = None) -> list[torch.Tensor]:
         """Append token_lists[i] to sequences[i] (all of this pool); logits [len_i, V] each

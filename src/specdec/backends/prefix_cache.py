@@ -103,6 +103,17 @@ class PrefixCache:
             return n  # it reaches into a decoded answer: keep all of it
         return n - n % PREFILL_CHUNK
 
+    def extended_by(self, token_ids: list[int]) -> bool:
+        """Whether `token_ids` start with every token the cache holds: a prefill of them (the
+        conversation's next turn) loses nothing the cache holds but its chunk's tail."""
+        return self._tokens == list(token_ids[: len(self._tokens)])
+
+    def adopt(self, other: PrefixCache, length: int) -> None:
+        """This cache now holds the first `length` tokens of `other`'s (a copy of its keys and
+        values), with their bits as they were there."""
+        self._tokens, self._cold = other._tokens[:length], min(other._cold, length)
+        self._tokens_hidden = other._tokens_hidden
+
     def mark_decoded(self, token_ids: list[int], cache_length: int) -> None:
         """Record that the cache, `cache_length` tokens long, holds exactly `token_ids` (a
         finished request's prompt and answer, all but its last token); in mode "decoded"

@@ -52,9 +52,11 @@ class BackendSlots:
     bounds them too); otherwise it is a fresh backend from `make_backend`. A slot whose request
     ended keeps its cache: the next request of the same tenant goes to the idle slot that
     holds the longest prefix of its prompt (`PrefixCache`), so agents that resend their
-    conversation, or share a system prompt and tool list, skip most of their prefill. A prompt
-    that no idle slot helps gets a new slot while fewer than `max_slots` exist, else the least
-    recently used idle one, emptied. A slot never serves a prefix cached for another tenant.
+    conversation, or share a system prompt and tool list, skip most of their prefill. Where
+    that slot holds another conversation past the shared prefix and the pool has a free slot,
+    the prefix is copied there (`SlotPool.fork`), so the other conversation stays warm too. A
+    prompt that no idle slot helps gets a new slot while fewer than `max_slots` exist, else the
+    least recently used idle one, emptied. A slot never serves a prefix cached for another tenant.
     """
 
     def __init__(self, kind: str, target, options: dict | None = None, prefix_cache: str = "prompt",
@@ -87,7 +89,9 @@ class BackendSlots:
             for b in self._free
         ]
         best = max(range(len(hits)), key=hits.__getitem__) if hits else None
-        if best is not None and (hits[best] > 0 or not self._can_grow()):
+        if best is not None and hits[best] > 0 and self._branches(self._free[best], prompt_ids):
+            backend = self.pool.fork(self._free[best], hits[best])  # both conversations stay warm
+        elif best is not None and (hits[best] > 0 or not self._can_grow()):
             backend = self._free.pop(best)  # a hit, or else the least recently used slot
             if hits[best] == 0:
                 backend.reset()  # evicted: its cache (perhaps another tenant's) is dropped
@@ -98,6 +102,12 @@ class BackendSlots:
         self._tenant[id(backend)] = tenant
         self.in_use += 1
         return backend
+
+    def _branches(self, slot: Backend, prompt_ids: list[int]) -> bool:
+        """Whether the prompt shares only a prefix with another conversation held in `slot` (a
+        system prompt and tool list, say), and the pool can copy that prefix into a free slot
+        rather than evict the rest of that conversation."""
+        return self.pool is not None and self._can_grow() and not slot.prefix_cache.extended_by(prompt_ids)
 
     def _can_grow(self) -> bool:
         if self.max_slots is not None and self.num_slots >= self.max_slots:

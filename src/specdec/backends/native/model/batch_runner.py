@@ -77,6 +77,19 @@ class CachePool:
             raise SpecdecError(f"all {self.slots} cache slots are in use", "slots")
         return NativeSequence(self, self._free.pop(), self.prefix_mode)
 
+    def fork(self, source: NativeSequence, length: int) -> NativeSequence:
+        """A new sequence holding a copy of `source`'s first `length` keys, values (and hidden
+        states, if it keeps them): a conversation that shares a prefix with another's cache
+        starts from it without evicting the rest."""
+        if source.pool is not self or source.slot is None or not 0 <= length <= source.length:
+            raise ValueError(f"cannot fork {length} tokens of this sequence")
+        seq = self.new_sequence()
+        self.reserve(seq.slot, length)
+        self.k[:, seq.slot, ..., :length] = self.k[:, source.slot, ..., :length]
+        self.v[:, seq.slot, :, :length] = self.v[:, source.slot, :, :length]
+        seq.adopt(source, length)
+        return seq
+
     def release(self, seq: NativeSequence) -> None:
         if seq.pool is not self or seq.slot is None:
             raise ValueError("this sequence does not hold a slot of this pool")

@@ -98,6 +98,15 @@ class NativeSequence:
         if self._keep_hidden:
             self.pool.hidden_buffer()[self.slot, start : start + rows.shape[0]] = rows
 
+    def adopt(self, source: NativeSequence, length: int) -> None:
+        """Take `source`'s first `length` tokens as this slot's, once the pool has copied their
+        keys and values here (CachePool.fork): the length, the prefix record, hidden states."""
+        self._length, self._tree = length, None
+        self.prefix_cache.adopt(source.prefix_cache, length)
+        if source._keep_hidden:
+            self.enable_hidden_states()
+            self._store_hidden(0, source.hidden[:length])
+
     def reset(self) -> None:
         self._length, self._tree = 0, None
         self.prefix_cache.truncate(0)
