@@ -9,13 +9,20 @@ from conftest import save_loaded, tiny_llama
 from specdec.bench import load as loadbench
 
 
-def test_loadbench_runs_every_configuration_and_checks_greedy_replies(tmp_path, capsys):
+def test_loadbench_runs_every_configuration_and_checks_greedy_replies(tmp_path, capsys, monkeypatch):
     model_dir = save_loaded(tiny_llama(0, max_positions=2048), tmp_path / "model")
     out = tmp_path / "load.json"
+    pauses = []
+
+    async def think(seconds):  # recorded, not slept
+        pauses.append(seconds)
+
+    monkeypatch.setattr(loadbench, "think", think)
     loadbench.main([
         "--target", str(model_dir), "--drafter", "ngram:min=1", "--concurrency", "1,2", "--sessions", "3",
-        "--turns", "2", "--max-tokens", "12", "--out", str(out),
+        "--turns", "2", "--max-tokens", "12", "--think", "2.5", "--out", str(out),
     ])
+    assert pauses == [2.5] * 3 * 4  # between the two turns of 3 sessions, in 4 configurations
     summary = json.loads(out.read_text())
     rows = summary["results"]
     assert ([(r["speculation"], r["concurrency"]) for r in rows]

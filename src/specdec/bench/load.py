@@ -169,10 +169,15 @@ def request_body(target: Target, messages: list[dict], args, render) -> tuple[st
     return route, {**body, **target.extra}
 
 
+async def think(seconds: float) -> None:
+    """An agent's pause between a reply and its next turn (its tools run, say)."""
+    await asyncio.sleep(seconds)
+
+
 async def run_config(target: Target, sessions: list[Session], concurrency: int, args, render=None) -> dict:
-    """`concurrency` agents walk `sessions`, each one turn after another. A failed request is an
-    error and a reply that stops short is lost; either ends its session, whose turns left count
-    as lost too."""
+    """`concurrency` agents walk `sessions`, each one turn after another, pausing `args.think`
+    seconds between turns. A failed request is an error and a reply that stops short is lost;
+    either ends its session, whose turns left count as lost too."""
     import httpx
 
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
@@ -200,6 +205,8 @@ async def run_config(target: Target, sessions: list[Session], concurrency: int, 
                 res["key"] = f"{index}.{turn}"
                 results.append(res)
                 messages = [*messages, {"role": "assistant", "content": res["text"]}]
+                if args.think and turn + 1 < len(session.turns):
+                    await think(args.think)
 
     start = time.perf_counter()
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
@@ -287,6 +294,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default="on,off", help="speculation modes of every engine, in running order")
     p.add_argument("--sessions", type=int, default=16, help="sessions per configuration")
     p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--think", type=float, default=0.0,
+                   help="seconds an agent pauses between a reply and its next turn (its tools running): "
+                        "other sessions' requests meet its idle cache")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=600.0)
