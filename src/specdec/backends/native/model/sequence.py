@@ -103,9 +103,10 @@ class NativeSequence:
         keys and values here (CachePool.fork): the length, the prefix record, hidden states."""
         self._length, self._tree = length, None
         self.prefix_cache.adopt(source.prefix_cache, length)
-        if source._keep_hidden:
+        hidden = source.hidden  # None unless the source keeps hidden states
+        if hidden is not None:
             self.enable_hidden_states()
-            self._store_hidden(0, source.hidden[:length])
+            self._store_hidden(0, hidden[:length])
 
     def reset(self) -> None:
         self._length, self._tree = 0, None
