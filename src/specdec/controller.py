@@ -25,6 +25,15 @@ accepted) would push the request's net loss past `waste_allowance` one-token ste
 build credit, so a drafter that pays is never held back. Until a drafting cost has been
 measured, the first speculative step drafts one token: it prices the drafter.
 
+A drafter that runs a model over the context must first read the tokens it has not seen: the
+prompt, or everything since its last proposal after a bypass. That catch-up is priced too, per
+token read (`ScoreCosts.t_read`). When reading all of it does not fit the budget (or its cost is
+not known yet) and the drafter can draft from a window of recent tokens, a probe reads only
+that window (`AdaptiveK.reading`): a drafter that never wins then costs a few short reads, not
+a second pass over the whole sequence, while one that wins earns the credit for a full read.
+Such a drafter is also timed at start-up with the target (`ScoreCosts.calibrate_drafter`), so
+a draft model too slow to ever pay is priced out before its first proposal.
+
 Fixed costs (`ScoreCosts(fixed={n: seconds})`, or `SPECDEC_SCORE_COSTS="1=1.0,8=2.2"` for every
 cost model a process makes) freeze t(n): nothing is timed or learned, so k depends on the
 tokens alone, never on how busy the machine is. The test suite runs that way.
@@ -40,6 +49,7 @@ from dataclasses import dataclass
 
 from specdec.backends import RollbackLM
 from specdec.config import parse_k
+from specdec.drafters import Drafter
 
 
 class FixedK:
@@ -52,8 +62,11 @@ class FixedK:
     def tree_nodes(self, k: int) -> int:
         return k  # a tree scores as many tokens as the chain would
 
+    def reading(self, k: int, backlog: int, window: int | None) -> tuple[int, int]:
+        return k, backlog  # a fixed k reads whatever the drafter has not seen
+
     def observe(self, num_drafted: int, num_accepted: int, num_scored: int, score_s: float,
-                propose_s: float | None, context: int | None = None) -> None:
+                propose_s: float | None, context: int | None = None, read: int = 0) -> None:
         pass
 
 
@@ -73,6 +86,11 @@ def context_bucket(context: int) -> int:
 
 
 FIXED_COSTS_ENV = "SPECDEC_SCORE_COSTS"
+# Tokens a drafter reads before a proposal in steady speculation: what the last step emitted (at
+# most k_max + 1), whose time is part of drafting. More is a catch-up (the prompt, a bypass).
+CATCH_UP_LIMIT = 32
+FIRST_READ = 8  # the fewest tokens a probe from a window reads: the first, while reading has no price
+PROBE_READ = 32  # the context calibrate_drafter reads
 
 
 def parse_fixed_costs(text: str) -> dict[int, float]:
@@ -105,12 +123,14 @@ class ScoreCosts:
     CALIBRATION_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 17)  # 17 = the default k_max + 1
 
     def __init__(self, prior_slope: float = 0.15, clock: Callable[[], float] = time.perf_counter,
-                 fixed: dict[int, float] | None = None):
+                 fixed: dict[int, float] | None = None, fixed_read: float = 0.0):
         self.prior_slope = prior_slope
         self.clock = clock  # what calibrate times forwards with
         self._tables: dict[int, dict[int, float]] = {}  # bucket -> n -> EMA of seconds
         self.t_draft = 0.0
         self.draft_known = fixed is not None  # t_draft measured at least once (fixed costs: it is 0)
+        self.t_read = fixed_read  # seconds per token a drafter reads when it catches up (fixed: given)
+        self.read_known = fixed is not None
         self._fit: tuple[float, float] | None = None  # the reference bucket's (t1, slope), refitted lazily
         self.calibrated = False
         if fixed is None and os.environ.get(FIXED_COSTS_ENV):
@@ -150,6 +170,26 @@ class ScoreCosts:
             table[n] = sorted(ts)[len(ts) // 2]
         self._fit, self.calibrated = None, True
 
+    def calibrate_drafter(self, drafter: Drafter, repeats: int = 3) -> None:
+        """Time a drafter whose reading is dear (one that counts its backlog: a draft model) on
+        made-up contexts, so that its first proposal is priced like the target's rows: a read
+        of PROBE_READ tokens drafting one, then a steady proposal of two (medians of
+        `repeats`). Drafters that read cheaply are priced by their first proposals."""
+        if self.frozen or drafter.backlog([1]) is None:
+            return
+        probes, steady = [], []
+        for r in range(repeats):
+            context = [1 + r] * PROBE_READ  # a new token each time: nothing cached is reused
+            t0 = self.clock()
+            drafted = drafter.propose(context, 1).tokens
+            t1 = self.clock()
+            drafter.propose(context + drafted[:1], 2)
+            probes.append(t1 - t0)
+            steady.append(self.clock() - t1)
+        self.t_draft = sorted(steady)[repeats // 2] / 2
+        self.t_read = max(0.0, sorted(probes)[repeats // 2] - self.t_draft) / PROBE_READ
+        self.draft_known = self.read_known = True
+
     def observe(self, num_scored: int, score_s: float, context: int = 0) -> None:
         """One forward of num_scored tokens after `context` cached ones took score_s seconds."""
         if self.frozen or num_scored < 1 or score_s <= 0:
@@ -159,13 +199,22 @@ class ScoreCosts:
         table[num_scored] = score_s if old is None else 0.8 * old + 0.2 * score_s
         self._fit = None
 
-    def observe_draft(self, num_drafted: int, propose_s: float | None) -> None:
-        """num_drafted tokens took propose_s seconds to draft (None: the time also paid for
-        catching up on many new tokens, so it says nothing of a drafted token's cost)."""
-        if num_drafted > 0 and propose_s is not None and not self.frozen:
+    def observe_draft(self, num_drafted: int, propose_s: float | None, read: int = 0) -> None:
+        """A proposal of num_drafted tokens took propose_s seconds (None: not timed), after
+        reading `read` context tokens in a catch-up (0: a steady proposal, whose few new tokens
+        are part of drafting). A catch-up teaches the cost of reading: its time less the
+        drafting, or, before drafting has a cost, its time shared by every token it handled."""
+        if num_drafted <= 0 or propose_s is None or self.frozen:
+            return
+        if read <= 0:
             per_token = propose_s / num_drafted
             self.t_draft = 0.8 * self.t_draft + 0.2 * per_token if self.draft_known else per_token
             self.draft_known = True
+            return
+        drafting = num_drafted * self.t_draft if self.draft_known else 0.0
+        per_read = max(0.0, propose_s - drafting) / (read if self.draft_known else read + num_drafted)
+        self.t_read = 0.8 * self.t_read + 0.2 * per_read if self.read_known else per_read
+        self.read_known = True
 
     def _reference(self) -> int:
         return max(self._tables, key=lambda b: (len(self._tables[b]), -b)) if self._tables else 0
@@ -316,38 +365,62 @@ class AdaptiveK:
         """What a k-token draft loses if nothing is accepted: its extra rows and its drafting."""
         return self.score_cost(k + 1) - self.score_cost(1) + k * self.costs.t_draft
 
-    def affordable(self, k: int) -> int:
-        """k cut to what the loss budget allows: the largest k whose worst case keeps the
-        request's net loss within its credit (0: a plain step)."""
+    def budget(self) -> float:
+        """Seconds the request may still lose: the allowance and its credit, less its loss."""
+        return self.waste_allowance * self.score_cost(1) + self.credit - self.loss
+
+    def affordable(self, k: int, read: int = 0) -> int:
+        """k cut to what the loss budget allows: the largest k whose worst case, after reading
+        `read` tokens to catch up, keeps the request's net loss within its credit (0: plain)."""
         if not self.costs.draft_known:
             k = min(k, 1)  # the drafting cost is unknown: one token prices it
-        budget = self.waste_allowance * self.score_cost(1) + self.credit - self.loss
+        budget = self.budget() - read * self.costs.t_read
         while k > 0 and self.worst_loss(k) > budget:
             k -= 1
         return k
 
+    def reading(self, k: int, backlog: int, window: int | None) -> tuple[int, int]:
+        """(k, tokens to read) for a proposal whose drafter has `backlog` context tokens to
+        catch up on and can draft from its last `window` (None: it must read them all). The
+        whole backlog when it fits the loss budget; else as many of the last tokens as fit, up
+        to the window (FIRST_READ while reading has no price yet), with k cut to what fits."""
+        if k == 0 or backlog <= CATCH_UP_LIMIT:
+            return k, backlog
+        known, t_read = self.costs.read_known, self.costs.t_read
+        if known and self.affordable(k, backlog) == k:
+            return k, backlog
+        if window is None or window >= backlog:
+            return (self.affordable(k, backlog) if known else min(k, 1)), backlog
+        if not known:
+            return min(k, 1), min(window, FIRST_READ)
+        spare = self.budget() - self.worst_loss(1)
+        read = min(window, int(spare / t_read)) if t_read > 0 else window
+        return (self.affordable(k, read), read) if read >= FIRST_READ else (0, 0)
+
     def observe(self, num_drafted: int, num_accepted: int, num_scored: int, score_s: float,
-                propose_s: float | None, context: int | None = None) -> None:
+                propose_s: float | None, context: int | None = None, read: int = 0) -> None:
         """num_scored tokens went through one target forward that took score_s seconds, after
-        `context` cached tokens (default: the context next_k was given); drafting took
-        propose_s (None: not a sample of drafting alone, see ScoreCosts.observe_draft)."""
+        `context` cached tokens (default: the context next_k was given); the proposal took
+        propose_s (None: not timed), after a catch-up on `read` context tokens (0: none)."""
         self.costs.observe(num_scored, score_s, self.context if context is None else context)
-        self.costs.observe_draft(num_drafted, propose_s)
-        self._account(num_drafted, num_accepted, num_scored)
+        self.costs.observe_draft(num_drafted, propose_s, read)
+        self._account(num_drafted, num_accepted, num_scored, read)
         if num_drafted == 0:
             return
         self.drafted += num_drafted
         self._accepted = self.decay * self._accepted + num_accepted
         self._rejected = self.decay * self._rejected + (1 if num_accepted < num_drafted else 0)
 
-    def _account(self, num_drafted: int, num_accepted: int, num_scored: int) -> None:
-        """Price the step at the cost model's rates: the drafted rows and their drafting,
-        less a one-token step for each accepted token; and earn credit for the tokens made."""
+    def _account(self, num_drafted: int, num_accepted: int, num_scored: int, read: int = 0) -> None:
+        """Price the step at the cost model's rates: the drafted rows, their drafting and the
+        catch-up read before it, less a one-token step for each accepted token; and earn
+        credit for the tokens made."""
         t1 = self.score_cost(1)
         self.credit += self.waste_share * t1 * (1 + num_accepted)
         if num_drafted > 0:
             extra_rows = self.score_cost(num_scored) - self.score_cost(max(1, num_scored - num_drafted))
-            self.loss += extra_rows + num_drafted * self.costs.t_draft - num_accepted * t1
+            self.loss += (extra_rows + num_drafted * self.costs.t_draft + read * self.costs.t_read
+                          - num_accepted * t1)
 
 
 def make_controller(k: str | int, costs: ScoreCosts | None = None,

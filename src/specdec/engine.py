@@ -157,6 +157,7 @@ class Engine:
     def _run(self, stream: GenerationStream, job: Prepared, track_text: bool) -> Iterator[str]:
         if self.k in ("auto", None) and self.drafter_name != "none" and not self.costs.calibrated:
             self.costs.calibrate(self.backend)  # once per engine, before the first prompt fills the cache
+            self.costs.calibrate_drafter(self.drafter)
         runtime = Runtime(self.tokenizer, self.eos_token_ids, self.config, self.costs)
         seq = Sequence(self.backend, self.drafter, job, self.k, runtime, track_text=track_text,
                        prior_alpha=self.alpha_prior)

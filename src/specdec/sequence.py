@@ -18,7 +18,7 @@ import torch
 from specdec.backends import Backend
 from specdec.backends.prefix_cache import chunk_end
 from specdec.config import EngineConfig
-from specdec.controller import ScoreCosts, make_controller
+from specdec.controller import CATCH_UP_LIMIT, ScoreCosts, make_controller
 from specdec.drafters import Draft, Drafter
 from specdec.grammar import MAX_FORCED, ConstrainedDraft
 from specdec.logprobs import TokenLogprob, token_logprobs
@@ -28,10 +28,6 @@ from specdec.stats import SpecStats
 from specdec.text import TextTracker
 from specdec.tree import fit_tree, keep_path, tree_depth, verify_tree
 from specdec.verify import verify_greedy, verify_sampling
-
-# Tokens a drafter absorbs before a proposal in steady speculation: what the last step emitted
-# (at most k_max + 1). More means the prompt or a bypass, whose catch-up is no drafting cost.
-CATCH_UP_LIMIT = 32
 
 
 @dataclass
@@ -112,8 +108,9 @@ class Sequence:
         self.result: GenerationResult | None = None
         # (k, draft_tokens, draft_probs, cache_len, propose_s) between plan and advance
         self._step: tuple | None = None
-        self._drafter_saw = 0  # the context length at the drafter's last proposal
-        self._draft_steady = False  # the planned proposal's time is a sample of drafting alone
+        self._drafter_saw = 0  # the context length at the last proposal (drafters without a backlog)
+        self._steady = True  # the planned proposal's time is a sample of drafting (or of reading)
+        self._read = 0  # context tokens the planned proposal caught up on (0: a steady proposal)
         self.tree_parents: list[int] | None = None  # parents of the planned tokens when they form a tree
         self.grammar, self.draft_forced = job.grammar, runtime.config.draft_forced
         self._constrained: ConstrainedDraft | None = None  # the grammar's view of the planned draft
@@ -190,13 +187,25 @@ class Sequence:
         return [self.context[-1], *draft_tokens]
 
     def _propose(self, context: list[int], k: int) -> Draft | None:
-        """The drafter's proposal of k tokens (None for k = 0). Its time teaches the controller
-        what a drafted token costs only when the drafter had few new tokens to absorb first:
-        a first proposal after the prompt or after a bypass also pays for catching up."""
-        self._draft_steady = k > 0 and len(context) - self._drafter_saw <= CATCH_UP_LIMIT
+        """The drafter's proposal of at most k tokens (None for none). A first proposal after
+        the prompt or a bypass must first read the tokens the drafter has not seen. A drafter
+        that counts that backlog (a draft model's) has its catch-up priced by the controller,
+        which may have it probe from a window of the last tokens instead (AdaptiveK.reading).
+        For the others, reading is cheap: a catch-up is neither priced nor taken as drafting."""
+        self._read, self._steady = 0, True
         if k <= 0:
             return None
-        self._drafter_saw = len(context)
+        backlog = self.drafter.backlog(context)
+        if backlog is None:
+            self._steady = len(context) - self._drafter_saw <= CATCH_UP_LIMIT
+            self._drafter_saw = len(context)
+            return self.drafter.propose(context, k)
+        k, read = self.controller.reading(k, backlog, self.drafter.probe_window())
+        if k <= 0:
+            return None
+        if read < backlog:  # a probe: the drafter sees only the window, and catches up later
+            context = context[-read:]
+        self._read = read if read < backlog or backlog > CATCH_UP_LIMIT else 0
         return self.drafter.propose(context, k)
 
     def _plan_constrained(self, k: int, k_cap: int | None, remaining: int, room: int, t0: float) -> list[int]:
@@ -268,7 +277,8 @@ class Sequence:
         stats.verify_s += t3 - t2
         drafter_accepted = result.num_accepted - min(num_forced, result.num_accepted)  # cut or not
         self.controller.observe(num_drafted - num_forced, drafter_accepted, logits.shape[0],
-                                score_s if solo else 0.0, propose_s if self._draft_steady else None)
+                                score_s if solo else 0.0, propose_s if self._steady else None,
+                                read=self._read)
         if done:
             self.done = True
             return ""

@@ -5,7 +5,10 @@ A drafter guesses the next tokens of a sequence. The engine calls:
 - `propose(context_ids, k) -> Draft` every step; the draft may be shorter than k, or empty,
   which makes the step plain decoding;
 - `on_verified(context_ids, num_accepted)` after verification, with the context now holding
-  the accepted tokens plus the recovered or bonus token.
+  the accepted tokens plus the recovered or bonus token;
+- `backlog(context_ids)` and `probe_window()`, for drafters whose reading of the context is
+  dear (a model's): the tokens still to read, and the trailing tokens a probe may be drafted
+  from instead (`propose` then gets only those).
 
 A drafter with `Draft.probs = None` is deterministic; verification treats it as one-hot.
 A drafter that samples must return the distributions it sampled from.
@@ -52,6 +55,20 @@ class Drafter:
         """Called by the server before `begin` with the request's tenant (its API key and
         cache_salt). Drafters that learn across requests (suffix's global trie) keep what they
         learn per tenant, so no caller's drafts reveal another's text; others ignore it."""
+
+    def backlog(self, context_ids: list[int]) -> int | None:
+        """How many tokens of `context_ids` this drafter must read before it can draft: what
+        its state has not seen, for a drafter whose reading is dear (a model's); the controller
+        prices that catch-up. None: reading is cheap, and a catch-up is not priced."""
+        return None
+
+    def probe_window(self) -> int | None:
+        """How many of the last context tokens this drafter can draft a probe from. A drafter
+        that runs a model over the context pays to read its backlog (the prompt, the tokens
+        since a bypass); when the controller cannot afford that, it probes from this window
+        (`propose` then gets only those tokens). None: reading is cheap, or it needs the
+        whole context."""
+        return None
 
     def propose(self, context_ids: list[int], k: int) -> Draft:
         raise NotImplementedError

@@ -21,6 +21,9 @@ from specdec.errors import SpecdecError
 from specdec.models import LoadedModel, check_same_tokenizer, load_model
 from specdec.sampling import SamplingParams, logits_to_probs, sample
 
+# The trailing tokens a probe reads when catching up on the whole context is not affordable.
+PROBE_WINDOW = 32
+
 
 class ModelDrafter(Drafter):
     name = "model"
@@ -35,6 +38,12 @@ class ModelDrafter(Drafter):
     def begin(self, prompt_ids, params, generator) -> None:
         # the draft cache is kept: `propose` reuses whatever prefix the new context shares with it
         self._params, self._generator = params, generator
+
+    def backlog(self, context_ids: list[int]) -> int:
+        return len(context_ids) - common_prefix(self._cached, context_ids, limit=len(context_ids) - 1)
+
+    def probe_window(self) -> int:
+        return PROBE_WINDOW  # reading the context runs the draft model over it
 
     def propose(self, context_ids: list[int], k: int) -> Draft:
         room = self.backend.max_length - len(context_ids)

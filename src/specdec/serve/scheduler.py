@@ -143,7 +143,11 @@ class Scheduler:
         finally:
             self.slots.release(backend_for_timing, keep_cache=False)
         self.drafters = DrafterPool(target, engine.draft_device)
-        self.drafters.release(self.default_drafter, self.drafters.acquire(self.default_drafter))  # fail early
+        drafter = self.drafters.acquire(self.default_drafter)  # fail early
+        try:
+            self.costs.calibrate_drafter(drafter)
+        finally:
+            self.drafters.release(self.default_drafter, drafter)
         self.max_batch, self.max_queue = max_batch, max_queue
         self.policy = policy or LoadPolicy()
         self.metrics = metrics
