@@ -7,6 +7,7 @@ import pytest
 
 from specdec.controller import FIXED_COSTS_ENV, AdaptiveK, ScoreCosts
 from specdec.drafters import Draft, Drafter
+from specdec.drafters.common import common_prefix
 
 
 class Clock:
@@ -28,10 +29,7 @@ class Reader(Drafter):
         self.contexts: list[int] = []  # the length of each context it was given
 
     def backlog(self, context_ids):
-        shared = 0
-        while shared < min(len(self.seen), len(context_ids)) and self.seen[shared] == context_ids[shared]:
-            shared += 1
-        return len(context_ids) - shared
+        return len(context_ids) - common_prefix(self.seen, context_ids, len(context_ids))
 
     def probe_window(self):
         return self.window
