@@ -18,10 +18,12 @@ from specdec.bench.agent_corpus import POLICY_SECTIONS, TOOL_SCHEMAS, system_pro
 from specdec.bench.load_rounds import (
     Target,
     first_turn_agreement,
+    fresh_turns,
     mark_exact_matches,
     median,
     schedule,
     summarize,
+    variant,
 )
 from specdec.bench.long_sessions import RESULT_TOKENS, Session, make_long_sessions, split_budget
 from specdec.serve.protocol import ChatCompletionRequest, CompletionRequest
@@ -228,8 +230,8 @@ def test_summarize_takes_medians_and_sums_counts_in_first_run_order():
     assert rows[1]["tok_per_s_rounds"] == [30.0, 20.0, 25.0]
     assert [(r["requests"], r["errors"], r["lost"]) for r in rows] == [(6, 0, 0), (5, 1, 2)]
     assert rows[1]["first_error"] == "HTTP 500" and rows[1]["tau"] is None
-    mark_exact_matches(rows)
-    assert [r["exact_match"] for r in rows] == ["6/6", "5/6"]
+    mark_exact_matches(rows)  # each row is the first at its concurrency: its own reference
+    assert [r["exact_match"] for r in rows] == ["6/6", "5/5"]
 
 
 def test_exact_matches_and_first_turns_compare_the_right_rows():
@@ -242,6 +244,38 @@ def test_exact_matches_and_first_turns_compare_the_right_rows():
     assert first_turn_agreement(rows) == {"llama-server plain": "1/2", "llama-server ngram-mod": "1/2"}
     mark_exact_matches(rows)  # each engine against its own first row
     assert [r["exact_match"] for r in rows] == ["3/3", "3/3", "3/3", "2/3"]
+
+
+def test_exact_matches_compare_rows_of_the_same_round_and_concurrency():
+    # round 2 and concurrency 2 got other prompts, so other replies: only like is compared with like
+    runs = [run("specdec plain", "specdec", 1, 1, 1.0, 1.0, {"0.0": "a"}),
+            run("specdec plain", "specdec", 2, 1, 1.0, 1.0, {"0.0": "b"}),
+            run("specdec spec", "specdec", 1, 1, 1.0, 1.0, {"0.0": "a"}),
+            run("specdec spec", "specdec", 2, 1, 1.0, 1.0, {"0.0": "b"}),
+            run("specdec plain", "specdec", 1, 2, 1.0, 1.0, {"0.0": "c"}),
+            run("specdec plain", "specdec", 2, 2, 1.0, 1.0, {"0.0": "d"}),
+            run("specdec spec", "specdec", 1, 2, 1.0, 1.0, {"0.0": "c"}),
+            run("specdec spec", "specdec", 2, 2, 1.0, 1.0, {"0.0": "x"})]
+    rows = summarize(runs)
+    mark_exact_matches(rows)
+    assert [(r["label"], r["concurrency"], r["exact_match"]) for r in rows] == [
+        ("specdec plain", 1, "2/2"), ("specdec plain", 2, "2/2"),
+        ("specdec spec", 1, "2/2"), ("specdec spec", 2, "1/2")]
+
+
+def test_every_configuration_gets_fresh_turns():
+    levels = [1, 2, 4]
+    tags = {variant(r, c, levels) for r in (1, 2, 3) for c in levels}
+    assert len(tags) == 9 and 0 not in tags  # one per (round, concurrency), none the warm-up's
+    sessions = [Session([{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}],
+                        [[{"role": "tool", "content": "{}"}, {"role": "user", "content": "q"}],
+                         [{"role": "user", "content": "more"}]])]
+    assert fresh_turns(sessions, 0) is sessions
+    tagged = fresh_turns(sessions, 7)[0]
+    assert tagged.opening == sessions[0].opening  # the warm part stays shared
+    assert tagged.turns[0][0]["content"] == "(ref 007) {}" and tagged.turns[0][1:] == sessions[0].turns[0][1:]
+    assert tagged.turns[1:] == sessions[0].turns[1:]
+    assert sessions[0].turns[0][0]["content"] == "{}"  # the caller's sessions are not changed
 
 
 @pytest.mark.parametrize("outcomes, expected", [

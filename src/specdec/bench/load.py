@@ -2,10 +2,10 @@
 
 Each session is a short multi-turn agent conversation (tool-call JSON, code edits, tables,
 summaries); every turn resends the conversation so far and streams the reply. `c` sessions
-run at once. For every (speculation on/off, concurrency) pair the same sessions are replayed
-and we report aggregate completion tokens/s, request latency p50/p99, time to first token
-p50/p99 and TPOT, plus acceptance from the responses' `spec_decode`. The last line of stdout
-is one JSON object.
+run at once. For every (speculation on/off, concurrency) pair the same sessions are replayed,
+each time with turns the server has not seen (see below), and we report aggregate completion
+tokens/s, request latency p50/p99, time to first token p50/p99 and TPOT, plus acceptance from
+the responses' `spec_decode`. The last line of stdout is one JSON object.
 
     python -m specdec.bench.load --target smollm2-135m --concurrency 1,4,8,16
     python -m specdec.bench.load --url http://127.0.0.1:8000 --sessions 16
@@ -25,7 +25,10 @@ sends it to /v1/completions, so that every engine gets the same prompt text (lat
 carry each engine's own replies). `--peer llama-server` adds llama.cpp's server, plain and with
 `--spec-type ngram-mod` (llama_server.py); it only ever gets standard OpenAI fields. `--rounds N`
 runs every (engine, mode, concurrency) N times, the engines in turns within a round, and
-reports medians (load_rounds.py); errors and lost replies are counted, never dropped.
+reports medians (load_rounds.py); errors and lost replies are counted, never dropped. Each mode
+of each engine is its own server process (with `--url`, one server takes both), and every
+configuration's turns are new to it (load_rounds.fresh_turns), so no configuration finds the
+prompts of an earlier one in a prefix cache.
 """
 
 from __future__ import annotations
@@ -47,10 +50,12 @@ from specdec.bench import llama_server
 from specdec.bench.load_rounds import (
     Target,
     first_turn_agreement,
+    fresh_turns,
     mark_exact_matches,
     plot,
     schedule,
     summarize,
+    variant,
 )
 from specdec.bench.long_sessions import Session, make_long_sessions
 from specdec.models import load_model
@@ -377,15 +382,15 @@ def _start_targets(args, model, procs: list[subprocess.Popen]) -> list[Target]:
     """specdec (started, or --url) and the peer's servers, ready; started processes go to `procs`."""
     modes = [m.strip() for m in args.modes.split(",")]
     headers = {"Authorization": f"Bearer {os.environ[args.api_key_env]}"} if args.api_key_env else {}
-    proc = None
-    if args.url is None:
-        proc, url = spawn_server(args)
-        procs.append(proc)
-    else:
-        url, args.model = args.url, None
-    wait_ready(url, proc)
+    if args.url is not None:
+        args.model = None
+        wait_ready(args.url, None)
     targets = []
-    for mode in modes:
+    for mode in modes:  # a server per mode, so that no mode finds another's prompts cached
+        proc, url = (None, args.url) if args.url is not None else spawn_server(args)
+        if proc is not None:
+            procs.append(proc)
+            wait_ready(url, proc)
         fields = {"return_spec_decode": True}  # the per-request statistics are opt-in
         if mode == "off" or args.drafter_on is not None:
             fields["drafter"] = "none" if mode == "off" else args.drafter_on
@@ -431,7 +436,8 @@ def _run_rounds(targets: list[Target], sessions: list[Session], args, render) ->
             print(f"warm-up of {target.label}: {warm['first_error']}", file=sys.stderr, flush=True)
     runs = []
     for round_, target, c in schedule(targets, levels, args.rounds):
-        run = asyncio.run(run_config(target, sessions, c, args, render))
+        fresh = fresh_turns(sessions, variant(round_, c, levels))
+        run = asyncio.run(run_config(target, fresh, c, args, render))
         run["round"] = round_
         runs.append(run)
         print(f"round {round_} {target.label:22} c={c:<3} {run['tok_per_s']:8.1f} tok/s  "

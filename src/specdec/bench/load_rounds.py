@@ -5,12 +5,19 @@ configuration once per round, the engines in turns within each round, so that a 
 machine's drifts fall on all of them; `summarize` folds the rounds of each configuration into
 one row: medians of the rates and latencies, sums of the counts (requests, errors, lost replies).
 `plot` draws the rows. Nothing here talks to a server.
+
+Every configuration gets turns that no server has seen (`fresh_turns`): the sessions' openings
+are the same everywhere, and warmed before round 1, but each (round, concurrency) tags the
+first message of every session's first turn with its own reference, so nothing after it can
+come from a prefix cache that an earlier configuration filled. Each engine in each mode has a
+server of its own, so the targets of one configuration get the same prompts and their greedy
+replies can be compared.
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # row fields that are medians over rounds; every other number in a run is summed or kept as it is
 MEDIAN_FIELDS = ("wall_s", "tok_per_s", "latency_p50_s", "latency_p95_s", "latency_p99_s", "ttft_p50_s",
@@ -32,6 +39,26 @@ class Target:
     @property
     def speculation(self) -> bool:
         return self.mode == "on"
+
+
+def variant(round_: int, concurrency: int, levels: list[int]) -> int:
+    """The turns' tag of one configuration: the same for every target of a (round,
+    concurrency), different for every other; 0 (no tag) is the warm-up's."""
+    return (round_ - 1) * len(levels) + levels.index(concurrency) + 1
+
+
+def fresh_turns(sessions: list, tag: int) -> list:
+    """`sessions` whose first turn's first message carries reference `tag` (0: unchanged)."""
+    if tag == 0:
+        return sessions
+    out = []
+    for session in sessions:
+        first, *rest = session.turns
+        if first:
+            head = first[0]
+            first = [{**head, "content": f"(ref {tag:03d}) {head['content']}"}, *first[1:]]
+        out.append(replace(session, turns=[first, *rest]))
+    return out
 
 
 def schedule(targets: list[Target], levels: list[int], rounds: int) -> list[tuple[int, Target, int]]:
@@ -71,14 +98,16 @@ def summarize(runs: list[dict]) -> list[dict]:
 
 
 def mark_exact_matches(rows: list[dict]) -> None:
-    """Greedy replies are the same whatever the mode or the load, within one engine: set each
-    row's `exact_match` to how many of its replies (over all rounds) equal those of its engine's
-    first row's first round. Replies another row never got count as different."""
-    reference: dict[str, dict[str, str]] = {}
+    """Greedy replies are the same whatever the mode, within one engine: set each row's
+    `exact_match` to how many of its replies equal those of its engine's first row at the same
+    concurrency, round by round (the rows of one round and concurrency got the same prompts).
+    Replies another row never got count as different."""
+    reference: dict[tuple[str, int], list[dict[str, str]]] = {}
     for row in rows:
-        ref = reference.setdefault(row["engine"], row["runs_texts"][0])
-        same = sum(texts.get(key) == text for texts in row["runs_texts"] for key, text in ref.items())
-        row["exact_match"] = f"{same}/{len(ref) * len(row['runs_texts'])}"
+        refs = reference.setdefault((row["engine"], row["concurrency"]), row["runs_texts"])
+        pairs = list(zip(row["runs_texts"], refs, strict=False))
+        same = sum(texts.get(key) == text for texts, ref in pairs for key, text in ref.items())
+        row["exact_match"] = f"{same}/{sum(len(ref) for _, ref in pairs)}"
 
 
 def first_turn_agreement(rows: list[dict], reference_engine: str = "specdec") -> dict[str, str]:
