@@ -102,3 +102,38 @@ def test_a_token_tree_runs_in_one_call_with_the_bits_of_the_separate_calls(tmp_p
             _separate(model, patched)
             separate = tree(path_kept)
         assert torch.equal(one_call[0], separate[0]) and torch.equal(one_call[1], separate[1]), path_kept
+
+
+@pytest.mark.parametrize("kv_dtype", list(KV_DTYPES))
+@pytest.mark.parametrize(("arch", "qtype"), [("gemma3", "Q4_K"), ("qwen3", "Q5_1"), ("llama", "Q4_0")])
+def test_rows_sharing_the_threads_keep_the_bits_of_the_separate_calls(tmp_path_factory, arch, qtype,
+                                                                      kv_dtype, monkeypatch):
+    """With every forward's attention above the parallel threshold, a batch's rows (chains of
+    uneven lengths and contexts) and a token tree deal their work items to the threads together
+    (jit/attention.attend_packed): their logits, and the cache the next step reads, are the
+    separate calls' bit for bit."""
+    from specdec.backends.native.model import one_call
+
+    path, _ = _write(tmp_path_factory, arch, qtype)
+    model = NativeModel.from_gguf(path)
+    monkeypatch.setattr(one_call, "PARALLEL_WORK", 0)
+    pool = model.new_pool(slots=3, max_length=256, kv_dtype=KV_DTYPES[kv_dtype])
+    seqs = [pool.new_sequence() for _ in range(3)]
+    for seq, length in zip(seqs, (30, 37, 9), strict=True):
+        seq.prefill(TOKENS[:length])
+
+    def run() -> list[torch.Tensor]:
+        for seq, length in zip(seqs, (30, 37, 9), strict=True):
+            seq.rollback(length)
+        out = pool.forward_batch(seqs, [TOKENS[30:31], TOKENS[31:36], TOKENS[3:5]])
+        out.append(seqs[0].forward_tree(TOKENS[1:8], [-1, 0, 0, 1, 1, 3, -1]))
+        seqs[0].keep([0, 1, 3, 5])
+        out += pool.forward_batch(seqs[:2], [TOKENS[9:11], TOKENS[12:13]])
+        return out
+
+    fast = run()
+    assert model.step_stack is not None
+    with monkeypatch.context() as patched:
+        _separate(model, patched)
+        separate = run()
+    assert all(torch.equal(x, y) for x, y in zip(fast, separate, strict=True))

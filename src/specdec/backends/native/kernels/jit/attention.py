@@ -7,7 +7,7 @@ compiled once, cached on disk."""
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import get_num_threads, njit, prange
 
 from specdec.backends.native.kernels.jit.kv import encode, load
 from specdec.backends.native.kernels.jit.norms import (
@@ -373,3 +373,54 @@ def norm_rotate_attend_parallel(qkv, cos, signed_sin, heads, kv_heads, q_weight,
     q, k, v = split_norm_rotate(qkv, cos, signed_sin, heads, kv_heads, q_weight, k_weight, eps)
     out = attend_parallel(q, k, v, k_cache, v_cache, slot, store, limits, paths, starts, scale)
     return out.reshape(out.shape[0], out.shape[1] * out.shape[2])
+
+
+@njit(cache=True, nogil=True)
+def work_items(offsets, limits, heads, kv_heads, threads):  # pragma: no cover - compiled
+    """The attention of packed rows (offsets [R + 1] of their tokens; limits [T]) cut into work
+    items (row, kv head, first lane, last lane), four lanes of a head each, dealt to `threads`
+    threads, the dearest first to the least loaded (keys x lanes): items [threads, I], -1 past
+    a thread's last. Every row's items in one parallel loop keep both threads busy where a
+    row's own (three kv heads, say) would leave one idle a third of the time."""
+    group, rows = heads // kv_heads, offsets.shape[0] - 1
+    count = 0
+    for r in range(rows):
+        count += kv_heads * -(-((offsets[r + 1] - offsets[r]) * group) // 4)
+    table, cost = np.empty((count, 4), np.int64), np.empty(count, np.int64)
+    i = 0
+    for r in range(rows):
+        lanes, keys = (offsets[r + 1] - offsets[r]) * group, limits[offsets[r] : offsets[r + 1]].max()
+        for h in range(kv_heads):
+            for first in range(0, lanes, 4):
+                table[i, 0], table[i, 1], table[i, 2], table[i, 3] = r, h, first, min(first + 4, lanes)
+                cost[i] = (keys + 64) * (table[i, 3] - first)
+                i += 1
+    items = np.full((threads, count), -1, np.int64)
+    filled, load = np.zeros(threads, np.int64), np.zeros(threads, np.int64)
+    for i in np.argsort(-cost, kind="mergesort"):
+        t = np.argmin(load)
+        items[t, filled[t]] = i
+        filled[t] += 1
+        load[t] += cost[i]
+    return table, items
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def attend_packed(q, k_own, v_own, k_cache, v_cache, slots, offsets, limits, paths, starts,
+                  scale):  # pragma: no cover - compiled
+    """`attend` for the packed rows of a forward, after `begin` stored each one's keys: q [T,
+    heads, dim], k_own, v_own [T, kv_heads, dim] as `begin` returns them, row r's tokens
+    offsets[r] .. offsets[r + 1] - 1 in slot slots[r]; every row's work items on numba's
+    threads at once (`work_items`). A lane's bits do not depend on its item or thread."""
+    out = np.empty(q.shape, np.float32)
+    table, items = work_items(offsets, limits, q.shape[1], k_own.shape[1], get_num_threads())
+    for t in prange(items.shape[0]):
+        for n in range(items.shape[1]):
+            i = items[t, n]
+            if i < 0:
+                break
+            r, h = table[i, 0], table[i, 1]
+            a, b = offsets[r], offsets[r + 1]
+            head(q[a:b], k_own[a:b], v_own[a:b], k_cache[slots[r], h], v_cache[slots[r], h], h, table[i, 2],
+                 table[i, 3], limits[a:b], paths[a:b], starts[a:b], limits[a:b].max(), scale, out[a:b])
+    return out

@@ -25,8 +25,8 @@ import numpy as np
 from numba import njit
 
 from specdec.backends.native.kernels.jit.activations import quantize_rows, quantize_rows_k
-from specdec.backends.native.kernels.jit.attention import norm_rotate_attend, norm_rotate_attend_parallel
-from specdec.backends.native.kernels.jit.norms import exp_nonpositive, rms_norm_f32
+from specdec.backends.native.kernels.jit.attention import attend_packed, begin, norm_rotate_attend
+from specdec.backends.native.kernels.jit.norms import exp_nonpositive, rms_norm_f32, split_norm_rotate
 from specdec.backends.native.kernels.jit.superblocks import matmul as superblock_matmul
 from specdec.backends.native.kernels.jit.tiles16 import matmul as rows16_matmul
 
@@ -109,23 +109,30 @@ def attend_rows(mixed, rope, heads, kv_heads, q_norm, k_norm, eps, cache, rows, 
     """Each row's rotation and attention (jit/attention.norm_rotate_attend) on its own tokens of
     the fp32 q|k|v projection mixed [T, (heads + 2 kv_heads) * dim] -> [T, heads * dim]. rows:
     (slots [R], stores [R], offsets [R + 1], limits [T], paths [T, E], starts [T]), as
-    kernels/attention.kernel_rows packs them; a row attends on numba's threads where its keys
-    times its queries' heads reach `parallel_work` (the same bits either way)."""
+    kernels/attention.kernel_rows packs them. Where the rows' keys times their queries' heads
+    reach `parallel_work`, every row's work shares numba's threads (jit/attention.attend_packed);
+    the same bits either way."""
     cos, sin = rope
     k_cache, v_cache = cache
     slots, stores, offsets, limits, paths, starts = rows
     out = np.empty((mixed.shape[0], heads * cos.shape[2]), np.float32)
+    work = 0
     for r in range(slots.shape[0]):
-        a, b = offsets[r], offsets[r + 1]
-        if limits[a:b].max() * (b - a) * heads >= parallel_work:
-            out[a:b] = norm_rotate_attend_parallel(mixed[a:b], cos[a:b], sin[a:b], heads, kv_heads, q_norm,
-                                                   k_norm, eps, k_cache, v_cache, slots[r], stores[r],
-                                                   limits[a:b], paths[a:b], starts[a:b], scale)
-        else:
+        work += limits[offsets[r] : offsets[r + 1]].max() * (offsets[r + 1] - offsets[r]) * heads
+    if work < parallel_work:
+        for r in range(slots.shape[0]):
+            a, b = offsets[r], offsets[r + 1]
             out[a:b] = norm_rotate_attend(mixed[a:b], cos[a:b], sin[a:b], heads, kv_heads, q_norm, k_norm,
                                           eps, k_cache, v_cache, slots[r], stores[r], limits[a:b],
                                           paths[a:b], starts[a:b], scale)
-    return out
+        return out
+    q, k, v = split_norm_rotate(mixed, cos, sin, heads, kv_heads, q_norm, k_norm, eps)
+    k_own, v_own = np.empty(k.shape, np.float32), np.empty(v.shape, np.float32)
+    for r in range(slots.shape[0]):
+        a, b = offsets[r], offsets[r + 1]
+        _, k_own[a:b], v_own[a:b] = begin(q[a:b], k[a:b], v[a:b], k_cache, v_cache, slots[r], stores[r])
+    packed = attend_packed(q, k_own, v_own, k_cache, v_cache, slots, offsets, limits, paths, starts, scale)
+    return packed.reshape(packed.shape[0], packed.shape[1] * packed.shape[2])
 
 
 @njit(cache=True, nogil=True)
