@@ -90,7 +90,8 @@ class LayerStep:
         """The call on arrays: x [T, hidden], pending [T or 0, hidden], rope (cos, signed sin),
         cache (keys, values), rows (attention.kernel_rows) -> (x + pending, output)."""
         return _jit().decode_layer(x, pending, self.norms, self.eps, *self.groups, rope, self.heads,
-                                   self.kv_heads, cache, rows, self.scale, PARALLEL_WORK, self.gelu)
+                                   self.kv_heads, cache, rows, self.scale, (PARALLEL_WORK, numba_threads()),
+                                   self.gelu)
 
 
 class StepStack:

@@ -7,7 +7,7 @@ compiled once, cached on disk."""
 from __future__ import annotations
 
 import numpy as np
-from numba import get_num_threads, njit, prange
+from numba import njit, prange
 
 from specdec.backends.native.kernels.jit.kv import encode, load
 from specdec.backends.native.kernels.jit.norms import (
@@ -406,14 +406,15 @@ def work_items(offsets, limits, heads, kv_heads, threads):  # pragma: no cover -
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def attend_packed(q, k_own, v_own, k_cache, v_cache, slots, offsets, limits, paths, starts,
-                  scale):  # pragma: no cover - compiled
+def attend_packed(q, k_own, v_own, k_cache, v_cache, slots, offsets, limits, paths, starts, scale,
+                  threads):  # pragma: no cover - compiled
     """`attend` for the packed rows of a forward, after `begin` stored each one's keys: q [T,
     heads, dim], k_own, v_own [T, kv_heads, dim] as `begin` returns them, row r's tokens
     offsets[r] .. offsets[r + 1] - 1 in slot slots[r]; every row's work items on numba's
-    threads at once (`work_items`). A lane's bits do not depend on its item or thread."""
+    threads at once (`work_items`, for `threads` threads: numba's count, numba_ops.numba_threads).
+    A lane's bits do not depend on its item or thread."""
     out = np.empty(q.shape, np.float32)
-    table, items = work_items(offsets, limits, q.shape[1], k_own.shape[1], get_num_threads())
+    table, items = work_items(offsets, limits, q.shape[1], k_own.shape[1], threads)
     for t in prange(items.shape[0]):
         for n in range(items.shape[1]):
             i = items[t, n]

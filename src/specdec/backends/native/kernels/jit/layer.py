@@ -105,13 +105,13 @@ def _add(x, delta):  # pragma: no cover - compiled
 
 @njit(cache=True, nogil=True)
 def attend_rows(mixed, rope, heads, kv_heads, q_norm, k_norm, eps, cache, rows, scale,
-                parallel_work):  # pragma: no cover - compiled
+                parallel):  # pragma: no cover - compiled
     """Each row's rotation and attention (jit/attention.norm_rotate_attend) on its own tokens of
     the fp32 q|k|v projection mixed [T, (heads + 2 kv_heads) * dim] -> [T, heads * dim]. rows:
     (slots [R], stores [R], offsets [R + 1], limits [T], paths [T, E], starts [T]), as
-    kernels/attention.kernel_rows packs them. Where the rows' keys times their queries' heads
-    reach `parallel_work`, every row's work shares numba's threads (jit/attention.attend_packed);
-    the same bits either way."""
+    kernels/attention.kernel_rows packs them. parallel: (work, threads): where the rows' keys
+    times their queries' heads reach `work`, every row's work shares numba's `threads` threads
+    (jit/attention.attend_packed); the same bits either way."""
     cos, sin = rope
     k_cache, v_cache = cache
     slots, stores, offsets, limits, paths, starts = rows
@@ -119,7 +119,7 @@ def attend_rows(mixed, rope, heads, kv_heads, q_norm, k_norm, eps, cache, rows, 
     work = 0
     for r in range(slots.shape[0]):
         work += limits[offsets[r] : offsets[r + 1]].max() * (offsets[r + 1] - offsets[r]) * heads
-    if work < parallel_work:
+    if work < parallel[0]:
         for r in range(slots.shape[0]):
             a, b = offsets[r], offsets[r + 1]
             out[a:b] = norm_rotate_attend(mixed[a:b], cos[a:b], sin[a:b], heads, kv_heads, q_norm, k_norm,
@@ -131,25 +131,26 @@ def attend_rows(mixed, rope, heads, kv_heads, q_norm, k_norm, eps, cache, rows, 
     for r in range(slots.shape[0]):
         a, b = offsets[r], offsets[r + 1]
         _, k_own[a:b], v_own[a:b] = begin(q[a:b], k[a:b], v[a:b], k_cache, v_cache, slots[r], stores[r])
-    packed = attend_packed(q, k_own, v_own, k_cache, v_cache, slots, offsets, limits, paths, starts, scale)
+    packed = attend_packed(q, k_own, v_own, k_cache, v_cache, slots, offsets, limits, paths, starts, scale,
+                           parallel[1])
     return packed.reshape(packed.shape[0], packed.shape[1] * packed.shape[2])
 
 
 @njit(cache=True, nogil=True)
 def decode_layer(x, pending, norms, eps, qkv, o, gate_up, down, rope, heads, kv_heads, cache, rows,
-                 scale, parallel_work, gelu):  # fmt: skip  # pragma: no cover - compiled
+                 scale, parallel, gelu):  # fmt: skip  # pragma: no cover - compiled
     """One layer on x [T, hidden] + pending (the previous layer's output not yet added; [0,
     hidden]: none) for the decode rows of a forward (chains of several sequences, or a token
     tree) -> (its input with pending added, its output): the separate path's
     `DecoderLayer.forward_open`. norms: (attn_norm, mlp_norm, q_norm, k_norm, post_attn_norm,
     post_mlp_norm), the last four empty where the layer has none; rope: (cos, signed_sin) [T,
-    1, dim]; cache: (k_cache, v_cache); rows: as `attend_rows` takes them; gelu: GeGLU
+    1, dim]; cache: (k_cache, v_cache); rows and parallel: as `attend_rows` takes them; gelu: GeGLU
     (gemma3), else SwiGLU."""
     attn_norm, mlp_norm, q_norm, k_norm, post_attn_norm, post_mlp_norm = norms
     if pending.shape[0]:
         x = _add(x, pending)
     mixed = linear(qkv, rms_norm_f32(x, attn_norm, eps))
-    attn = attend_rows(mixed, rope, heads, kv_heads, q_norm, k_norm, eps, cache, rows, scale, parallel_work)
+    attn = attend_rows(mixed, rope, heads, kv_heads, q_norm, k_norm, eps, cache, rows, scale, parallel)
     delta = linear(o, attn)
     if post_attn_norm.shape[0]:
         delta = rms_norm_f32(delta, post_attn_norm, eps)
