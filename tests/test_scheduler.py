@@ -302,6 +302,46 @@ def test_tree_drafts_are_scored_with_tree_attention(target, monkeypatch):
     assert trees
 
 
+def test_tree_drafters_draft_chains_while_requests_share_a_batched_forward(target, monkeypatch):
+    """On a pool, a tree would take a forward of its own: while two requests decode, their
+    drafts are chains in one batched forward; alone, a request scores its tree again. The
+    output stays the target's greedy output, with drafts accepted once trees return."""
+    from specdec.drafters import REGISTRY, Draft, Drafter
+
+    plain = Engine(target, drafter="none", k=0)
+    prompts = [target.tokenizer.encode(p) for p in PROMPTS[:2]]
+    lengths = (8, 30)
+    full = [ids + plain.generate(ids, max_new_tokens=n).token_ids
+            for ids, n in zip(prompts, lengths, strict=True)]
+
+    class OracleTree(Drafter):
+        def propose(self, context, k):
+            seq = next((s for s in full if s[: len(context)] == context), None)
+            nxt = seq[len(context) : len(context) + 2] if seq else []
+            if len(nxt) < 2 or k < 2:
+                return Draft([])
+            return Draft([(nxt[0] + 1) % 400, nxt[0], nxt[1]], parents=[-1, -1, 1])
+
+    monkeypatch.setitem(REGISTRY, "test-oracle-tree", lambda spec, t: OracleTree())
+    pool = FakePool(target)
+    monkeypatch.setattr(slots_mod, "make_backend", lambda kind, t, **o: pool.new_sequence())
+    trees = []
+    original = HFBackend.forward_tree
+    monkeypatch.setattr(HFBackend, "forward_tree",
+                        lambda self, *a: trees.append(len(pool.batch_sizes)) or original(self, *a))
+    sched = Scheduler(target, EngineConfig(backend="fake", drafter="test-oracle-tree", k=4), max_batch=2)
+    recs = [Recorder() for _ in prompts]
+    for ids, rec, n in zip(prompts, recs, lengths, strict=True):
+        sched.submit(GenRequest(Prepared.tokens(list(ids), SamplingParams(), n), rec))
+    run_until_idle(sched)
+    for seq, rec in zip(full, recs, strict=True):
+        assert rec.result.prompt_ids + rec.result.token_ids == seq
+    assert recs[1].result.stats.num_accepted_tokens > 0
+    together = pool.batch_sizes.count(2)
+    assert together >= 2  # both requests' chains shared forwards
+    assert trees and min(trees) >= together  # trees only once a request was alone
+
+
 @pytest.mark.parametrize("mode", ["prompt", "decoded"])
 def test_a_request_gets_the_slot_that_caches_its_prompt_prefix(target, monkeypatch, mode):
     """Agents resend their conversation: turn 2 lands on the slot that served turn 1 and

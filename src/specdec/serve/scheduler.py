@@ -6,7 +6,8 @@ Every scheduler step:
 2. drops cancelled and timed-out requests, returning their cache slot;
 3. prefills new prompts a few chunks at a time (`LoadPolicy.prefill_tokens` a step, all
    prefilling requests together), so a long prompt does not freeze the running streams;
-4. lets every prefilled request draft (`sequence.Sequence.plan`), with k capped by the load policy;
+4. lets every prefilled request draft (`sequence.Sequence.plan`), with k capped by the load policy
+   (chains only while several requests share a batched forward);
 5. scores all drafts in one `backends.forward_batch` (a true batched forward when the
    backend has a pool, one forward per sequence otherwise);
 6. verifies, rolls back and emits per request (`sequence.Sequence.advance`).
@@ -256,10 +257,13 @@ class Scheduler:
     def _decode(self, decoding: list[_Active]) -> None:
         """Draft, score, verify and emit for every prefilled request."""
         cap = self.policy.k_cap(len(decoding))
+        # A token tree takes a forward of its own; with several requests on a pool, chains
+        # share one batched forward, which costs far less than a forward per request.
+        tree = not (self.batched and len(decoding) > 1)
         planned: list[tuple[_Active, list[int]]] = []
         for a in decoding:
             try:
-                tokens = a.seq.plan(cap, tree=True)
+                tokens = a.seq.plan(cap, tree=tree)
             except Exception as e:
                 self._fail(a, e)
                 continue
