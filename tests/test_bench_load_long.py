@@ -310,21 +310,25 @@ def sse(*events) -> bytes:
 
 
 LLAMA_STREAM = sse({"choices": [{"text": "Hel", "finish_reason": None}]},
-                   {"choices": [{"text": "lo", "finish_reason": "length"}], "usage": {"completion_tokens": 2,
-                    "prompt_tokens": 5}, "timings": {"draft_n": 4, "draft_n_accepted": 3}}, "[DONE]")
+                   {"choices": [{"text": "lo", "finish_reason": "length"}],
+                    "usage": {"completion_tokens": 2, "prompt_tokens": 5},
+                    "timings": {"draft_n": 4, "draft_n_accepted": 3, "prompt_n": 4}}, "[DONE]")
 SPECDEC_STREAM = sse({"choices": [{"text": "Hi", "finish_reason": None}]},
                      {"choices": [{"text": "", "finish_reason": "stop"}],
                       "spec_decode": {"drafted": 2, "accepted": 1}},
-                     {"choices": [], "usage": {"completion_tokens": 1, "prompt_tokens": 5}}, "[DONE]")
+                     {"choices": [], "usage": {"completion_tokens": 1, "prompt_tokens": 5,
+                                               "prompt_tokens_details": {"cached_tokens": 3}}}, "[DONE]")
 
 
-@pytest.mark.parametrize("stream, text, tokens, spec, complete", [
-    (LLAMA_STREAM, "Hello", 2, {"drafted": 4, "accepted": 3}, True),
-    (SPECDEC_STREAM, "Hi", 1, {"drafted": 2, "accepted": 1}, True),
-    (LLAMA_STREAM[: LLAMA_STREAM.index(b"data: [DONE]")], "Hello", 2, {"drafted": 4, "accepted": 3}, False),
-    (sse({"choices": [{"text": "Hel", "finish_reason": None}]}), "Hel", 0, {}, False),
+@pytest.mark.parametrize("stream, text, tokens, spec, prefilled, complete", [
+    (LLAMA_STREAM, "Hello", 2, {"drafted": 4, "accepted": 3}, 4, True),
+    (SPECDEC_STREAM, "Hi", 1, {"drafted": 2, "accepted": 1}, 2, True),
+    (LLAMA_STREAM[: LLAMA_STREAM.index(b"data: [DONE]")], "Hello", 2, {"drafted": 4, "accepted": 3}, 4,
+     False),
+    (sse({"choices": [{"text": "Hel", "finish_reason": None}]}), "Hel", 0, {}, 0, False),
 ])
-def test_one_request_reads_both_engines_streams(stream, text, tokens, spec, complete):
+def test_one_request_reads_both_engines_streams(stream, text, tokens, spec, prefilled, complete):
+    """Text, completion tokens, draft counts and the prompt tokens each engine ran (not cached)."""
     async def go():
         transport = httpx.MockTransport(lambda request: httpx.Response(200, content=stream))
         async with httpx.AsyncClient(transport=transport) as client:
@@ -332,6 +336,7 @@ def test_one_request_reads_both_engines_streams(stream, text, tokens, spec, comp
 
     got = asyncio.run(go())
     assert (got["text"], got["tokens"], got["spec"], got["complete"]) == (text, tokens, spec, complete)
+    assert got["prefilled"] == prefilled
 
 
 # ---- a real llama-server ------------------------------------------------------------------------

@@ -131,7 +131,7 @@ async def one_request(client, url: str, route: str, body: dict, headers: dict) -
     gave a finish reason and its [DONE]; raises RuntimeError on an HTTP or in-stream error."""
     start = time.perf_counter()
     first = None
-    text, spec, usage, finish, done = "", {}, {}, None, False
+    text, spec, usage, finish, done, timings = "", {}, {}, None, False, {}
     async with client.stream("POST", url + route, json=body, headers=headers) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
@@ -152,13 +152,17 @@ async def one_request(client, url: str, route: str, body: dict, headers: dict) -
                     text += piece
                 finish = choice.get("finish_reason") or finish
             spec = chunk.get("spec_decode", spec)
-            timings = chunk.get("timings") or {}
+            timings = chunk.get("timings") or timings
             if timings.get("draft_n"):  # llama-server's draft counts, in its last chunk
                 spec = {"drafted": timings["draft_n"], "accepted": timings.get("draft_n_accepted", 0)}
     end = time.perf_counter()
+    prompt_tokens = usage.get("prompt_tokens", 0)
+    # prompt tokens the engine ran rather than found cached: specdec's usage, llama-server's timings
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    prefilled = timings.get("prompt_n", prompt_tokens - cached if cached is not None else 0)
     return {"latency": end - start, "ttft": (first or end) - start, "text": text, "spec": spec,
-            "tokens": usage.get("completion_tokens", 0), "prompt_tokens": usage.get("prompt_tokens", 0),
-            "complete": done and finish is not None}
+            "tokens": usage.get("completion_tokens", 0), "prompt_tokens": prompt_tokens,
+            "prefilled": prefilled, "complete": done and finish is not None}
 
 
 def request_body(target: Target, messages: list[dict], args, render) -> tuple[str, dict]:
@@ -240,6 +244,7 @@ def _measures(results: list[dict], wall: float) -> dict:
         "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
         "tau": round(tokens / steps, 3) if steps else None,
         "prompt_tokens_max": max((r["prompt_tokens"] for r in results), default=0),
+        "prefilled_tokens": sum(r.get("prefilled", 0) for r in results),
         "texts": {r["key"]: r["text"] for r in results},
     }
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 # row fields that are medians over rounds; every other number in a run is summed or kept as it is
 MEDIAN_FIELDS = ("wall_s", "tok_per_s", "latency_p50_s", "latency_p95_s", "latency_p99_s", "ttft_p50_s",
                  "ttft_p99_s", "tpot_mean_s", "acceptance_rate", "tau")
-SUMMED_FIELDS = ("requests", "tokens", "errors", "lost")
+SUMMED_FIELDS = ("requests", "tokens", "prefilled_tokens", "errors", "lost")
 
 
 @dataclass(frozen=True)
