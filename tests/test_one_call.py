@@ -104,8 +104,10 @@ def test_a_token_tree_runs_in_one_call_with_the_bits_of_the_separate_calls(tmp_p
         assert torch.equal(one_call[0], separate[0]) and torch.equal(one_call[1], separate[1]), path_kept
 
 
-@pytest.mark.parametrize("kv_dtype", list(KV_DTYPES))
-@pytest.mark.parametrize(("arch", "qtype"), [("gemma3", "Q4_K"), ("qwen3", "Q5_1"), ("llama", "Q4_0")])
+SHARED_THREADS_CASES = [("gemma3", "Q4_K", "fp32"), ("qwen3", "Q5_1", "bf16"), ("llama", "Q4_0", "bf16")]
+
+
+@pytest.mark.parametrize(("arch", "qtype", "kv_dtype"), SHARED_THREADS_CASES)
 def test_rows_sharing_the_threads_keep_the_bits_of_the_separate_calls(tmp_path_factory, arch, qtype,
                                                                       kv_dtype, monkeypatch):
     """With every forward's attention above the parallel threshold, a batch's rows (chains of
