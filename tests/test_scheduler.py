@@ -270,14 +270,10 @@ def test_native_pool_is_batched_and_lossless(target):
     assert sched.max_batch_seen == 3 and sched.slots.in_use == 0 and sched.slots.pool.free_slots == 0
 
 
-def test_tree_drafts_are_scored_with_tree_attention(target, monkeypatch):
-    """A drafter that proposes a token tree (a wrong branch and the right one) gets a
-    forward_tree in the batch; the output stays the target's greedy output."""
-    from specdec.drafters import REGISTRY, Draft, Drafter
-
-    plain = Engine(target, drafter="none", k=0)
-    prompts = [target.tokenizer.encode(p) for p in PROMPTS[:2]]
-    full = [ids + plain.generate(ids, max_new_tokens=20).token_ids for ids in prompts]
+def oracle_tree(full: list[list[int]]):
+    """A drafter that knows the greedy continuations `full` and proposes a token tree: a wrong
+    token, and beside it the right next two."""
+    from specdec.drafters import Draft, Drafter
 
     class OracleTree(Drafter):
         def propose(self, context, k):
@@ -287,7 +283,19 @@ def test_tree_drafts_are_scored_with_tree_attention(target, monkeypatch):
                 return Draft([])
             return Draft([(nxt[0] + 1) % 400, nxt[0], nxt[1]], parents=[-1, -1, 1])
 
-    monkeypatch.setitem(REGISTRY, "test-oracle-tree", lambda spec, t: OracleTree())
+    return OracleTree()
+
+
+def test_tree_drafts_are_scored_with_tree_attention(target, monkeypatch):
+    """A drafter that proposes a token tree (a wrong branch and the right one) gets a
+    forward_tree in the batch; the output stays the target's greedy output."""
+    from specdec.drafters import REGISTRY
+
+    plain = Engine(target, drafter="none", k=0)
+    prompts = [target.tokenizer.encode(p) for p in PROMPTS[:2]]
+    full = [ids + plain.generate(ids, max_new_tokens=20).token_ids for ids in prompts]
+
+    monkeypatch.setitem(REGISTRY, "test-oracle-tree", lambda spec, t: oracle_tree(full))
     trees = []
     original = HFBackend.forward_tree
     monkeypatch.setattr(HFBackend, "forward_tree", lambda self, *a: trees.append(1) or original(self, *a))
@@ -306,7 +314,7 @@ def test_tree_drafters_draft_chains_while_requests_share_a_batched_forward(targe
     """On a pool, a tree would take a forward of its own: while two requests decode, their
     drafts are chains in one batched forward; alone, a request scores its tree again. The
     output stays the target's greedy output, with drafts accepted once trees return."""
-    from specdec.drafters import REGISTRY, Draft, Drafter
+    from specdec.drafters import REGISTRY
 
     plain = Engine(target, drafter="none", k=0)
     prompts = [target.tokenizer.encode(p) for p in PROMPTS[:2]]
@@ -314,15 +322,7 @@ def test_tree_drafters_draft_chains_while_requests_share_a_batched_forward(targe
     full = [ids + plain.generate(ids, max_new_tokens=n).token_ids
             for ids, n in zip(prompts, lengths, strict=True)]
 
-    class OracleTree(Drafter):
-        def propose(self, context, k):
-            seq = next((s for s in full if s[: len(context)] == context), None)
-            nxt = seq[len(context) : len(context) + 2] if seq else []
-            if len(nxt) < 2 or k < 2:
-                return Draft([])
-            return Draft([(nxt[0] + 1) % 400, nxt[0], nxt[1]], parents=[-1, -1, 1])
-
-    monkeypatch.setitem(REGISTRY, "test-oracle-tree", lambda spec, t: OracleTree())
+    monkeypatch.setitem(REGISTRY, "test-oracle-tree", lambda spec, t: oracle_tree(full))
     pool = FakePool(target)
     monkeypatch.setattr(slots_mod, "make_backend", lambda kind, t, **o: pool.new_sequence())
     trees = []
