@@ -361,3 +361,18 @@ def test_llama_server_answers_a_raw_prompt(tokenizer):
         llama_server.stop(proc)
     assert reply["usage"]["prompt_tokens"] == len(tokenizer.encode(prompt, add_special_tokens=False))
     assert reply["usage"]["completion_tokens"] >= 1 and proc.returncode is not None
+
+
+def test_server_time_split_reads_the_counters_growth():
+    from specdec.bench.server_time import split
+
+    before = {"model_busy_seconds_total:prefill": 5.0, "model_busy_seconds_total:decode": 1.0,
+              "batch_size_count": 10, "batch_size_sum": 10, "batch_scored_tokens_total": 10,
+              "kv_cache_read_bytes_total": 0.0, "decode_attention_seconds_total": 0.0}
+    after = {"model_busy_seconds_total:prefill": 11.0, "model_busy_seconds_total:decode": 5.0,
+             "batch_size_count": 30, "batch_size_sum": 70, "batch_scored_tokens_total": 130,
+             "kv_cache_read_bytes_total": 4e9, "decode_attention_seconds_total": 3.0}
+    assert split(before, after, wall_s=12.5) == {
+        "busy_share": 0.8, "prefill_share": 0.6, "seqs_per_step": 3.0, "rows_per_step": 6.0,
+        "kv_mb_per_step": 200.0, "attention_share": 0.75}
+    assert split(None, None, wall_s=1.0) == {}  # a peer has no such counters

@@ -345,3 +345,16 @@ def test_with_fixed_costs_k_does_not_depend_on_the_machines_load(monkeypatch):
     monkeypatch.setattr(sequence_mod, "time", clock)
     busy = stats()
     assert busy.k_history == idle.k_history and busy.num_draft_tokens == idle.num_draft_tokens > 0
+
+
+def test_acceptance_is_measured_per_draft_position():
+    """A drafter kept whole or not at all (suffix's runs): its fourth token is nearly as likely
+    kept as its first, where α^j would say far less; a fixed k gives no curve."""
+    controller = AdaptiveK(costs=ScoreCosts(fixed={1: 1.0}))
+    for step in range(40):
+        controller.observe(4, 4 if step % 2 else 0, 5, 0.0, None)
+    curve = controller.acceptance()
+    assert len(curve) == controller.k_max and list(curve) == sorted(curve, reverse=True)
+    assert curve[0] == pytest.approx(0.5, abs=0.05) and curve[3] > 0.9 * curve[0]
+    assert curve[3] / curve[0] > 1.5 * controller.alpha**3  # geometric: the fourth at α^3 of the first
+    assert make_controller(3).acceptance() is None

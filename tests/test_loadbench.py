@@ -30,4 +30,12 @@ def test_loadbench_runs_every_configuration_and_checks_greedy_replies(tmp_path, 
     assert all(r["requests"] == 6 and r["tokens"] > 0 for r in rows)
     assert all(r["exact_match"] == "6/6" for r in rows)  # nothing lost or mixed between requests
     assert rows[0]["tau"] is not None and rows[2]["tau"] == 1.0
-    assert "| on | 2 |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| on | 2 |" in printed
+    # where the server's time went, from its /metrics: busy, decode steps' rows (drafted ones too)
+    assert "where the specdec servers' time went" in printed
+    for r in rows:
+        assert 0 < r["busy_share"] <= 1.5 and 0 <= r["prefill_share"] < 1, r
+        assert r["seqs_per_step"] >= 1 and r["kv_mb_per_step"] >= 0
+    assert all(r["rows_per_step"] >= r["seqs_per_step"] for r in rows[:2])  # and any drafted rows
+    assert all(r["rows_per_step"] == r["seqs_per_step"] for r in rows[2:])  # plain: one row a request

@@ -9,6 +9,7 @@ import pytest
 
 import specdec.serve.slots as slots_mod
 from conftest import tiny_llama
+from specdec.backends import KVMemory
 from specdec.backends import prefix_cache as backend_mod
 from specdec.backends.hf import HFBackend
 from specdec.config import EngineConfig
@@ -133,13 +134,19 @@ class FakePool:
     def __init__(self, target):
         self.target = target
         self.batch_sizes: list[int] = []
+        self.widths: list[list[int]] = []  # tokens each sequence scored, per call
         self.free_slots = 99
 
     def new_sequence(self):
         return PooledHF(self.target.model, self)
 
+    def kv_memory(self) -> KVMemory:
+        return KVMemory(slots=self.free_slots, window=2048, dtype="float32", bytes_per_token=1024,
+                        limit_bytes=0, held_tokens=0, committed_bytes=0, lazy=False)
+
     def forward_batch(self, sequences, token_lists, unscored=None):
         self.batch_sizes.append(len(sequences))
+        self.widths.append([len(t) for t in token_lists])
         return [s.forward(t) for s, t in zip(sequences, token_lists, strict=True)]
 
 
@@ -340,6 +347,49 @@ def test_tree_drafters_draft_chains_while_requests_share_a_batched_forward(targe
     together = pool.batch_sizes.count(2)
     assert together >= 2  # both requests' chains shared forwards
     assert trees and min(trees) >= together  # trees only once a request was alone
+
+
+@pytest.mark.parametrize("per_key, drafts_together", [(0.0, True), (1.0, False)])
+def test_requests_sharing_a_forward_draft_only_where_their_rows_pay(target, monkeypatch, per_key,
+                                                                     drafts_together):
+    """batch_costs prices each drafted row beside the others': with free keys two requests whose
+    drafts are always right draft deep in their shared forwards; when a row's keys cost far more
+    than the weights' pass, each drafts the one token a request may while it learns its
+    acceptance, then they decode plain together, and the one left alone drafts again. The output
+    is the target's either way."""
+    from specdec.drafters import REGISTRY, Draft, Drafter
+
+    plain = Engine(target, drafter="none", k=0)
+    prompts = [target.tokenizer.encode(p) for p in PROMPTS[:2]]
+    lengths = (12, 40)
+    full = [ids + plain.generate(ids, max_new_tokens=n).token_ids
+            for ids, n in zip(prompts, lengths, strict=True)]
+
+    class OracleChain(Drafter):  # the greedy continuation itself
+        def propose(self, context, k):
+            seq = next((s for s in full if s[: len(context)] == context), context)
+            return Draft(seq[len(context) : len(context) + k])
+
+    monkeypatch.setitem(REGISTRY, "test-oracle-chain", lambda spec, t: OracleChain())
+    pool = FakePool(target)
+    monkeypatch.setattr(slots_mod, "make_backend", lambda kind, t, **o: pool.new_sequence())
+    sched = Scheduler(target, EngineConfig(backend="fake", drafter="test-oracle-chain"), max_batch=2)
+    sched.costs.t_key = per_key  # the test suite's costs are fixed (conftest): a given key price
+    sched.costs.draft_known = True  # drafting is free: k is not held to one token to price it
+    recs = [Recorder() for _ in prompts]
+    for ids, rec, n in zip(prompts, recs, lengths, strict=True):
+        sched.submit(GenRequest(Prepared.tokens(list(ids), SamplingParams(), n), rec))
+    run_until_idle(sched)
+    for seq, rec in zip(full, recs, strict=True):
+        assert rec.result.prompt_ids + rec.result.token_ids == seq
+    together = [w for w in pool.widths if len(w) == 2]
+    assert len(together) >= 2
+    assert any(max(w) > 2 for w in together) == drafts_together  # past a learning request's one token
+    if not drafts_together:
+        assert [2, 2] in together and together[-1] == [1, 1]
+    alone = [w[0] for w in pool.widths if len(w) == 1]
+    assert max(alone) > 2
+    assert recs[1].result.stats.num_accepted_tokens > 0  # alone, it drafts
 
 
 @pytest.mark.parametrize("mode", ["prompt", "decoded"])

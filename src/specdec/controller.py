@@ -62,6 +62,9 @@ class FixedK:
     def tree_nodes(self, k: int) -> int:
         return k  # a tree scores as many tokens as the chain would
 
+    def acceptance(self) -> tuple[float, ...] | None:
+        return None  # a fixed k is not priced
+
     def reading(self, k: int, backlog: int, window: int | None) -> tuple[int, int]:
         return k, backlog  # a fixed k reads whatever the drafter has not seen
 
@@ -91,6 +94,7 @@ FIXED_COSTS_ENV = "SPECDEC_SCORE_COSTS"
 CATCH_UP_LIMIT = 32
 FIRST_READ = 8  # the fewest tokens a probe from a window reads: the first, while reading has no price
 PROBE_READ = 32  # the context calibrate_drafter reads
+KEY_SAMPLE_MIN = 512  # cached keys a row must read for its forward to price them (observe_keys)
 
 
 def parse_fixed_costs(text: str) -> dict[int, float]:
@@ -118,12 +122,16 @@ class ScoreCosts:
     through the differences at the sizes it did measure. In the reference bucket, an n never
     timed falls back to the line t(n) = t1 * (1 + slope * (n - 1)) fitted by least squares;
     before anything is measured, t1 = 1 and slope = `prior_slope`.
+
+    A batched forward of several sequences is priced as one pass of the weights over all its
+    rows, a cost per sequence, and the cached keys each row reads (`batch_cost`): batching
+    shares the weights, not the keys. Both prices are learned from the forwards (`observe_keys`).
     """
 
     CALIBRATION_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 17)  # 17 = the default k_max + 1
 
     def __init__(self, prior_slope: float = 0.15, clock: Callable[[], float] = time.perf_counter,
-                 fixed: dict[int, float] | None = None, fixed_read: float = 0.0):
+                 fixed: dict[int, float] | None = None, fixed_read: float = 0.0, fixed_key: float = 0.0):
         self.prior_slope = prior_slope
         self.clock = clock  # what calibrate times forwards with
         self._tables: dict[int, dict[int, float]] = {}  # bucket -> n -> EMA of seconds
@@ -131,6 +139,9 @@ class ScoreCosts:
         self.draft_known = fixed is not None  # t_draft measured at least once (fixed costs: it is 0)
         self.t_read = fixed_read  # seconds per token a drafter reads when it catches up (fixed: given)
         self.read_known = fixed is not None
+        self.t_key = fixed_key  # seconds a scored row pays per cached key it reads (fixed: given)
+        self.key_known = fixed is not None
+        self.t_sequence = 0.0  # seconds each sequence past the first adds to a batched forward
         self._fit: tuple[float, float] | None = None  # the reference bucket's (t1, slope), refitted lazily
         self.calibrated = False
         if fixed is None and os.environ.get(FIXED_COSTS_ENV):
@@ -198,6 +209,31 @@ class ScoreCosts:
         old = table.get(num_scored)
         table[num_scored] = score_s if old is None else 0.8 * old + 0.2 * score_s
         self._fit = None
+        self.observe_keys(num_scored, num_scored * context, score_s)
+
+    def observe_keys(self, rows: int, keys: int, score_s: float, sequences: int = 1) -> None:
+        """A forward of `rows` rows of `sequences` sequences that read `keys` cached keys in all
+        (each row its sequence's context) took score_s. Over short contexts the weights' pass is
+        most of it, and a batch of several sequences says what each sequence past the first adds
+        to it (`t_sequence`: its own attention call, its cache writes; EMAs both). Over long ones,
+        what is left beyond that, shared by the keys, is the price of a key (`t_key`)."""
+        if self.frozen or rows < 1 or score_s <= 0:
+            return
+        beyond = score_s - self.cost(rows)
+        if keys < KEY_SAMPLE_MIN * rows:
+            if sequences > 1:
+                sample = max(0.0, beyond) / (sequences - 1)
+                self.t_sequence = 0.8 * self.t_sequence + 0.2 * sample if self.t_sequence else sample
+            return
+        per_key = max(0.0, beyond - self.t_sequence * (sequences - 1)) / keys
+        self.t_key = 0.8 * self.t_key + 0.2 * per_key if self.key_known else per_key
+        self.key_known = True
+
+    def batch_cost(self, rows: int, keys: int, sequences: int = 1) -> float:
+        """Seconds for one forward of `rows` rows of `sequences` sequences that read `keys` cached
+        keys in all: the weights' pass for that many rows, what each sequence past the first
+        adds, and each key at its price."""
+        return self.cost(rows) + self.t_sequence * (sequences - 1) + self.t_key * keys
 
     def observe_draft(self, num_drafted: int, propose_s: float | None, read: int = 0) -> None:
         """A proposal of num_drafted tokens took propose_s seconds (None: not timed), after
@@ -292,11 +328,27 @@ class AdaptiveK:
         self.context = 0  # tokens in the target's cache at the step being planned
         self._timed: set[int] = set()  # context buckets where this request asked for a plain step
         self.loss = 0.0  # seconds this request's drafts cost beyond what their accepted tokens saved
+        self._reached: list[float] = []  # [j]: drafts that had a token j (decayed counts)
+        self._kept: list[float] = []  # [j]: drafts whose token j was accepted, so all before it too
         self.credit = 0.0  # seconds of loss the request may carry: the allowance plus a share of its time
 
     @property
     def alpha(self) -> float:
         return self._accepted / (self._accepted + self._rejected)
+
+    def acceptance(self) -> tuple[float, ...]:
+        """[j - 1]: the chance that a draft's first j tokens are all accepted, j = 1 .. k_max,
+        for a scheduler pricing this request's rows beside others' (batch_costs.py). Measured
+        per draft position (decayed counts), since drafters such as `suffix` are accepted in
+        runs, far more often whole than α^j says; α^j weighs in as a prior of
+        `prior_weight` drafts."""
+        curve, alpha, w = [], self.alpha, self.prior_weight
+        for j in range(1, self.k_max + 1):
+            reached, kept = ((self._reached[j - 1], self._kept[j - 1]) if j <= len(self._reached)
+                             else (0.0, 0.0))
+            p = (kept + w * alpha**j) / (reached + w)
+            curve.append(min(p, curve[-1]) if curve else p)
+        return tuple(curve)
 
     @property
     def _backoff(self) -> int:  # shared through the cost model, so it outlives a request
@@ -410,6 +462,12 @@ class AdaptiveK:
         self.drafted += num_drafted
         self._accepted = self.decay * self._accepted + num_accepted
         self._rejected = self.decay * self._rejected + (1 if num_accepted < num_drafted else 0)
+        if len(self._reached) < num_drafted:
+            grow = num_drafted - len(self._reached)
+            self._reached, self._kept = self._reached + [0.0] * grow, self._kept + [0.0] * grow
+        for j in range(len(self._reached)):  # drafts that had a token j, and those that kept it
+            self._reached[j] = self.decay * self._reached[j] + (j < num_drafted)
+            self._kept[j] = self.decay * self._kept[j] + (j < num_accepted)
 
     def _account(self, num_drafted: int, num_accepted: int, num_scored: int, read: int = 0) -> None:
         """Price the step at the cost model's rates: the drafted rows, their drafting and the

@@ -152,6 +152,10 @@ class Sequence:
             self.stats.prefill_s = time.perf_counter() - self.start_time
         return end - done
 
+    def acceptance(self) -> float | None:
+        """The adaptive controller's acceptance rate α (None: a fixed k)."""
+        return self.controller.acceptance()
+
     def plan(self, k_cap: int | None = None, tree: bool = False) -> list[int] | None:
         """Draft up to k tokens (at most k_cap); return the tokens to score, or None when done.
 

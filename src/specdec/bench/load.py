@@ -46,7 +46,7 @@ import threading
 import time
 from pathlib import Path
 
-from specdec.bench import llama_server
+from specdec.bench import llama_server, server_time
 from specdec.bench.load_rounds import (
     Target,
     first_turn_agreement,
@@ -442,7 +442,10 @@ def _run_rounds(targets: list[Target], sessions: list[Session], args, render) ->
     runs = []
     for round_, target, c in schedule(targets, levels, args.rounds):
         fresh = fresh_turns(sessions, variant(round_, c, levels))
+        before = server_time.scrape(target.engine, target.url, target.headers)
         run = asyncio.run(run_config(target, fresh, c, args, render))
+        after = server_time.scrape(target.engine, target.url, target.headers)
+        run.update(server_time.split(before, after, run["wall_s"]))
         run["round"] = round_
         runs.append(run)
         print(f"round {round_} {target.label:22} c={c:<3} {run['tok_per_s']:8.1f} tok/s  "
@@ -470,6 +473,7 @@ def _report(rows: list[dict], args: argparse.Namespace) -> dict:
               f"{r['tok_per_s']} | {r['latency_p50_s']} | {r['latency_p95_s']} | {r['latency_p99_s']} | "
               f"{r['ttft_p50_s']} | {r['ttft_p99_s']} | {r['tpot_mean_s']} | {r['acceptance_rate']} | "
               f"{r['tau']} | {r['errors']} | {r['lost']} | {r.get('exact_match', '–')} |")
+    server_time.print_table(rows)
     summary = {"sessions": args.sessions, "turns": args.turns, "max_tokens": args.max_tokens,
                "workload": args.workload, "raw_prompt": args.raw_prompt, "rounds": args.rounds,
                "warmup": args.warmup,

@@ -19,9 +19,11 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field, replace
 
+from specdec.bench import server_time
+
 # row fields that are medians over rounds; every other number in a run is summed or kept as it is
 MEDIAN_FIELDS = ("wall_s", "tok_per_s", "latency_p50_s", "latency_p95_s", "latency_p99_s", "ttft_p50_s",
-                 "ttft_p99_s", "tpot_mean_s", "acceptance_rate", "tau")
+                 "ttft_p99_s", "tpot_mean_s", "acceptance_rate", "tau", *server_time.FIELDS)
 SUMMED_FIELDS = ("requests", "tokens", "prefilled_tokens", "errors", "lost")
 
 

@@ -23,6 +23,13 @@ num_requests_aborted{reason} (ended early: client_disconnect, timeout, error, sh
 is counted once, as a success or an abort, whichever its worker or its handler claims first),
 num_requests_closed_by_budget (ours: structured replies that the token budget closed, complete
 and valid, with finished_reason stop; see docs/structured-budget.md).
+
+Where the model worker's time goes (ours), so that a load test can tell which resource is
+saturated: model_busy_seconds{phase} (phase "prefill": prompt chunks; "decode": drafting,
+scoring and verifying), kv_cache_read_bytes (the cached keys and values that decode steps'
+scored rows read) and decode_attention_seconds (what the cost model prices those reads at,
+`ScoreCosts.t_key`: an estimate of decode's attention time). batch_size counts decode steps
+and batch_scored_tokens their rows.
 """
 
 from __future__ import annotations
@@ -103,6 +110,10 @@ class ServerMetrics:
         self.batch_size = one(Histogram, "batch_size", "Requests scored by one target forward.",
                               buckets=_BATCH_BUCKETS)
         self.batch_tokens = one(Counter, "batch_scored_tokens", "Tokens scored by target forwards.")
+        self._busy = family(Counter, "model_busy_seconds", "Model-worker time, by phase.", "phase")
+        self.kv_read_bytes = one(Counter, "kv_cache_read_bytes", "Cached KV bytes decode steps' rows read.")
+        self.attention_seconds = one(Counter, "decode_attention_seconds",
+                                     "Decode time the cost model prices the cached keys' reads at.")
         self._seen: dict[int, _Seen] = {}
         self._lock = threading.Lock()
 
@@ -173,6 +184,13 @@ class ServerMetrics:
     def observe_batch(self, num_sequences: int, num_tokens: int) -> None:
         self.batch_size.observe(num_sequences)
         self.batch_tokens.inc(num_tokens)
+
+    def observe_busy(self, phase: str, seconds: float) -> None:
+        self._busy.labels(model_name=self.model_name, phase=phase).inc(max(0.0, seconds))
+
+    def observe_reads(self, kv_bytes: int, attention_s: float) -> None:
+        self.kv_read_bytes.inc(kv_bytes)
+        self.attention_seconds.inc(max(0.0, attention_s))
 
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

@@ -7,7 +7,8 @@ Every scheduler step:
 3. prefills new prompts a few chunks at a time (`LoadPolicy.prefill_tokens` a step, all
    prefilling requests together), so a long prompt does not freeze the running streams;
 4. lets every prefilled request draft (`sequence.Sequence.plan`), with k capped by the load policy
-   (chains only while several requests share a batched forward);
+   and, while several requests share a batched forward, by what their rows earn there
+   (`batch_costs.draft_caps`: chains only);
 5. scores all drafts in one `backends.forward_batch` (a true batched forward when the
    backend has a pool, one forward per sequence otherwise);
 6. verifies, rolls back and emits per request (`sequence.Sequence.advance`).
@@ -34,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specdec.backends import Backend, KVMemory, forward_batch
+from specdec.batch_costs import BatchRequest, StepOverhead, draft_caps
 from specdec.config import EngineConfig, split_k
 from specdec.controller import ScoreCosts
 from specdec.drafters import Drafter
@@ -45,6 +47,8 @@ from specdec.serve.slots import BackendSlots, DrafterPool, LoadPolicy
 __all__ = ["GenRequest", "LoadPolicy", "QueueFull", "RequestTimeout", "Scheduler", "ServerShutdown"]
 
 log = logging.getLogger("specdec.scheduler")
+# Drafts a request makes in shared forwards whatever they cost, to learn its acceptance from
+LEARNING_DRAFTS = 3
 _ids = itertools.count()
 
 
@@ -153,6 +157,10 @@ class Scheduler:
         self.policy = policy or LoadPolicy()
         self.metrics = metrics
         self.batched = self.slots.pool is not None
+        memory = self.kv_memory()
+        self._kv_token_bytes = memory.bytes_per_token if memory is not None else 0
+        self.overhead = StepOverhead()  # what a decode step costs a request besides its forwards
+        self._first_acceptance: dict[str, float] = {}  # drafter spec -> its last request's first-token rate
         self._pending: deque[GenRequest] = deque()
         self._cond = threading.Condition()
         self._active: list[_Active] = []
@@ -233,17 +241,29 @@ class Scheduler:
             elif a.req.expired(now):
                 self._fail(a, RequestTimeout(f"the request timed out after {a.req.timeout_s:g}s"))
         if not self._active:
+            self.overhead.idle()
             return False
-        self._prefill()
+        t0 = time.perf_counter()
+        prefilled = self._prefill()
+        prefill_s = time.perf_counter() - t0
+        if prefilled and self.metrics is not None:
+            self.metrics.observe_busy("prefill", prefill_s)
         decoding = [a for a in self._active if not a.seq.prefilling]
         if decoding:
-            self._decode(decoding)
+            t0 = time.perf_counter()
+            self._decode(decoding, prefill_s)
+            if self.metrics is not None:
+                self.metrics.observe_busy("decode", time.perf_counter() - t0)
+        else:
+            self.overhead.idle()
         return True
 
-    def _prefill(self) -> None:
-        """Feed prompts, oldest request first, up to the step's prefill budget."""
+    def _prefill(self) -> bool:
+        """Feed prompts, oldest request first, up to the step's prefill budget; whether any
+        request was prefilling."""
         budget = self.policy.prefill_tokens
-        for a in [a for a in self._active if a.seq.prefilling]:
+        prefilling = [a for a in self._active if a.seq.prefilling]
+        for a in prefilling:
             if budget <= 0:
                 break
             try:
@@ -253,15 +273,21 @@ class Scheduler:
                 continue
             if not a.seq.prefilling:
                 _emit(a.req, "started", None)
+        return bool(prefilling)
 
-    def _decode(self, decoding: list[_Active]) -> None:
-        """Draft, score, verify and emit for every prefilled request."""
-        cap = self.policy.k_cap(len(decoding))
+    def _decode(self, decoding: list[_Active], prefill_s: float) -> None:
+        """Draft, score, verify and emit for every prefilled request; learn what else a step costs."""
+        start = time.perf_counter()
+        forward_s = self._decode_step(decoding)
+        if forward_s is not None and not self.costs.frozen:  # fixed costs: k depends on the tokens alone
+            self.overhead.observe(start, time.perf_counter(), forward_s, prefill_s, len(decoding))
+
+    def _decode_step(self, decoding: list[_Active]) -> float | None:
         # A token tree takes a forward of its own; with several requests on a pool, chains
         # share one batched forward, which costs far less than a forward per request.
         tree = not (self.batched and len(decoding) > 1)
         planned: list[tuple[_Active, list[int]]] = []
-        for a in decoding:
+        for a, cap in zip(decoding, self._caps(decoding, shared=not tree), strict=True):
             try:
                 tokens = a.seq.plan(cap, tree=tree)
             except Exception as e:
@@ -272,12 +298,14 @@ class Scheduler:
             else:
                 planned.append((a, tokens))
         if not planned:
-            return
-        logits, times = self._score(planned)
+            return None
+        keys = sum(len(tokens) * a.backend.length for a, tokens in planned)  # cached keys the rows read
+        logits, times, forward_s = self._score(planned)
         self.num_steps += 1
         self.max_batch_seen = max(self.max_batch_seen, len(planned))
         if self.metrics is not None:
             self.metrics.observe_batch(len(planned), sum(len(t) for _, t in planned))
+            self.metrics.observe_reads(keys * self._kv_token_bytes, keys * self.costs.t_key)
         for (a, _), row, score_s in zip(planned, logits, times, strict=True):
             try:
                 if isinstance(row, Exception):
@@ -293,10 +321,22 @@ class Scheduler:
                 self.metrics.observe_step(a.req.id, a.seq.stats, len(a.seq.generated))
             if a.seq.done:
                 self._complete(a)
+        return forward_s
 
-    def _score(self, planned: list[tuple[_Active, list[int]]]) -> tuple[list, list[float]]:
-        """logits [len(tokens_i), V] per sequence (or the exception its forward raised), and
-        the score time each one saw.
+    def _caps(self, decoding: list[_Active], shared: bool) -> list[int | None]:
+        """Each request's cap on k: the load policy's, and in a shared forward what its rows
+        earn beside the others' (batch_costs.draft_caps)."""
+        cap = self.policy.k_cap(len(decoding))
+        if not shared:
+            return [cap] * len(decoding)
+        requests = [BatchRequest(a.seq.acceptance(), a.backend.length,
+                                 floor=int(a.seq.stats.num_drafts < LEARNING_DRAFTS)) for a in decoding]
+        priced = draft_caps(requests, self.costs, overhead=self.overhead.seconds * len(requests))
+        return [p if cap is None else cap if p is None else min(cap, p) for p in priced]
+
+    def _score(self, planned: list[tuple[_Active, list[int]]]) -> tuple[list, list[float], float]:
+        """logits [len(tokens_i), V] per sequence (or the exception its forward raised), the
+        score time each one saw, and the time of the step's forwards together.
 
         Chains go through one `forward_batch` (a pool) or one forward each; a token tree
         (a drafter's tree, when the backend has tree attention) gets its own forward_tree.
@@ -306,6 +346,7 @@ class Scheduler:
         n = len(planned)
         out: list = [None] * n
         times = [0.0] * n
+        forward_s = 0.0  # the forwards' time, all of them
         chains = [i for i, (a, _) in enumerate(planned) if a.seq.tree_parents is None]
         if self.batched and len(chains) > 1:
             lengths = [planned[i][0].backend.length for i in chains]
@@ -322,8 +363,12 @@ class Scheduler:
                     except Exception as e:
                         out[i] = e
             else:
+                forward_s = time.perf_counter() - t0
                 for i, row in zip(chains, rows, strict=True):
-                    out[i], times[i] = row, time.perf_counter() - t0
+                    out[i], times[i] = row, forward_s
+                widths = [len(planned[i][1]) for i in chains]
+                self.costs.observe_keys(sum(widths), sum(w * n for w, n in zip(widths, lengths, strict=True)),
+                                        forward_s, sequences=len(chains))
         for i, (a, tokens) in enumerate(planned):
             if out[i] is not None:
                 continue
@@ -337,7 +382,8 @@ class Scheduler:
                 log.warning("the target forward of request %d failed", a.req.id, exc_info=True)
                 out[i] = e
             times[i] = time.perf_counter() - t0
-        return out, times
+            forward_s += times[i]
+        return out, times, forward_s
 
     def _admit(self, wait: float) -> None:
         with self._cond:
@@ -370,8 +416,12 @@ class Scheduler:
             backend = self.slots.acquire(req.job.prompt_ids, req.tenant)
             drafter.bind_target(backend)  # drafters that read the target's states follow this request's cache
             seq = Sequence(backend, drafter, req.job, k, self.runtime,
-                           track_text=req.stream or bool(req.job.request.stop))
+                           track_text=req.stream or bool(req.job.request.stop),
+                           prior_alpha=self._first_acceptance.get(spec))
+            t0 = time.perf_counter()
             seq.start(prefill=not chunked)
+            if not chunked and self.metrics is not None:
+                self.metrics.observe_busy("prefill", time.perf_counter() - t0)
         except Exception as e:
             if not isinstance(e, SpecdecError):
                 log.error("request %d failed to start: %r", req.id, e)
@@ -395,6 +445,9 @@ class Scheduler:
         if final and a.req.stream:
             _emit(a.req, "delta", final)
         result: GenerationResult = a.seq.result
+        curve = a.seq.acceptance()
+        if curve is not None and a.seq.stats.num_drafts >= LEARNING_DRAFTS:
+            self._first_acceptance[a.spec] = curve[0]  # the prior of the drafter's next request
         latency = time.perf_counter() - a.req.submitted_at
         self._latency_ema = 0.8 * self._latency_ema + 0.2 * latency
         if self.metrics is not None and a.req.claim_end():
