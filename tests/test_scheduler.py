@@ -277,6 +277,18 @@ def test_native_pool_is_batched_and_lossless(target):
     assert sched.max_batch_seen == 3 and sched.slots.in_use == 0 and sched.slots.pool.free_slots == 0
 
 
+def serve_greedy(sched: Scheduler, prompts: list[list[int]], lengths, full: list[list[int]]) -> list:
+    """Submit greedy requests, run the scheduler dry, and check each reply is the target's own
+    continuation `full`; returns the recorders."""
+    recs = [Recorder() for _ in prompts]
+    for ids, rec, n in zip(prompts, recs, lengths, strict=True):
+        sched.submit(GenRequest(Prepared.tokens(list(ids), SamplingParams(), n), rec))
+    run_until_idle(sched)
+    for seq, rec in zip(full, recs, strict=True):
+        assert rec.result.prompt_ids + rec.result.token_ids == seq
+    return recs
+
+
 def oracle_tree(full: list[list[int]]):
     """A drafter that knows the greedy continuations `full` and proposes a token tree: a wrong
     token, and beside it the right next two."""
@@ -337,12 +349,7 @@ def test_tree_drafters_draft_chains_while_requests_share_a_batched_forward(targe
     monkeypatch.setattr(HFBackend, "forward_tree",
                         lambda self, *a: trees.append(len(pool.batch_sizes)) or original(self, *a))
     sched = Scheduler(target, EngineConfig(backend="fake", drafter="test-oracle-tree", k=4), max_batch=2)
-    recs = [Recorder() for _ in prompts]
-    for ids, rec, n in zip(prompts, recs, lengths, strict=True):
-        sched.submit(GenRequest(Prepared.tokens(list(ids), SamplingParams(), n), rec))
-    run_until_idle(sched)
-    for seq, rec in zip(full, recs, strict=True):
-        assert rec.result.prompt_ids + rec.result.token_ids == seq
+    recs = serve_greedy(sched, prompts, lengths, full)
     assert recs[1].result.stats.num_accepted_tokens > 0
     together = pool.batch_sizes.count(2)
     assert together >= 2  # both requests' chains shared forwards
@@ -376,12 +383,7 @@ def test_requests_sharing_a_forward_draft_only_where_their_rows_pay(target, monk
     sched = Scheduler(target, EngineConfig(backend="fake", drafter="test-oracle-chain"), max_batch=2)
     sched.costs.t_key = per_key  # the test suite's costs are fixed (conftest): a given key price
     sched.costs.draft_known = True  # drafting is free: k is not held to one token to price it
-    recs = [Recorder() for _ in prompts]
-    for ids, rec, n in zip(prompts, recs, lengths, strict=True):
-        sched.submit(GenRequest(Prepared.tokens(list(ids), SamplingParams(), n), rec))
-    run_until_idle(sched)
-    for seq, rec in zip(full, recs, strict=True):
-        assert rec.result.prompt_ids + rec.result.token_ids == seq
+    recs = serve_greedy(sched, prompts, lengths, full)
     together = [w for w in pool.widths if len(w) == 2]
     assert len(together) >= 2
     assert any(max(w) > 2 for w in together) == drafts_together  # past a learning request's one token
