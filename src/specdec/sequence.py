@@ -152,8 +152,9 @@ class Sequence:
             self.stats.prefill_s = time.perf_counter() - self.start_time
         return end - done
 
-    def acceptance(self) -> float | None:
-        """The adaptive controller's acceptance rate α (None: a fixed k)."""
+    def acceptance(self) -> tuple[float, ...] | None:
+        """[j - 1]: the adaptive controller's chance that a draft's first j tokens are all
+        accepted (None: a fixed k)."""
         return self.controller.acceptance()
 
     def plan(self, k_cap: int | None = None, tree: bool = False) -> list[int] | None:
