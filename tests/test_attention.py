@@ -198,6 +198,47 @@ def test_the_kernel_takes_fp32_and_bf16_caches_and_the_routine_the_rest(monkeypa
             assert not any(numba_ops.usable(cpu, dtype) for dtype in KV_DTYPES.values())
 
 
+def sequential_scores(keys: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """s[r, i] = sum over d of qs[r, d] * keys[d, i], added one product after another from 0."""
+    s = np.zeros((qs.shape[0], keys.shape[1]), np.float32)
+    for d in range(keys.shape[0]):
+        s = s + qs[:, d : d + 1] * keys[d][None, :]
+    return s
+
+
+def sequential_sums(values: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """acc[r, c] = sum over keys i of w[r, i] * values[i, c], one key after another from 0."""
+    acc = np.zeros((w.shape[0], values.shape[1]), np.float32)
+    for i in range(values.shape[0]):
+        acc = acc + w[:, i : i + 1] * values[i][None, :]
+    return acc
+
+
+@pytest.mark.parametrize(("lanes", "dim", "keys"), [(4, 64, 100), (3, 64, 67), (9, 32, 200), (1, 16, 35),
+                                                     (8, 48, 16), (2, 24, 50)])
+def test_the_kernels_register_tiles_keep_every_sum_in_order(kv_dtype, lanes, dim, keys):
+    """Scores and weighted sums, tiles of keys and columns held in registers (jit/attention_tiles)
+    plus the loops for the rest, against the sums written out one product at a time: the same
+    bits for every lane, key and column (dim 24 has no whole tiles of columns: the plain loops)."""
+    if not attn.uses_kernel("cpu"):
+        pytest.skip("numba is not installed")
+    from specdec.backends.native.kernels.jit import attention as jit
+
+    gen = torch.Generator().manual_seed(lanes * 1000 + keys)
+    keys_t = torch.randn(dim, keys, generator=gen).to(KV_DTYPES[kv_dtype])
+    values = attn.ones_column(torch.randn(keys, dim, generator=gen)).to(KV_DTYPES[kv_dtype])
+    qs = torch.randn(lanes, dim, generator=gen).numpy()
+    weights = torch.rand(lanes, keys, generator=gen).numpy()
+    s = np.full((lanes, keys), np.nan, np.float32)
+    jit.scores(numba_ops.cache_array(keys_t.contiguous()), qs, s, 0, keys)
+    assert s.view(np.int32).tolist() == sequential_scores(keys_t.float().numpy(), qs).view(np.int32).tolist()
+    acc = np.empty((lanes, dim + 1), np.float32)
+    counts = np.full(lanes, keys, np.int64)
+    jit.weighted_sums(numba_ops.cache_array(values.contiguous()), weights, acc, 0, counts)
+    expected = sequential_sums(values.float().numpy(), weights)
+    assert acc.view(np.int32).tolist() == expected.view(np.int32).tolist()
+
+
 def test_a_fully_masked_chunk_adds_nothing():
     gen = torch.Generator().manual_seed(0)
     parts = torch.randn(2, 5, 3, generator=gen)

@@ -112,3 +112,14 @@ def test_prompt_gemm_runs_the_prompt_gemms_on_another_and_switches_back(tmp_path
     assert torch.equal(prefill(), own) and not calls  # switched back
     with timing.prompt_gemm(None) as switched:
         assert switched == 0
+
+
+def test_attention_pass_attends_as_a_forward_does():
+    """The kernel's pass and the SDPA pass over the same cache are the same attention (within
+    rounding), and every call stores the new keys as a forward would, giving the same output."""
+    kernel = timing.attention_pass(70, 5, heads=4, kv_heads=2, dim=16, masked=False)
+    sdpa = timing.attention_pass(70, 5, heads=4, kv_heads=2, dim=16, masked=True)
+    first = kernel()
+    assert first.shape == (5, 4, 16)
+    assert torch.equal(kernel(), first)
+    torch.testing.assert_close(sdpa(), first, atol=2e-2, rtol=2e-2)

@@ -18,10 +18,11 @@ import torch
 
 from specdec.backends.native.gguf.layers import linear_from_quant
 from specdec.backends.native.gguf.reader import read_gguf
-from specdec.backends.native.kernels import cpu
+from specdec.backends.native.kernels import attention, cpu
 from specdec.backends.native.kernels.int4_blocks import unpack_tile_t_jit
 from specdec.backends.native.kernels.int8_blocks import BlockLinear8, quantized
 from specdec.backends.native.kernels.numba_ops import attend_kernel, importable, numba_threads, rms_norm_f32
+from specdec.backends.native.model.config import KVRow
 from specdec.backends.native.model.one_call import glu_mul
 from specdec.backends.native.quant_types import Q, quant_type
 from specdec.gguf_file import QuantTensor
@@ -102,3 +103,26 @@ def prompt_gemm(mm: Gemm | None) -> Iterator[int]:
     finally:
         for module in callers:
             module.one_thread_mm = own
+
+
+def attention_pass(cached: int, new: int, heads: int, kv_heads: int, dim: int, masked: bool,
+                   seed: int = 0) -> Callable[[], torch.Tensor]:
+    """One layer's attention for `new` queries after `cached` keys of a bf16 cache (random
+    values), as a forward runs it: `masked` as one causal SDPA pass over a mask (the PyTorch
+    path for prompt chunks), else each query on its own with a chain's plan (the numba kernel
+    where it runs). Each call stores the new keys and values and returns [new, heads, dim]."""
+    gen = torch.Generator().manual_seed(seed)
+    length = cached + new
+    k_cache, v_cache = attention.new_cache((1,), kv_heads, length, dim, dtype=torch.bfloat16)
+    k_cache[0, :, :, :cached] = torch.randn(kv_heads, dim, cached, generator=gen).bfloat16()
+    v_cache[0, :, :cached, :dim] = torch.randn(kv_heads, cached, dim, generator=gen).bfloat16()
+    q, k, v = (torch.randn(new, n, dim, generator=gen) for n in (heads, kv_heads, kv_heads))
+    mask = torch.ones(new, length, dtype=torch.bool).tril(cached)
+    plan = attention.plan_chain(length, new, heads // kv_heads, q.device, attention.uses_kernel("cpu"))
+
+    def call() -> torch.Tensor:
+        row = (KVRow(0, 0, new, cached, length, mask) if masked
+               else KVRow(0, 0, new, cached, length, None, plan=plan))
+        return attention.attention(q, k, v, k_cache, v_cache, [row], True)
+
+    return call

@@ -9,6 +9,14 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from specdec.backends.native.kernels.jit.attention_tiles import (
+    TILE,
+    score_tiles1,
+    score_tiles3,
+    score_tiles4,
+    sum_tiles3,
+    sum_tiles4,
+)
 from specdec.backends.native.kernels.jit.kv import encode, load
 from specdec.backends.native.kernels.jit.norms import (
     bf16_rows,
@@ -91,23 +99,27 @@ def _scores1(keys_t, qs, s, r, lo, count):  # pragma: no cover - compiled
 
 @njit([f"void({e}[:, ::1], {matrix}, {matrix}, int64, int64)" for e in ELEMENTS], cache=True, nogil=True)
 def scores(keys_t, qs, s, lo, count):  # pragma: no cover - compiled
-    """s[r, i] = sum over d, in order, of qs[r, d] * keys_t[d, i] for lo <= i < count. Four dims
-    per pass over the scores and four lanes per pass over the keys (unroll and jam): the same
-    roundings, a fraction of the loads and stores. The lanes past the last four go three at a
-    time, or one at a time (a decode step of a GQA group of 3 has three lanes: a fourth, idle
-    lane cost a quarter of the arithmetic, and one lane alone pays for four)."""
+    """s[r, i] = sum over d, in order, of qs[r, d] * keys_t[d, i] for lo <= i < count: whole
+    tiles of keys with the sums in registers (attention_tiles.py), the keys past the last tile
+    four dims per pass over the scores and four lanes per pass over the keys (unroll and jam).
+    The lanes past the last four go three at a time, or one at a time (a decode step of a GQA
+    group of 3 has three lanes: a fourth, idle lane cost a quarter of the arithmetic)."""
     lanes, dim = qs.shape
+    end = lo + (count - lo) // TILE * TILE
     for r in range(lanes):
-        for i in range(lo, count):
+        for i in range(end, count):
             s[r, i] = 0
     quads = lanes // 4 * 4
     for r in range(0, quads, 4):
-        _scores4(keys_t, qs, s, r, lo, count)
+        score_tiles4(keys_t, qs, s, r, lo, end)
+        _scores4(keys_t, qs, s, r, end, count)
     if lanes - quads == 3:
-        _scores3(keys_t, qs, s, quads, lo, count)
+        score_tiles3(keys_t, qs, s, quads, lo, end)
+        _scores3(keys_t, qs, s, quads, end, count)
     else:
         for r in range(quads, lanes):
-            _scores1(keys_t, qs, s, r, lo, count)
+            score_tiles1(keys_t, qs, s, r, lo, end)
+            _scores1(keys_t, qs, s, r, end, count)
 
 
 @njit([f"void({e}[:, ::1], {vector}, {vector}, int64, int64)" for e in ELEMENTS], cache=True, nogil=True)
@@ -229,19 +241,27 @@ def weighted_sums(values, w, acc, lo, counts):  # pragma: no cover - compiled
     """acc[r] = w[r, :counts[r]] @ values[:counts[r]] for every lane r, from key lo (a multiple
     of four below which every weight is 0: skipping those zero terms leaves the bits as they
     are): four lanes at a time as far as all four have keys (weighted_sum4), each lane on its
-    own after that; past the last four, three at a time or one (as `scores`)."""
+    own after that; past the last four, three at a time or one (as `scores`). Where the
+    columns before the normaliser's are whole tiles, the shared keys go through sum_tiles."""
     acc[:] = 0
     lanes = acc.shape[0]
     quads = lanes // 4 * 4
+    tiles = (values.shape[1] - 1) % TILE == 0  # whole tiles of columns before the normaliser's
     for r in range(0, quads, 4):
         shared = max(lo, min(counts[r], counts[r + 1], counts[r + 2], counts[r + 3]) // 4 * 4)
-        weighted_sum4(values, w, acc, r, lo, shared)
+        if tiles:
+            sum_tiles4(values, w, acc, r, lo, shared)
+        else:
+            weighted_sum4(values, w, acc, r, lo, shared)
         for x in range(r, r + 4):
             weighted_sum(values, w[x], acc[x], shared, counts[x])
     shared = lo
     if lanes - quads == 3:
         shared = max(lo, min(counts[quads], counts[quads + 1], counts[quads + 2]) // 4 * 4)
-        weighted_sum3(values, w, acc, quads, lo, shared)
+        if tiles:
+            sum_tiles3(values, w, acc, quads, lo, shared)
+        else:
+            weighted_sum3(values, w, acc, quads, lo, shared)
     for x in range(quads, lanes):
         weighted_sum(values, w[x], acc[x], shared, counts[x])
 
@@ -269,8 +289,9 @@ def head(q, k_new, v_new, keys_t, values, h, first, last, limits, paths, starts,
             extras[x] += 1
         for d in range(dim):
             qs[x, d] = q[j, h * group + g, d] * scale
-    lo = min(begins[:lanes].min(), widest) // 4 * 4  # keys before every lane's window: not read at all
-    scores(keys_t, qs, s, lo, widest)  # a lane ignores the keys past its limit
+    reach = counts.max()  # the keys any of these lanes reads (a prompt's first queries read fewer)
+    lo = min(begins[:lanes].min(), reach) // 4 * 4  # keys before every lane's window: not read at all
+    scores(keys_t, qs, s, lo, reach)  # a lane ignores the keys past its limit
     for x in range(lanes):
         lane_weights(s, w, bits, qs, tops, x, begins[x], counts[x], paths[(first + x) // group, : extras[x]],
                      k_new, h)
