@@ -215,7 +215,7 @@ def sequential_sums(values: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize(("lanes", "dim", "keys"), [(4, 64, 100), (3, 64, 67), (9, 32, 200), (1, 16, 35),
-                                                     (8, 48, 16), (2, 24, 50)])
+                                                     (11, 64, 1100), (8, 48, 16), (2, 24, 50)])
 def test_the_kernels_register_tiles_keep_every_sum_in_order(kv_dtype, lanes, dim, keys):
     """Scores and weighted sums, tiles of keys and columns held in registers (jit/attention_tiles)
     plus the loops for the rest, against the sums written out one product at a time: the same
