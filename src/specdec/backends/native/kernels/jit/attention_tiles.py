@@ -6,7 +6,8 @@ keys or columns, so every pass over a few dims or keys loads and stores each lan
 sums, and the loads, not the multiplies, bound them. These intrinsics (LLVM vector IR inlined
 into numba's loops, as jit/ir.py does for the integer kernels) hold a tile of up to four lanes'
 sums in `<8 x float>` registers across the whole reduction: for scores, 16 keys of each lane
-over every dim; for the weighted sums, 16 columns of each lane over every key. Each sum is
+over every dim; for the weighted sums, 16 columns of each lane over every key (in blocks of keys
+that stay in L1 while each tile of columns passes). Each sum is
 still the same separately rounded products added one after another in the same order, from 0
 or from what the accumulator held, so a lane's bits are those of the loops they replace, on
 any CPU (the vectors only say how many sums run side by side).
@@ -47,6 +48,12 @@ def _widen1(b, ptr, offset, element):
     return b.bitcast(b.shl(b.zext(value, i32), ir.Constant(i32, 16)), f32)
 
 
+def _row_major(*arrays) -> bool:
+    """Whether every argument is a C-contiguous 2-d array: the codegen reads shape[1] as the
+    row stride, so any other layout is refused at typing time rather than misread."""
+    return all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in arrays)
+
+
 def _array(context, b, sig, args, k):
     """(data pointer, row stride in elements) of the C-contiguous 2-d array argument k."""
     shape = context.make_array(sig.args[k])(context, b, args[k]).shape
@@ -62,6 +69,8 @@ def _score_tiles(lanes: int):
     def score_tiles(typingctx, keys_t, qs, s, r, lo, end):
         """s[r + x, i] = sum over d, in order from 0, of qs[r + x, d] * keys_t[d, i] for the
         `lanes` lanes x and lo <= i < end (end - lo a multiple of TILE)."""
+        if not _row_major(keys_t, qs, s):
+            return None
         element = keys_t.dtype
 
         def codegen(context, b, sig, args):
@@ -102,6 +111,8 @@ def _sum_tiles(lanes: int):
         the `lanes` lanes x and every column c: TILE columns at a time over all the keys, the
         last column (the normaliser's ones) as a scalar beside the first tile. The columns
         before the last must be a multiple of TILE."""
+        if not _row_major(values, w, acc):
+            return None
         element = values.dtype
 
         def codegen(context, b, sig, args):
