@@ -60,6 +60,14 @@ def _array(context, b, sig, args, k):
     return data_pointer(context, b, sig, args, k), b.extract_value(shape, 1)
 
 
+def _operands(context, b, sig, args, lanes: int):
+    """An intrinsic's (three arrays, r, lo, end): each array's (data pointer, row stride), the
+    key range, the lanes' rows r + x, and two vector accumulators per lane."""
+    arrays = [_array(context, b, sig, args, k) for k in range(3)]
+    rows = [b.add(args[3], ir.Constant(i64, x)) for x in range(lanes)]
+    return arrays, args[4:6], rows, [cgutils.alloca_once(b, V8) for _ in range(2 * lanes)]
+
+
 def _add_product(b, slot, weight, value):  # slot <- slot + weight * value: one rounding each
     b.store(b.fadd(b.load(slot), b.fmul(weight, value)), slot)
 
@@ -74,10 +82,8 @@ def _score_tiles(lanes: int):
         element = keys_t.dtype
 
         def codegen(context, b, sig, args):
-            (kp, kstride), (qp, dim), (sp, sstride) = (_array(context, b, sig, args, k) for k in range(3))
-            r_, lo_, end_ = args[3:6]
-            rows = [b.add(r_, ir.Constant(i64, x)) for x in range(lanes)]
-            accs = [cgutils.alloca_once(b, V8) for _ in range(2 * lanes)]
+            ((kp, kstride), (qp, dim), (sp, sstride)), (lo_, end_), rows, accs = _operands(
+                context, b, sig, args, lanes)
             with cgutils.for_range_slice(b, lo_, end_, ir.Constant(i64, TILE), inc=True) as (i, _):
                 for slot in accs:
                     b.store(ir.Constant(V8, None), slot)
@@ -116,11 +122,9 @@ def _sum_tiles(lanes: int):
         element = values.dtype
 
         def codegen(context, b, sig, args):
-            (vp, vstride), (wp, wstride), (ap, astride) = (_array(context, b, sig, args, k) for k in range(3))
-            r_, lo_, count_ = args[3:6]
-            rows = [b.add(r_, ir.Constant(i64, x)) for x in range(lanes)]
+            ((vp, vstride), (wp, wstride), (ap, astride)), (lo_, count_), rows, accs = _operands(
+                context, b, sig, args, lanes)
             last = b.sub(vstride, ir.Constant(i64, 1))  # the normaliser's column
-            accs = [cgutils.alloca_once(b, V8) for _ in range(2 * lanes)]
             norms = [cgutils.alloca_once(b, f32) for _ in range(lanes)]
 
             def acc_at(x, column):
