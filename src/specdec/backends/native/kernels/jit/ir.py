@@ -86,6 +86,12 @@ def load(b, ptr, offset, vector_type):
     return b.load(b.bitcast(b.gep(ptr, [offset]), vector_type.as_pointer()), align=1)
 
 
+def fp16_lanes(b, ptr, offset: int, count: int):
+    """<count x float>: the fp16 values at byte `offset` of ptr, widened exactly."""
+    raw = load(b, ptr, const(offset), vec(i16, count))
+    return b.fpext(b.bitcast(raw, vec(ir.HalfType(), count)), vec(f32, count))
+
+
 def widen(b, v, count: int):  # <n x T> -> <count x T>, zeros above n
     n = v.type.count
     zeros = ir.Constant(v.type, None)

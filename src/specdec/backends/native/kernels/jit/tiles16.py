@@ -31,7 +31,10 @@ Instructions: a vector's 16 lanes are the tile's 16 rows, so one `dot4` (vpdpbus
 AVX-512 VNNI) takes four elements of 16 rows, and a block's scaling is one vector product
 for all of them (one weight row at a time, a block pair's scaling took a convert, two
 products, a permute and an add per row). A tile's block is unpacked once for up to four
-activation rows: a fifth bit costs a shift, a mask and an or per vector of 64 weights.
+activation rows: a fifth bit costs a shift, a mask and an or per vector of 64 weights. On AVX2
+(16 registers of 8 lanes) two or more activation rows take each half of the tile (8 rows) in a
+pass of its own, so that a pass's sums stay in registers, and pmaddubsw's pair sums add in 16
+bits before one pmaddwd per block (`_half_tile_rows`): the same integers and float operations.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from specdec.backends.native.kernels.jit.ir import (
     data_pointer,
     dispatch,
     dot4,
+    fp16_lanes,
     load,
     raw_array,
     splat,
@@ -92,12 +96,8 @@ def _unpack(b, src, qt: QuantType):
             low, high = b.or_(low, high_bits(v)), b.or_(high, high_bits(4 + v))
         weights += [(low, 4 * v), (high, 16 + 4 * v)]
 
-    def field(at: int):
-        half = b.bitcast(load(b, src, const(at), vec(i16, TILE)), vec(ir.HalfType(), TILE))
-        return b.fpext(half, vec(f32, TILE))
-
     at = fields_at(qt)
-    return weights, field(at), field(at + 32) if qt.with_min else None
+    return weights, fp16_lanes(b, src, at, TILE), fp16_lanes(b, src, at + 32, TILE) if qt.with_min else None
 
 
 def _block_dot(b, weights, qrow, at, signed: bool):
@@ -167,11 +167,113 @@ def _tile_rows(rows: int, qt: QuantType):
     return dot
 
 
+HALF = 8  # an AVX2 vector's int32 lanes: half a tile's rows
+
+
+def _half_weights(b, src, half: int, qt: QuantType):
+    """AVX2: a tile's block at byte `src`, rows 8 half .. 8 half + 7 -> (weights <32 x i8>, the
+    element each lane's four bytes start at), in _unpack's order and values (Q8_0's int8 q
+    as they are)."""
+    fifth = load(b, src, const(256 + 32 * half), vec(i32, HALF)) if qt.high_bits else None
+
+    def high_bits(group: int):
+        shifted = (b.shl(fifth, splat(4 - group, HALF, i32)) if group < 4
+                   else b.lshr(fifth, splat(group - 4, HALF, i32)))
+        return b.bitcast(b.and_(shifted, splat(0x10101010, HALF, i32)), vec(i8, 32))
+
+    for v in range(qt.qs_bytes // 4):
+        raw = load(b, src, const(64 * v + 32 * half), vec(i8, 32))
+        if qt.qs_bytes == 32:
+            yield raw, 4 * v
+            continue
+        high = b.bitcast(b.lshr(b.bitcast(raw, vec(i16, 16)), splat(4, 16, i16)), vec(i8, 32))
+        low, high = b.and_(raw, splat(15, 32, i8)), b.and_(high, splat(15, 32, i8))
+        if fifth is not None:
+            low, high = b.or_(low, high_bits(v)), b.or_(high, high_bits(4 + v))
+        yield low, 4 * v
+        yield high, 16 + 4 * v
+
+
+def _half_sums(b, src, half: int, qt: QuantType, qrows, at):
+    """AVX2: <8 x i32> per activation row (pointers `qrows`, the block at element `at`): the
+    exact sums over the block of q * xq for rows 8 half .. + 7. pmaddubsw's 16-bit pair sums
+    are added in 16 bits while they cannot overflow (4-bit q: 8 x 2 x 15 x 128 < 2^15; 5-bit:
+    4 x 2 x 31 x 128), then widened by pmaddwd: the same integers as a pmaddwd each."""
+    group = 1 if qt.qs_bytes == 32 else 4 if qt.high_bits else 8
+    ones = splat(1, 16)
+    pairs, totals = [None] * len(qrows), [None] * len(qrows)
+    for count, (w, offset) in enumerate(_half_weights(b, src, half, qt), start=1):
+        wu = call_intrinsic(b, "llvm.x86.avx2.psign.b", vec(i8, 32), [w, w]) if qt.qs_bytes == 32 else w
+        for r, qrow in enumerate(qrows):
+            four = b.load(b.bitcast(b.gep(qrow, [b.add(at, const(offset))]), i32.as_pointer()), align=1)
+            x = b.bitcast(splat_value(b, four, HALF), vec(i8, 32))
+            if qt.qs_bytes == 32:  # |q| times xq with q's sign
+                x = call_intrinsic(b, "llvm.x86.avx2.psign.b", vec(i8, 32), [x, w])
+            p = call_intrinsic(b, "llvm.x86.avx2.pmadd.ub.sw", vec(i16, 16), [wu, x])
+            pairs[r] = p if pairs[r] is None else b.add(pairs[r], p)
+        if count % group == 0:
+            for r in range(len(qrows)):
+                wide = call_intrinsic(b, "llvm.x86.avx2.pmadd.wd", vec(i32, 8), [pairs[r], ones])
+                totals[r], pairs[r] = wide if totals[r] is None else b.add(totals[r], wide), None
+    return totals
+
+
+def _half_tile_rows(rows: int, qt: QuantType):
+    """AVX2's form of _tile_rows' intrinsic, the same arguments and results: each half of the
+    tile (8 rows, one vector) in its own pass over the blocks, so that a pass's sums fit the 16
+    vector registers; per lane the same operations in the same order."""
+    width, with_min, offset, at_fields = tile_bytes(qt), qt.with_min, qt.offset, fields_at(qt)
+
+    @intrinsic
+    def dot(typingctx, tile, blocks, xq, xs, xsum, first, out):
+        def codegen(context, b, signature, args):
+            tp, qp, sp, np_, op = (data_pointer(context, b, signature, args, i) for i in (0, 2, 3, 4, 6))
+            shape = context.make_array(signature.args[2])(context, b, args[2]).shape
+            m, k = b.extract_value(shape, 0), b.extract_value(shape, 1)
+            picks = Rows(b, qp, sp, np_, np_, m, k, args[5], rows).picks
+            per_row = b.udiv(k, const(32))
+            zeros = ir.Constant(vec(f32, HALF), None)
+            qrows = [b.gep(qp, [b.mul(pick, k)]) for pick in picks]
+            for half in range(2):
+                accs = [cgutils.alloca_once_value(b, zeros) for _ in range(rows)]
+                mins = [cgutils.alloca_once_value(b, zeros) for _ in range(rows if with_min else 0)]
+                with cgutils.for_range(b, args[1]) as loop:
+                    index = loop.index
+                    src = b.gep(tp, [b.mul(index, const(width))])
+                    totals = _half_sums(b, src, half, qt, qrows, b.mul(index, const(32)))
+                    d = fp16_lanes(b, src, at_fields + 16 * half, HALF)
+                    mn = fp16_lanes(b, src, at_fields + 32 + 16 * half, HALF) if with_min else None
+                    for r, pick in enumerate(picks):
+                        at = b.add(b.mul(pick, per_row), index)
+                        xsum = b.load(b.gep(np_, [at]))
+                        xs = splat_value(b, b.load(b.gep(sp, [at])), HALF)
+                        total = totals[r]
+                        if offset:  # Q4_0's weights are q - 8, Q5_0's q - 16
+                            total = b.sub(total, b.mul(splat_value(b, xsum, HALF), splat(offset, HALF, i32)))
+                        scaled = b.fmul(b.sitofp(total, vec(f32, HALF)), b.fmul(d, xs))
+                        b.store(b.fadd(b.load(accs[r]), scaled), accs[r])
+                        if with_min:  # (m * xs) * float(xsum)
+                            term = b.fmul(b.fmul(mn, xs), splat_value(b, b.sitofp(xsum, f32), HALF))
+                            b.store(b.fadd(b.load(mins[r]), term), mins[r])
+                for r in range(rows):
+                    with b.if_then(b.icmp_signed("<", b.add(args[5], const(r)), m)):
+                        at = const(r * TILE + HALF * half)
+                        ptr = b.bitcast(b.gep(op, [at]), vec(f32, HALF).as_pointer())
+                        result = b.fadd(b.load(accs[r]), b.load(mins[r])) if with_min else b.load(accs[r])
+                        b.store(result, ptr, align=4)
+            return context.get_dummy_value()
+
+        return types.void(tile, blocks, xq, xs, xsum, first, out), codegen
+
+    return dot
+
+
 def _by_width(qt: QuantType):
     """`run(code, args)`: `qt`'s tile against args = (tile, blocks, xq, xs, xsum, first, width,
     out), `width` (1, 2 or DOT_ROWS) activation rows. Inlined into the cached kernel, so not
     cached itself."""
-    one, two, many = (_tile_rows(rows, qt) for rows in (1, 2, DOT_ROWS))
+    several = _half_tile_rows if DOT == "avx2" else _tile_rows  # one row: no registers to spare
+    one, two, many = _tile_rows(1, qt), several(2, qt), several(DOT_ROWS, qt)
 
     @njit(nogil=True, inline="always")
     def run(code, args):  # pragma: no cover - compiled
