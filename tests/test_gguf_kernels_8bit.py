@@ -24,7 +24,7 @@ from gguf.quants import dequantize
 from specdec.backends.native.gguf.encode import quantize_blocks
 from specdec.backends.native.gguf.layers import ReferenceLinear, head_from_quant, linear_from_quant
 from specdec.backends.native.kernels import int8_blocks as k8
-from specdec.backends.native.kernels import int8_ort, int8_reference, numba_ops, tiles16
+from specdec.backends.native.kernels import int8_ort, int8_reference, numba_ops, supertiles, tiles16
 from specdec.backends.native.kernels.tiles16 import fields_at, repack, tile_bytes, unpack
 from specdec.backends.native.quant_types import BLOCKS32, ORT_TYPES, QUANTIZED, Q, quant_type
 from specdec.errors import SpecdecError
@@ -32,8 +32,6 @@ from specdec.gguf_file import QuantTensor
 
 QTYPES = [t.name for t in QUANTIZED]
 # the fp32 scale tables against the file's bytes: 4 (Q8_0, Q5_0) or 8 (Q5_1) bytes per block
-SCALE_SHARE = {"Q8_0": 4 / 34, "Q6_K": 0.13, "Q5_K": 0.13, "Q5_0": 4 / 22, "Q5_1": 8 / 24, "Q4_0": 4 / 18,
-               "Q4_1": 8 / 20, "Q4_K": 0.13}
 KERNELS = ["numba", "torch"]
 # the relative error of int8 activations with an outlier channel: about 1% per 32, 2% per 256
 RELATIVE_ERROR = {32: 0.02, 256: 0.03}
@@ -83,15 +81,8 @@ def within_bound(layer, tensor: QuantTensor, x: torch.Tensor) -> bool:
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_decoded_integers_are_the_reference_weights(qtype):
     tensor = make_tensor(qtype)
-    layer = k8.BlockLinear8(tensor, kernel="torch")
-    if layer.tiles is not None:  # the blocks of 32 in tiles of 16 rows (kernels/tiles16.py)
-        np.testing.assert_array_equal(tile_weights(layer.tiles, qtype, *tensor.shape), tensor.dequantize())
-        return
-    w, lo, hi, offset = int8_reference.decode_integers(qtype, layer.raw, layer.scales)
-    lanes = np.concatenate([np.repeat(lo[..., None], 16, -1), np.repeat(hi[..., None], 16, -1)],
-                           -1)  # [N, B, 32]
-    weights = lanes * w if offset is None else lanes * w - offset[..., None]
-    np.testing.assert_array_equal(weights.reshape(tensor.shape), tensor.dequantize())
+    layer = k8.BlockLinear8(tensor, kernel="torch")  # in tiles of 16 rows (kernels/tiles16.py, supertiles.py)
+    np.testing.assert_array_equal(tile_weights(layer.tiles, qtype, *tensor.shape), tensor.dequantize())
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -238,14 +229,14 @@ def test_rows_do_not_depend_on_the_thread_count(qtype, kernel):
 
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_keeps_the_file_bytes_without_a_dense_copy(qtype):
+    """Tiles of 16 rows: the blocks' bytes reordered (Q4_K's and Q5_K's six-bit fields as bytes),
+    no dense copy and nothing of the file's mapping kept."""
     tensor = make_tensor(qtype, n=64, k=1024)
     layer = k8.linear_for(tensor)
-    if layer.tiles is not None:  # in tiles of 16 rows: the blocks' bytes reordered, nothing more
-        assert layer.raw is None and layer.nbytes() == tensor.data.nbytes
-    else:
-        assert np.shares_memory(layer.raw, tensor.data)
-        # fp32 copies of the fp16 scales only
-        assert layer.nbytes() <= SCALE_SHARE[qtype] * tensor.data.nbytes
+    qt = quant_type(qtype)
+    per_tile = 1 if qt in BLOCKS32 else supertiles.tile_bytes(qt) / (16 * qt.block_bytes)
+    assert layer.nbytes() == tensor.data.nbytes * per_tile <= 1.03 * tensor.data.nbytes
+    assert not np.shares_memory(layer.tiles, tensor.data)
     assert layer.out_features == 64 and layer.act_dtype == torch.float32
 
 
@@ -297,7 +288,12 @@ def test_tiles_hold_the_blocks_of_16_rows(monkeypatch, qtype, n, k):
 
 
 def tile_weights(tiles: np.ndarray, qtype: str, n: int, k: int) -> np.ndarray:
-    """The weights tiles hold [N, K]: (q - offset) d, or q d + m, as gguf dequantizes them."""
+    """The weights tiles hold [N, K]: (q - offset) d, or q d + m, as gguf dequantizes them; a
+    K-quant's (d sc) q - dmin m."""
+    if quant_type(qtype) not in BLOCKS32:
+        q, sc, mn, d, dmin = supertiles.unpack(tiles, qtype, n, k)
+        w = np.repeat(d[..., None] * sc, 256 // sc.shape[-1], -1) * q
+        return (w if mn is None else w - np.repeat(dmin[..., None] * mn, 32, -1)).reshape(n, k)
     q, d, m = unpack(tiles, qtype, n, k)
     q = q.astype(np.float32)
     w = (q - quant_type(qtype).offset) * d[..., None] if m is None else d[..., None] * q + m[..., None]

@@ -27,7 +27,7 @@ import json, os, sys
 import specdec.backends.native.model.native_model as m
 from specdec.backends.native.kernels import numba_ops
 if numba_ops.importable():
-    import specdec.backends.native.kernels.jit.attention, specdec.backends.native.kernels.jit.superblocks
+    import specdec.backends.native.kernels.jit.attention, specdec.backends.native.kernels.jit.supertiles
     import specdec.backends.native.kernels.jit.activations
     import specdec.backends.native.kernels.jit.norms
 def rss():

@@ -38,8 +38,8 @@ ALLOWED_LATE_IMPORTS: dict[tuple[str, str], str] = {
     ("specdec.backends.native.kernels.int4_blocks", "specdec.backends.native.kernels.jit.int4_unpack"): (
         "jit.int4_unpack needs numba (the cpu extra) and compiles its kernel on first use"
     ),
-    ("specdec.backends.native.kernels.int8_blocks", "specdec.backends.native.kernels.jit.superblocks"): (
-        "jit.superblocks needs numba (the cpu extra) and compiles its kernels on first use"
+    ("specdec.backends.native.kernels.int8_blocks", "specdec.backends.native.kernels.jit.supertiles"): (
+        "jit.supertiles needs numba (the cpu extra) and compiles its kernels on first use"
     ),
     ("specdec.backends.native.kernels.int8_blocks", "specdec.backends.native.kernels.jit.tiles16"): (
         "jit.tiles16 needs numba (the cpu extra) and compiles its kernel on first use"

@@ -13,7 +13,7 @@ from gguf import GGML_QUANT_SIZES, GGUFWriter
 
 from specdec.backends.native.gguf.encode import quantize_blocks
 from specdec.backends.native.gguf.layers import ReferenceLinear, linear_from_quant, runs_int8_activations
-from specdec.backends.native.kernels import int8_reference, numba_ops
+from specdec.backends.native.kernels import int8_reference, supertiles
 from specdec.backends.native.kernels.tiles16 import tile_bytes
 from specdec.backends.native.quant_types import (
     BLOCKS32,
@@ -88,15 +88,14 @@ def test_the_records_agree_with_the_gguf_package():
 
 def test_the_kernels_per_type_parts_cover_the_table():
     """A block-of-32 type is described by its record alone (the tile kernel is built from it);
-    a super-block type needs its decoder here and its reader in the numba kernel."""
+    a super-block type needs its decoder here and its tile layout (kernels/supertiles.py)."""
     for qt in BLOCKS32:
         assert qt.qs_bytes in (16, 32) and len(qt.scales_at) == 1 + qt.with_min
         assert tile_bytes(qt) % 32 == 0
     assert set(int8_reference.SUPERBLOCK_VALUES) == {qt.ggml for qt in SUPERBLOCKS}
-    if numba_ops.importable():
-        from specdec.backends.native.kernels.jit.superblocks import READERS
-
-        assert set(READERS) == {qt.ggml for qt in SUPERBLOCKS}
+    assert set(supertiles.HIGH_BYTES) == {qt.ggml for qt in SUPERBLOCKS}
+    for qt in SUPERBLOCKS:
+        assert qt.sub_block in (16, 32) and supertiles.tile_bytes(qt) % 32 == 0
 
 
 def test_a_type_outside_the_table_is_refused_by_name():

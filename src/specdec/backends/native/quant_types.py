@@ -9,8 +9,9 @@ Adding a type is one record here plus its kernel:
 - a block-of-32 type whose weights are d (q - offset) or d q + m with 4, 5 or 8 bits (the
   fields below) needs no new kernel code: kernels/tiles16.py repacks it and
   kernels/jit/tiles16.py builds its tile kernel from the record;
-- a super-block type needs its reader in kernels/jit/superblocks.py (`READERS`) and its
-  decoder in kernels/int8_reference.py (`SUPERBLOCK_VALUES`);
+- a super-block type needs its decoder in kernels/int8_reference.py (`SUPERBLOCK_VALUES`), its
+  tile layout in kernels/supertiles.py and its weights' reader in kernels/jit/supertiles.py
+  (`_group`);
 - gguf/encode.py needs an encoder where the gguf package has none.
 tests/test_quant_types.py walks the table and checks that each type has all of these.
 """
@@ -51,6 +52,7 @@ class QuantType:
     with_min: bool = False
     offset: int = 0
     four_bit: bool = False  # runs PyTorch's int4 kernel where numba does not run
+    sub_block: int = 0  # K-quants: weights per sub-block scale
     ort_block: int | None = None  # MatMulNBits' block where ONNX Runtime holds the weights exactly
 
     @property
@@ -78,9 +80,10 @@ TABLE: tuple[QuantType, ...] = (
     QuantType(Q.Q5_1, Family.BLOCKS32, 32, 24, code=3, scales_at=(0, 2), qs_bytes=16, high_bits=True,
               with_min=True),
     QuantType(Q.Q8_0, Family.BLOCKS32, 32, 34, code=4, scales_at=(0,), qs_bytes=32, ort_block=32),
-    QuantType(Q.Q6_K, Family.SUPERBLOCKS, 256, 210, code=0, scales_at=(208,), ort_block=16),
-    QuantType(Q.Q5_K, Family.SUPERBLOCKS, 256, 176, code=1, scales_at=(0, 2), with_min=True),
-    QuantType(Q.Q4_K, Family.SUPERBLOCKS, 256, 144, code=2, scales_at=(0, 2), with_min=True, four_bit=True),
+    QuantType(Q.Q6_K, Family.SUPERBLOCKS, 256, 210, code=0, scales_at=(208,), ort_block=16, sub_block=16),
+    QuantType(Q.Q5_K, Family.SUPERBLOCKS, 256, 176, code=1, scales_at=(0, 2), with_min=True, sub_block=32),
+    QuantType(Q.Q4_K, Family.SUPERBLOCKS, 256, 144, code=2, scales_at=(0, 2), with_min=True, four_bit=True,
+              sub_block=32),
 )
 
 BY_GGML: dict[GGMLQuantizationType, QuantType] = {t.ggml: t for t in TABLE}

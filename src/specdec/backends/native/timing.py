@@ -41,7 +41,7 @@ def load_kernels() -> int:
     if not importable() or cpu.forced_fallback():
         return 0
     threads = numba_threads()
-    for qtype in (Q.Q8_0, Q.Q6_K):  # jit/tiles16.py, jit/superblocks.py and their activations
+    for qtype in (Q.Q8_0, Q.Q6_K):  # jit/tiles16.py, jit/supertiles.py and their activations
         qt = quant_type(qtype)
         blocks = np.zeros((16, 256 // qt.block * qt.block_bytes), np.uint8)
         matrix_call(QuantTensor("w", qtype, (16, 256), blocks), np.ones((1, 256), np.float32))()

@@ -45,7 +45,14 @@ from specdec.backends.native.kernels.int8_blocks import kernel_name as int8_kern
 from specdec.backends.native.kernels.int8_ort import OrtBlockLinear8, ort_8bit_usable
 from specdec.backends.native.kernels.linear import FusedLinear, PromptSame
 from specdec.backends.native.kernels.precisions import DenseLinear, FP16Linear
-from specdec.backends.native.quant_types import ORT_TYPES, QUANTIZED, Family, Q, QuantType, check_type
+from specdec.backends.native.quant_types import (
+    ORT_TYPES,
+    QUANTIZED,
+    Family,
+    Q,
+    QuantType,
+    check_type,
+)
 from specdec.errors import SpecdecError
 from specdec.gguf_file import QuantTensor
 
@@ -115,7 +122,7 @@ def copies_weights(tensor: QuantTensor) -> bool:
     then drops those pages."""
     qt = check_type(tensor.name, tensor.qtype)
     if runs_int8_activations(qt):
-        return qt.family is Family.BLOCKS32  # BlockLinear8 repacks them in tiles of 16 rows
+        return True  # BlockLinear8 repacks them in tiles of 16 rows
     return qt.four_bit or (qt.ggml is Q.F16 and _fbgemm_usable())
 
 

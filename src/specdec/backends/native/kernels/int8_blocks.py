@@ -3,13 +3,11 @@ blocks of 32 and the K-quants' super-blocks; the 4-bit types only where numba ru
 gguf/layers.py), read from the file's own blocks.
 
 `linear_for(tensor, bias)` is the entry point (gguf/layers.py dispatches these types to it).
-No dense float copy of a matrix is made:
-- the blocks of 32 are repacked in tiles of 16 rows (kernels/tiles16.py: the same bits in
-  another order, scales inside), and the loader drops the file's pages of them;
-- the K-quants' super-blocks stay the file's bytes (memory-mapped, not copied), plus small
-  fp32 tables of their fp16 scales.
+No dense float copy of a matrix is made: the blocks are repacked in tiles of 16 rows, their
+scales inside (kernels/tiles16.py for the blocks of 32, kernels/supertiles.py for the
+K-quants: the file's bits in another order), and the loader drops the file's pages of them.
 
-Arithmetic (jit/tiles16.py and jit/superblocks.py state it exactly): int8 activations times
+Arithmetic (jit/tiles16.py and jit/supertiles.py state it exactly): int8 activations times
 the file's integers, as llama.cpp does. The blocks of 32 quantize each row per block of 32
 (scale max|x| / 127, llama.cpp's Q8_0 activations); the K-quants per super-block of 256
 (scale 1 / (127 / max|x|), llama.cpp's Q8_K). The weights' scales are the file's, exact in
@@ -17,22 +15,22 @@ fp32 (d, dmin, m; the K-quants' sub-block scales stay integers), so the weights 
 the gguf package's reference dequantization as real numbers. The only roundings are the
 activations' quantization and the fp32 accumulation. Reduction order, for each output:
 - blocks of 32: per block the exact integer sum times (d * xs), added block after block;
-  the min term of Q4_1 and Q5_1, (m * xs) * xsum, summed apart and added last (a vector's
-  lanes are a tile's 16 rows);
-- Q6_K, Q5_K, Q4_K: per super-block 16 exact integer lanes of sc * (sums of four products w xq),
-  then one fp32 term (d * xs) * lanes added in super-block order; the min term likewise,
-  subtracted last. A super-block's unpacked integers are shared by the rows of a pass.
-Nothing depends on M or on the thread count: rows share no arithmetic, threads split the
-output rows, never a reduction (no split-K). Prompts (any M) run the same kernel, so a row's
-bits do not depend on the path.
+  the min term of Q4_1 and Q5_1, (m * xs) * xsum, summed apart and added last;
+- Q6_K, Q5_K, Q4_K: per super-block the exact integer sum of its sub-blocks' sums times their
+  integer scales, times (d * xs), added super-block after super-block; the min term of Q5_K
+  and Q4_K likewise, subtracted last.
+A vector's lanes are a tile's 16 rows. Nothing depends on M or on the thread count: rows
+share no arithmetic, threads split the tiles, never a reduction (no split-K). Prompts (any
+M) run the same kernel, so a row's bits do not depend on the path.
 
 Kernels, chosen per process (`kernel_name`):
-- "numba": jit/tiles16.py and jit/superblocks.py (vpdpbusd with AVX-512 VNNI, pmaddubsw on
-  AVX2, plain IR elsewhere: the same integers), compiled by LLVM for this CPU, output rows on
+- "numba": jit/tiles16.py and jit/supertiles.py (vpdpbusd with AVX-512 VNNI, pmaddubsw on
+  AVX2, plain IR elsewhere: the same integers), compiled by LLVM for this CPU, tiles on
   numba's threads (as many as torch's);
-- "torch": the same operations in the same order on PyTorch tensors (int8_reference.py), tile
-  by tile of output rows (transient memory only); bit-identical to "numba", and much slower.
-  Runs where numba is not installed or `SPECDEC_CPU_KERNELS=fallback`.
+- "torch": the same operations in the same order on PyTorch tensors (tiles16.py's and
+  supertiles.py's replicas), TORCH_TILE output rows at a time (transient memory only);
+  bit-identical to "numba", and much slower. Runs where numba is not installed or
+  `SPECDEC_CPU_KERNELS=fallback`.
 kernels/int8_ort.py holds the ONNX Runtime alternative for an LM head (`lm_head=ort8`).
 """
 
@@ -43,15 +41,13 @@ import functools
 import numpy as np
 import torch
 
+from specdec.backends.native.kernels import supertiles
 from specdec.backends.native.kernels.cpu import eager_in_graphs, forced_fallback
 from specdec.backends.native.kernels.int8_reference import (
     BLOCK,
     SUPER,
-    decode_superblocks,
     quantize_activations,
     quantize_activations_k,
-    scale_table,
-    superblock_matmul,
 )
 from specdec.backends.native.kernels.numba_ops import importable as numba_importable
 from specdec.backends.native.kernels.numba_ops import numba_threads
@@ -84,25 +80,18 @@ class BlockLinear8(torch.nn.Module):
             raise ValueError(f"tensor {tensor.name!r}: {qt.name} rows of {k} are not whole blocks of {span}")
         self.qtype, self.in_features, self.out_features = qt, k, n
         self.act_dtype = torch.float32
-        self.raw = np.ascontiguousarray(tensor.data).reshape(n, -1)  # [N, bytes per row]: the file's own
+        raw = np.ascontiguousarray(tensor.data).reshape(n, -1)  # [N, bytes per row]: the file's own
         self.bias = None if bias is None else bias.detach().float().cpu()  # [N]
         self.kernel = kernel or kernel_name()
-        # what the numba kernel takes, formed once: a call's fixed costs weigh at decode widths
         self.small_blocks, self.units = qt.family is Family.BLOCKS32, k // span
-        self.tiles = None
-        if self.small_blocks:  # in tiles of 16 rows (kernels/tiles16.py), d (m) inside: a copy of the blocks
-            self.tiles = repack(self.raw, qt, n, k)
-            self.scales = self.table = np.empty((n, 0), np.float32)
-            self.raw = None  # the tiles hold the blocks (a joined q/k/v copy is not kept)
-            return
-        self.scales = scale_table(qt, self.raw, n, k)  # [N, S, fields]
-        self.table = self.scales.reshape(n, -1)  # [N, T]: a view
+        # in tiles of 16 rows (kernels/tiles16.py, supertiles.py), scales inside: the loader then drops
+        # the file's pages of the blocks (and a joined q/k/v keeps no second copy)
+        self.tiles = (repack if self.small_blocks else supertiles.repack)(raw, qt, n, k)
+        self.rows = np.empty((n, 0), np.float32)  # N for jit/layer.py's parts, whatever the layout
 
     def nbytes(self) -> int:
-        """Bytes this layer holds besides the file's mapping (the scale tables, Q4_0's and Q4_1's
-        tiles, the bias)."""
-        held = self.scales.nbytes + (0 if self.tiles is None else self.tiles.nbytes)
-        return held + (0 if self.bias is None else self.bias.nbytes)
+        """Bytes this layer holds (the tiles, the bias)."""
+        return self.tiles.nbytes + (0 if self.bias is None else self.bias.nbytes)
 
     @eager_in_graphs  # numba and numpy
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
@@ -120,21 +109,18 @@ class BlockLinear8(torch.nn.Module):
     def matmul_into(self, activations: tuple, y: np.ndarray, column: int) -> None:
         """The numba kernel on `quantized` activations of this layer's kind, into y[:, column :
         column + N]."""
-        if self.tiles is not None:
-            xq, xs, xsum, _ = activations
+        xq, xs, xsum, xsum4 = activations
+        if self.small_blocks:
             _tiles16_jit().matmul(self.qtype.code, self.tiles, self.out_features, self.units, xq, xs, xsum, y,
                                   column)
-            return
-        _superblock_jit().matmul(self.qtype.code, self.raw, self.table, self.units, *activations, y, column)
+        else:
+            _supertiles_jit().matmul(self.qtype.code, self.tiles, self.out_features, self.units, xq, xs, xsum,
+                                     xsum4, y, column)
 
     def numba_part(self) -> tuple:
-        """(code, raw, table, units): this matrix as the numba matmuls take it (jit/layer.py);
-        raw is the tiles of a block-of-32 type."""
-        if self.tiles is not None:
-            return self.qtype.code, self.tiles, self.table, self.units
-        raw = self.raw.view()
-        raw.flags.writeable = False  # one type for every part: the file's mapping is read-only
-        return self.qtype.code, raw, self.table, self.units
+        """(code, tiles, rows, units): this matrix as the numba matmuls take it (jit/layer.py);
+        rows [N, 0] carries N."""
+        return self.qtype.code, self.tiles, self.rows, self.units
 
     def numba_group(self) -> tuple | None:
         """This layer as jit/layer.py's linear group (small, parts, bias, width), or None where
@@ -144,14 +130,7 @@ class BlockLinear8(torch.nn.Module):
         return self.small_blocks, (self.numba_part(),), _bias_array(self.bias), self.out_features
 
     def _torch(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tiles is not None:
-            return self._torch_tiles(x)
-        xq, xs, xsum = quantize_activations_k(x)
-        tiles = []
-        for start in range(0, self.out_features, TORCH_TILE):
-            raw, scales = self.raw[start : start + TORCH_TILE], self.scales[start : start + TORCH_TILE]
-            tiles.append(superblock_matmul(xq, xs, xsum, *decode_superblocks(self.qtype, raw, scales)))
-        return torch.cat(tiles, dim=1)
+        return self._torch_tiles(x) if self.small_blocks else self._torch_supertiles(x)
 
     def _torch_tiles(self, x: torch.Tensor) -> torch.Tensor:
         """rows16_matmul over the tiles, TORCH_TILE output rows (whole tiles) unpacked at a time."""
@@ -162,6 +141,19 @@ class BlockLinear8(torch.nn.Module):
             q, d, m = (None if a is None else torch.from_numpy(a)
                        for a in unpack(tiles, self.qtype, rows, self.in_features))
             outputs.append(rows16_matmul(*acts, q, d, m, self.qtype.offset))
+        return torch.cat(outputs, dim=1)
+
+
+    def _torch_supertiles(self, x: torch.Tensor) -> torch.Tensor:
+        """supertile_matmul over the tiles, TORCH_TILE output rows unpacked at a time."""
+        xq, xs, xsum = quantize_activations_k(x)
+        outputs = []
+        for start in range(0, self.out_features, TORCH_TILE):
+            rows = min(TORCH_TILE, self.out_features - start)
+            tiles = self.tiles[start // TILE_ROWS : (start + TORCH_TILE) // TILE_ROWS]
+            fields = supertiles.unpack(tiles, self.qtype, rows, self.in_features)
+            outputs.append(supertiles.supertile_matmul(
+                xq, xs, xsum, *(None if f is None else torch.from_numpy(f) for f in fields)))
         return torch.cat(outputs, dim=1)
 
 
@@ -242,9 +234,9 @@ def linear_for(tensor: QuantTensor, bias: torch.Tensor | None = None) -> BlockLi
 
 
 @functools.cache
-def _superblock_jit():
+def _supertiles_jit():
     numba_threads()  # the threading layer and count, before the first parallel launch
-    import specdec.backends.native.kernels.jit.superblocks as jit  # compiles, or loads from disk
+    import specdec.backends.native.kernels.jit.supertiles as jit  # compiles, or loads from disk
 
     return jit
 

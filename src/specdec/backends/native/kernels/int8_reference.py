@@ -1,7 +1,8 @@
-"""The int8-activation kernels' arithmetic in PyTorch, operation for operation (the numba
-kernels in jit/ state it; the tests hold the two to the same bits), and the decoders of the
-file's blocks into their integers and scales. BlockLinear8's "torch" kernel runs these where
-numba does not; kernels/int8_ort.py and the tests read the decoders."""
+"""The int8 activations of the numba kernels in PyTorch, operation for operation (jit/activations.py
+states them; the tests hold the two to the same bits), and the decoders of the file's blocks into
+their integers and scales. BlockLinear8's "torch" kernel quantizes with these where numba does not
+run (the tiles' replicas are in tiles16.py and supertiles.py); kernels/int8_ort.py, supertiles.py
+and the tests read the decoders."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from specdec.backends.native.quant_types import Family, Q, QuantType, quant_type
 
 BLOCK = 32  # the blocks of 32's activation block (and the lanes' span)
 SUPER = 256  # the K-quants' super-block: their activation block
-LANES = 16
 
 
 def _fp16_at(blocks: np.ndarray, offset: int) -> np.ndarray:
@@ -40,44 +40,6 @@ def quantize_activations_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     xq = torch.round(blocks * inv[..., None])  # half to even, as np.rint
     xs = torch.where(amax > 0, torch.ones_like(inv) / torch.where(amax > 0, inv, 1), 0)
     return xq, xs, xq.reshape(x.shape[0], -1, BLOCK).sum(-1)
-
-
-def decode_superblocks(qtype: QuantType, raw: np.ndarray, scales: np.ndarray) -> tuple:
-    """Rows of super-blocks with their `scale_table` -> (w [n, S, 256] the file's integers, sc
-    [n, S, 256] each element's integer sub-block scale, d [n, S], and with a min term (m [n,
-    S, 8] the integer mins, dmin [n, S]), else None), as tensors; weight = d * sc * w (- dmin
-    * m)."""
-    qt, n = quant_type(qtype), raw.shape[0]
-    q, sc, mn = SUPERBLOCK_VALUES[qt.ggml](raw.reshape(n, -1, qt.block_bytes))
-    tensors = (q, np.repeat(sc, 256 // sc.shape[-1], axis=-1), scales[..., 0])
-    minimum = None if mn is None else (torch.from_numpy(mn),
-                                       torch.from_numpy(np.ascontiguousarray(scales[..., 1])))
-    return (*(torch.from_numpy(np.ascontiguousarray(t)) for t in tensors), minimum)
-
-
-def superblock_matmul(xq: torch.Tensor, xs: torch.Tensor, xsum: torch.Tensor, w: torch.Tensor,
-                      sc: torch.Tensor, d: torch.Tensor, minimum: tuple | None) -> torch.Tensor:
-    """The super-block kernels' arithmetic in PyTorch ops: xq [M, S, 256] -> y [M, n] fp32.
-    Each lane's integer sum (lane j: elements 4j .. 4j + 3 of each chunk of 64) is below 2^31,
-    exact in float64 whatever the order, then rounded once to fp32 (as the kernels' int32 ->
-    fp32); the sums over super-blocks and then lanes run in the kernels' order."""
-    lanes = torch.einsum("mscla,nscla->mnsl", xq.double().reshape(*xq.shape[:2], 4, LANES, 4),
-                         (w * sc).double().reshape(*w.shape[:2], 4, LANES, 4)).float()  # [M, n, S, 16]
-    scale = d[None] * xs[:, None]  # [M, n, S]
-    c = torch.zeros(*lanes.shape[:2], LANES)
-    for u in range(lanes.shape[2]):
-        c = c + scale[..., u, None] * lanes[..., u, :]
-    y = c[..., 0]
-    for lane in range(1, LANES):
-        y = y + c[..., lane]
-    if minimum is None:
-        return y
-    mn, dmin = minimum
-    imin = torch.einsum("msj,nsj->mns", xsum.reshape(xsum.shape[0], -1, 8).double(), mn.double()).float()
-    low, mins = dmin[None] * xs[:, None], torch.zeros_like(y)
-    for u in range(imin.shape[2]):
-        mins = mins + low[..., u] * imin[..., u]
-    return y - mins
 
 
 def scale_table(qtype: QuantType, raw: np.ndarray, n: int, k: int) -> np.ndarray:

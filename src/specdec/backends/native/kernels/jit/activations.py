@@ -1,5 +1,5 @@
-"""The int8 activations of the GGUF 8-bit kernels (jit/superblocks.py states the arithmetic;
-kernels/int8_blocks.py holds the PyTorch replica). numba, compiled once and cached on disk;
+"""The int8 activations of the GGUF 8-bit kernels (jit/tiles16.py and jit/supertiles.py state the
+arithmetic; kernels/int8_reference.py holds the PyTorch replica). numba, compiled once and cached on disk;
 imported on first use. Each activation row is quantized on its own, so a row's integers and
 scales do not depend on the others in the batch."""
 
@@ -36,7 +36,7 @@ def _quantize_block8(x, xq, xsum4, m, start, inv):  # pragma: no cover - compile
 @njit("void(float32[:, ::1], int8[:, ::1], float32[:, ::1], int32[:, ::1], int32[:, ::1])",
       cache=True, nogil=True)
 def quantize_rows(x, xq, xs, xsum, xsum4):  # pragma: no cover - compiled
-    """For Q8_0, Q5_0 and Q5_1 (llama.cpp's Q8_0 activations): x [M, K] -> xq [M, K] int8,
+    """For the blocks of 32 (llama.cpp's Q8_0 activations): x [M, K] -> xq [M, K] int8,
     xs [M, K // 32], xsum [M, K // 32] (each block's sum of xq), xsum4 [M, K // 4] (each 4's)."""
     rows, blocks = xs.shape
     for m in range(rows):
@@ -50,7 +50,7 @@ def quantize_rows(x, xq, xs, xsum, xsum4):  # pragma: no cover - compiled
 @njit("void(float32[:, ::1], int8[:, ::1], float32[:, ::1], int32[:, ::1], int32[:, ::1])",
       cache=True, nogil=True)
 def quantize_rows_k(x, xq, xs, xsum, xsum4):  # pragma: no cover - compiled
-    """For Q6_K and Q5_K (llama.cpp's Q8_K): x [M, K] -> xq [M, K] int8, xs [M, K // 256],
+    """For the K-quants (llama.cpp's Q8_K): x [M, K] -> xq [M, K] int8, xs [M, K // 256],
     xsum [M, K // 32] and xsum4 [M, K // 4]; per super-block inv = 127 / max|x|, xq = rint(x
     * inv), xs = 1 / inv."""
     rows, units = xs.shape

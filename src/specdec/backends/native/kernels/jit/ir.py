@@ -1,4 +1,4 @@
-"""LLVM vector IR helpers for the int8-activation kernels (superblocks.py, tiles16.py), built
+"""LLVM vector IR helpers for the int8-activation kernels (tiles16.py, supertiles.py), built
 with llvmlite and inlined into numba's loops through `numba.extending.intrinsic`.
 
 `DOT` names the instructions the sums of four products use on the CPU the kernels compile

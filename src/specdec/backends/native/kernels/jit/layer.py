@@ -7,16 +7,17 @@ At decode widths a layer's kernels take a few tens of microseconds each, and the
 around them (tensor conversions, dispatches, one allocation per output) cost about as much
 again. Here the same kernels run back to back in compiled code: `decode_layer` calls the
 functions the separate path calls (activations.py's quantizers, the matmuls of
-jit/tiles16.py and jit/superblocks.py, jit's norms and attention, `glu_mul_f32`) on the same
+jit/tiles16.py and jit/supertiles.py, jit's norms and attention, `glu_mul_f32`) on the same
 inputs in the same order, and adds biases and residuals as the separate path's fp32 tensor
 adds do, so a row gets the same bits either way. Imported on first use; compiled once,
 cached on disk.
 
 A linear is a `group`: (small, parts, bias, width). `small` says whether the parts read
-blocks of 32 (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1) or the K-quants' super-blocks; every part of a group reads
-that one quantization of the input, as MixedBlockLinear8 does. parts: a tuple of (kind,
-raw, table, units), each writing its columns side by side (kind: the type's code in
-quant_types.py; a small-block part's raw is its tiles); bias: [width] fp32, or empty.
+blocks of 32 (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1) or the K-quants' super-blocks; every part of a group
+reads that one quantization of the input, as MixedBlockLinear8 does. parts: a tuple of (kind,
+tiles, rows, units), each writing its columns side by side (kind: the type's code in
+quant_types.py; tiles: its tiles of 16 rows; rows: an [N, 0] array that carries N); bias:
+[width] fp32, or empty.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from numba import njit
 from specdec.backends.native.kernels.jit.activations import quantize_rows, quantize_rows_k
 from specdec.backends.native.kernels.jit.attention import attend_packed, begin, norm_rotate_attend
 from specdec.backends.native.kernels.jit.norms import exp_nonpositive, rms_norm_f32, split_norm_rotate
-from specdec.backends.native.kernels.jit.superblocks import matmul as superblock_matmul
+from specdec.backends.native.kernels.jit.supertiles import matmul as supertile_matmul
 from specdec.backends.native.kernels.jit.tiles16 import matmul as rows16_matmul
 
 GELU_BETA = np.float32(0.7978845608028654)  # sqrt(2 / pi), as PyTorch's tanh approximation
@@ -81,12 +82,12 @@ def linear(group, x):  # pragma: no cover - compiled
         quantize_rows_k(x, xq, xs, xsum, xsum4)
     y = np.empty((m, width), np.float32)
     column = 0
-    for kind, raw, table, units in parts:  # table [N, T]: N rows whatever the layout
-        if small:  # in tiles of 16 rows
-            rows16_matmul(kind, raw, table.shape[0], units, xq, xs, xsum, y, column)
+    for kind, tiles, rows, units in parts:
+        if small:  # tiles of 16 rows: rows [N, 0] carries N
+            rows16_matmul(kind, tiles, rows.shape[0], units, xq, xs, xsum, y, column)
         else:
-            superblock_matmul(kind, raw, table, units, xq, xs, xsum, xsum4, y, column)
-        column += table.shape[0]
+            supertile_matmul(kind, tiles, rows.shape[0], units, xq, xs, xsum, xsum4, y, column)
+        column += rows.shape[0]
     if bias.shape[0]:
         for r in range(m):
             for j in range(width):
