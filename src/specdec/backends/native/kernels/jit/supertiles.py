@@ -21,7 +21,8 @@ and a sub-block's products a chain of `vpdpbusd`, times the scales. On AVX2 each
 tile (8 rows) takes its own pass over the super-blocks, so that a pass's sums fit the 16
 registers, and a sub-block's `pmaddubsw` pair sums add in 16 bits as far as they cannot
 overflow (q < 2^b: 2 x (2^b - 1) x 128 each), then one `pmaddwd` by the scales widens and
-scales them. Plain IR elsewhere. The three give the same integers.
+scales them. Plain IR elsewhere, 16 rows a vector as with VNNI (so the tests, which run it on
+any CPU, cover that layout). The three give the same integers.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from specdec.backends.native.kernels.supertiles import QS_BYTES, TILE, d_at, sca
 from specdec.backends.native.quant_types import SUPERBLOCKS, Q, QuantType
 
 i8, i16, i32, i64, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
-HALVES = 1 if DOT == "vnni" else 2  # passes per tile: AVX-512 holds its 16 rows in one vector
+HALVES = 2 if DOT == "avx2" else 1  # passes per tile: AVX2 holds 8 rows a vector (plain IR: 16, as VNNI)
 LANES = TILE // HALVES
 
 
