@@ -121,6 +121,14 @@ def _dot_add(b, acc, w, x, signed: bool):
     return b.add(acc, dot4(b, w, signed, 0, x, None))
 
 
+def _operands(context, b, signature, args):
+    """The intrinsics' (tile, blocks, xq, xs, xsum, first, out): the data pointers of tile, xq,
+    xs, xsum and out, and xq's M and K."""
+    pointers = tuple(data_pointer(context, b, signature, args, i) for i in (0, 2, 3, 4, 6))
+    shape = context.make_array(signature.args[2])(context, b, args[2]).shape
+    return pointers, b.extract_value(shape, 0), b.extract_value(shape, 1)
+
+
 def _tile_rows(rows: int, qt: QuantType):
     """An intrinsic `dot(tile, blocks, xq, xs, xsum, first, out)`: one tile of `qtype`
     against activation rows first .. first + rows - 1 (those below M; the others repeat row
@@ -131,9 +139,7 @@ def _tile_rows(rows: int, qt: QuantType):
     @intrinsic
     def dot(typingctx, tile, blocks, xq, xs, xsum, first, out):
         def codegen(context, b, signature, args):
-            tp, qp, sp, np_, op = (data_pointer(context, b, signature, args, i) for i in (0, 2, 3, 4, 6))
-            shape = context.make_array(signature.args[2])(context, b, args[2]).shape
-            m, k = b.extract_value(shape, 0), b.extract_value(shape, 1)
+            (tp, qp, sp, np_, op), m, k = _operands(context, b, signature, args)
             passing = Rows(b, qp, sp, np_, np_, m, k, args[5], rows)
             per_row = b.udiv(k, const(32))
             zeros = ir.Constant(vec(f32, TILE), None)
@@ -146,20 +152,9 @@ def _tile_rows(rows: int, qt: QuantType):
                     total = _block_dot(b, weights, b.gep(qp, [b.mul(pick, k)]), b.mul(index, const(32)),
                                        signed)
                     at = b.add(b.mul(pick, per_row), index)
-                    xsum = b.load(b.gep(np_, [at]))
-                    xs = splat_value(b, b.load(b.gep(sp, [at])), TILE)
-                    if offset:  # Q4_0's weights are q - 8, Q5_0's q - 16; Q8_0's on vpdpbusd q + 128
-                        total = b.sub(total, b.mul(splat_value(b, xsum, TILE), splat(offset, TILE, i32)))
-                    scaled = b.fmul(b.sitofp(total, vec(f32, TILE)), b.fmul(d, xs))
-                    b.store(b.fadd(b.load(accs[r]), scaled), accs[r])
-                    if with_min:  # (m * xs) * float(xsum)
-                        term = b.fmul(b.fmul(mn, xs), splat_value(b, b.sitofp(xsum, f32), TILE))
-                        b.store(b.fadd(b.load(mins[r]), term), mins[r])
-            for r in range(rows):
-                with b.if_then(b.icmp_signed("<", b.add(args[5], const(r)), m)):
-                    ptr = b.bitcast(b.gep(op, [const(r * TILE)]), vec(f32, TILE).as_pointer())
-                    result = b.fadd(b.load(accs[r]), b.load(mins[r])) if with_min else b.load(accs[r])
-                    b.store(result, ptr, align=4)
+                    _accumulate(b, total, (d, mn), (b.gep(np_, [at]), b.gep(sp, [at])), (accs[r], mins),
+                                r, offset)
+            _store_rows(b, accs, mins, args[5], m, op, 0)
             return context.get_dummy_value()
 
         return types.void(tile, blocks, xq, xs, xsum, first, out), codegen
@@ -227,9 +222,7 @@ def _half_tile_rows(rows: int, qt: QuantType):
     @intrinsic
     def dot(typingctx, tile, blocks, xq, xs, xsum, first, out):
         def codegen(context, b, signature, args):
-            tp, qp, sp, np_, op = (data_pointer(context, b, signature, args, i) for i in (0, 2, 3, 4, 6))
-            shape = context.make_array(signature.args[2])(context, b, args[2]).shape
-            m, k = b.extract_value(shape, 0), b.extract_value(shape, 1)
+            (tp, qp, sp, np_, op), m, k = _operands(context, b, signature, args)
             picks = Rows(b, qp, sp, np_, np_, m, k, args[5], rows).picks
             per_row = b.udiv(k, const(32))
             zeros = ir.Constant(vec(f32, HALF), None)
@@ -245,27 +238,40 @@ def _half_tile_rows(rows: int, qt: QuantType):
                     mn = fp16_lanes(b, src, at_fields + 32 + 16 * half, HALF) if with_min else None
                     for r, pick in enumerate(picks):
                         at = b.add(b.mul(pick, per_row), index)
-                        xsum = b.load(b.gep(np_, [at]))
-                        xs = splat_value(b, b.load(b.gep(sp, [at])), HALF)
-                        total = totals[r]
-                        if offset:  # Q4_0's weights are q - 8, Q5_0's q - 16
-                            total = b.sub(total, b.mul(splat_value(b, xsum, HALF), splat(offset, HALF, i32)))
-                        scaled = b.fmul(b.sitofp(total, vec(f32, HALF)), b.fmul(d, xs))
-                        b.store(b.fadd(b.load(accs[r]), scaled), accs[r])
-                        if with_min:  # (m * xs) * float(xsum)
-                            term = b.fmul(b.fmul(mn, xs), splat_value(b, b.sitofp(xsum, f32), HALF))
-                            b.store(b.fadd(b.load(mins[r]), term), mins[r])
-                for r in range(rows):
-                    with b.if_then(b.icmp_signed("<", b.add(args[5], const(r)), m)):
-                        at = const(r * TILE + HALF * half)
-                        ptr = b.bitcast(b.gep(op, [at]), vec(f32, HALF).as_pointer())
-                        result = b.fadd(b.load(accs[r]), b.load(mins[r])) if with_min else b.load(accs[r])
-                        b.store(result, ptr, align=4)
+                        row = (b.gep(np_, [at]), b.gep(sp, [at]))
+                        _accumulate(b, totals[r], (d, mn), row, (accs[r], mins), r, offset)
+                _store_rows(b, accs, mins, args[5], m, op, HALF * half)
             return context.get_dummy_value()
 
         return types.void(tile, blocks, xq, xs, xsum, first, out), codegen
 
     return dot
+
+
+def _accumulate(b, total, fields, row, sums, r: int, offset: int):
+    """One block for activation row r: acc = acc + float(total - offset * xsum) * (d * xs), and
+    with a min mins[r] = mins[r] + (m * xs) * float(xsum). total <n x i32>; fields (d, m or None)
+    <n x float>; row: pointers to the row's xsum and xs; sums: (acc, mins)."""
+    d, mn = fields
+    acc, mins = sums
+    lanes = total.type.count
+    xsum, xs = b.load(row[0]), splat_value(b, b.load(row[1]), lanes)
+    if offset:  # Q4_0's weights are q - 8, Q5_0's q - 16; Q8_0's on vpdpbusd q + 128
+        total = b.sub(total, b.mul(splat_value(b, xsum, lanes), splat(offset, lanes, i32)))
+    b.store(b.fadd(b.load(acc), b.fmul(b.sitofp(total, vec(f32, lanes)), b.fmul(d, xs))), acc)
+    if mn is not None:  # (m * xs) * float(xsum)
+        term = b.fmul(b.fmul(mn, xs), splat_value(b, b.sitofp(xsum, f32), lanes))
+        b.store(b.fadd(b.load(mins[r]), term), mins[r])
+
+
+def _store_rows(b, accs, mins, first, m, op, column: int):
+    """out[r * 16 + column ..] = acc (+ mins) for each pass row below M."""
+    lanes = accs[0].type.pointee.count
+    for r, acc in enumerate(accs):
+        with b.if_then(b.icmp_signed("<", b.add(first, const(r)), m)):
+            ptr = b.bitcast(b.gep(op, [const(r * TILE + column)]), vec(f32, lanes).as_pointer())
+            result = b.fadd(b.load(acc), b.load(mins[r])) if mins else b.load(acc)
+            b.store(result, ptr, align=4)
 
 
 def _by_width(qt: QuantType):
