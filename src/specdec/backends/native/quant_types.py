@@ -53,6 +53,7 @@ class QuantType:
     offset: int = 0
     four_bit: bool = False  # runs PyTorch's int4 kernel where numba does not run
     sub_block: int = 0  # K-quants: weights per sub-block scale
+    q_bits: int = 0  # K-quants: the bits of each weight's integer q (4 as nibbles, the rest as high bits)
     ort_block: int | None = None  # MatMulNBits' block where ONNX Runtime holds the weights exactly
 
     @property
@@ -80,10 +81,12 @@ TABLE: tuple[QuantType, ...] = (
     QuantType(Q.Q5_1, Family.BLOCKS32, 32, 24, code=3, scales_at=(0, 2), qs_bytes=16, high_bits=True,
               with_min=True),
     QuantType(Q.Q8_0, Family.BLOCKS32, 32, 34, code=4, scales_at=(0,), qs_bytes=32, ort_block=32),
-    QuantType(Q.Q6_K, Family.SUPERBLOCKS, 256, 210, code=0, scales_at=(208,), ort_block=16, sub_block=16),
-    QuantType(Q.Q5_K, Family.SUPERBLOCKS, 256, 176, code=1, scales_at=(0, 2), with_min=True, sub_block=32),
+    QuantType(Q.Q6_K, Family.SUPERBLOCKS, 256, 210, code=0, scales_at=(208,), ort_block=16, sub_block=16,
+              q_bits=6),
+    QuantType(Q.Q5_K, Family.SUPERBLOCKS, 256, 176, code=1, scales_at=(0, 2), with_min=True, sub_block=32,
+              q_bits=5),
     QuantType(Q.Q4_K, Family.SUPERBLOCKS, 256, 144, code=2, scales_at=(0, 2), with_min=True, four_bit=True,
-              sub_block=32),
+              sub_block=32, q_bits=4),
 )
 
 BY_GGML: dict[GGMLQuantizationType, QuantType] = {t.ggml: t for t in TABLE}

@@ -29,7 +29,10 @@ TILE = 16
 QS_BYTES = 32 * 64  # 32 vectors of 64 bytes of nibbles
 
 
-HIGH_BYTES = {Q.Q6_K: 16 * 64, Q.Q5_K: 8 * 64, Q.Q4_K: 0}  # the vectors of high bits after the nibbles'
+def high_bytes(qt: QuantType) -> int:
+    """Bytes of the vectors of high bits that follow the nibbles: 16 rows x 256 weights' bits
+    above the fourth (Q6_K 1,024, Q5_K 512, Q4_K none)."""
+    return (qt.q_bits - 4) * 256 // 8 * TILE
 
 
 def scales(qt: QuantType) -> int:
@@ -39,7 +42,7 @@ def scales(qt: QuantType) -> int:
 
 def scales_at(qt: QuantType) -> int:
     """Where a tile's super-block holds its sub-block scales (then the mins, d and dmin)."""
-    return QS_BYTES + HIGH_BYTES[qt.ggml]
+    return QS_BYTES + high_bytes(qt)
 
 
 def tile_bytes(qt: QuantType) -> int:
@@ -79,8 +82,8 @@ def _repack_into(out: np.ndarray, rows: np.ndarray, qt: QuantType) -> None:
 
     nibbles, high = (0, 128) if qt.ggml is Q.Q6_K else (qt.block_bytes - 128, 16)
     out[..., :QS_BYTES] = lanes(nibbles, 128)
-    if HIGH_BYTES[qt.ggml]:
-        out[..., QS_BYTES : scales_at(qt)] = lanes(high, HIGH_BYTES[qt.ggml] // TILE)
+    if high_bytes(qt):
+        out[..., QS_BYTES : scales_at(qt)] = lanes(high, high_bytes(qt) // TILE)
     _, sc, mn = SUPERBLOCK_VALUES[qt.ggml](padded)  # [tiles * 16, units, scales] fp32 of integers
     at, count = scales_at(qt), scales(qt)
     for field, values in enumerate((sc, mn)[: 1 + qt.with_min]):  # Q6_K's int8, the others' six bits
@@ -108,8 +111,8 @@ def unpack(tiles: np.ndarray, qtype: QuantType, n: int, k: int) -> tuple[np.ndar
     raw = np.zeros((count * TILE, units, qt.block_bytes), np.uint8)
     nibbles, high = (0, 128) if qt.ggml is Q.Q6_K else (qt.block_bytes - 128, 16)
     raw[..., nibbles : nibbles + 128] = qs
-    if HIGH_BYTES[qt.ggml]:
-        raw[..., high : high + HIGH_BYTES[qt.ggml] // TILE] = rows_bytes(QS_BYTES, HIGH_BYTES[qt.ggml])
+    if high_bytes(qt):
+        raw[..., high : high + high_bytes(qt) // TILE] = rows_bytes(QS_BYTES, high_bytes(qt))
     q = SUPERBLOCK_VALUES[qt.ggml](raw)[0]  # the integers alone: scales and mins come next
     at, per = scales_at(qt), scales(qt)
     fields = [t[..., at + per * TILE * f : at + per * TILE * (f + 1)].view(np.int8)

@@ -149,8 +149,7 @@ def _unit_sums(b, src, half: int, qt: QuantType, qrows, sixteens, first_element)
     per row the pointer to the super-block's sums of 16 xq (Q6_K's offset of 32)."""
     at, per = scales_at(qt), scales(qt)
     size = 256 // per  # a sub-block's weights
-    bits = {Q.Q4_K: 4, Q.Q5_K: 5, Q.Q6_K: 6}[qt.ggml]
-    group = min(size // 4, (1 << 15) // (2 * ((1 << bits) - 1) * 128))  # pair sums that fit 16 bits
+    group = min(size // 4, (1 << 15) // (2 * ((1 << qt.q_bits) - 1) * 128))  # pair sums that fit 16 bits
     isums = [None] * len(qrows)
     for p in range(8):
         weights = _group(b, src, half, qt, p)
