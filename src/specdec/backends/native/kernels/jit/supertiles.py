@@ -55,6 +55,7 @@ from specdec.backends.native.quant_types import SUPERBLOCKS, Q, QuantType
 i8, i16, i32, i64, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 HALVES = 2 if DOT == "avx2" else 1  # passes per tile: AVX2 holds 8 rows a vector (plain IR: 16, as VNNI)
 LANES = TILE // HALVES
+SIXTEEN_CODE = next(t.code for t in SUPERBLOCKS if t.sub_block == 16)  # Q6_K: sub-blocks of 16
 
 
 def _bits_to(b, v, bit: int, to: int, mask: int):
@@ -268,7 +269,8 @@ def matmul(kind, tiles, rows, units, xq, xs, xsum, xsum4, y, column):  # pragma:
     activations.quantize_rows_k -> y[:, column : column + N]. Activation rows in passes of
     DOT_ROWS, the last ones narrower."""
     m = xq.shape[0]
-    sixteens = np.empty((m, xsum4.shape[1] // 4), np.int32)  # Q6_K's sub-blocks of 16: exact sums
+    # the sums of each 16 xq, which only sub-blocks of 16 (Q6_K) read: exact
+    sixteens = np.empty((m, xsum4.shape[1] // 4 if kind == SIXTEEN_CODE else 0), np.int32)
     for r in range(m):
         for i in range(sixteens.shape[1]):
             sixteens[r, i] = xsum4[r, 4 * i] + xsum4[r, 4 * i + 1] + xsum4[r, 4 * i + 2] + xsum4[r, 4 * i + 3]
