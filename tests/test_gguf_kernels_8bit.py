@@ -153,6 +153,30 @@ def test_numba_and_torch_kernels_agree_bit_for_bit(monkeypatch, qtype, m, k):
     assert torch.equal(got, k8.BlockLinear8(tensor, bias, kernel="torch")(x))
 
 
+def q6k_extreme(n: int, k: int, q: int) -> QuantTensor:
+    """Q6_K blocks whose every weight is q (0 or 63: q - 32 at either end) at the largest scale."""
+    block = np.zeros(210, np.uint8)  # ql [128], qh [64], scales [16] int8, d fp16
+    block[:128] = (q & 15) * 17
+    block[128:192] = (q >> 4) * 0x55
+    block[192:208] = 127
+    block[208:210] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    return QuantTensor("blk.0.Q6_K.weight", GGMLQuantizationType.Q6_K, (n, k), np.tile(block, n * k // 256))
+
+
+@pytest.mark.parametrize("q, sign", [(0, -1.0), (63, 1.0), (0, 1.0)])
+def test_q6k_sums_at_their_extremes_stay_exact(q, sign):
+    """Every product (q - 32) * xq at its largest, all of one sign: the AVX2 kernel's 16-bit pair
+    sums (a sub-block's 8 products, less 32 times their xq) must still give the replica's bits."""
+    if not numba_ops.importable():
+        pytest.skip("numba is not installed")
+    tensor = q6k_extreme(24, 512, q)
+    assert np.all(tensor.dequantize() == np.float32(np.float16(0.01)) * 127 * (q - 32))
+    x = torch.full((3, 512), sign)
+    got = k8.BlockLinear8(tensor, kernel="numba")(x)
+    assert torch.equal(got, k8.BlockLinear8(tensor, kernel="torch")(x))
+    assert torch.allclose(got, ReferenceLinear(tensor)(x), rtol=1e-5)
+
+
 DOT_CHECK = """
 import numpy as np, torch
 from specdec.backends.native.kernels.jit import ir

@@ -19,10 +19,13 @@ Instructions: a vector's lanes are a tile's rows, so a sub-block's scale is one 
 row at a time, each row needs a horizontal sum). With AVX-512 VNNI the 16 rows are one vector
 and a sub-block's products a chain of `vpdpbusd`, times the scales. On AVX2 each half of the
 tile (8 rows) takes its own pass over the super-blocks, so that a pass's sums fit the 16
-registers, and a sub-block's `pmaddubsw` pair sums add in 16 bits as far as they cannot
-overflow (q < 2^b: 2 x (2^b - 1) x 128 each), then one `pmaddwd` by the scales widens and
-scales them. Plain IR elsewhere, 16 rows a vector as with VNNI (so the tests, which run it on
-any CPU, cover that layout). The three give the same integers.
+registers (a single activation row takes both halves in one pass, which lets the weights
+stream in while they are multiplied), and a sub-block's `pmaddubsw` pair sums add in 16 bits
+as far as they cannot overflow (q < 2^b: 2 x (2^b - 1) x 128 each), then one `pmaddwd` by the
+scales widens and scales them. Q6_K's sums take 32 times the pair sums of xq off in 16 bits
+first: sums of (q - 32) * xq, at most 8 x 32 x 127, cover the whole sub-block, and the offset
+costs no multiply. Plain IR elsewhere, 16 rows a vector as with VNNI (so the tests, which run
+it on any CPU, cover that layout). The three give the same integers.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from specdec.backends.native.kernels.jit.ir import (
     dispatch,
     fp16_lanes,
     load,
+    prefetch,
     raw_array,
     splat,
     splat_value,
@@ -55,6 +59,10 @@ from specdec.backends.native.quant_types import SUPERBLOCKS, Q, QuantType
 i8, i16, i32, i64, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 HALVES = 2 if DOT == "avx2" else 1  # passes per tile: AVX2 holds 8 rows a vector (plain IR: 16, as VNNI)
 LANES = TILE // HALVES
+# Super-blocks ahead that a one-row pass prefetches, for the types whose high bits lie in a plane
+# of their own (Q5_K, Q6_K): their two interleaved streams outran the hardware prefetcher, while
+# Q4_K's one stream did not (docs/performance-notes.md).
+PREFETCH_AHEAD = 4
 SIXTEEN_CODE = next(t.code for t in SUPERBLOCKS if t.sub_block == 16)  # Q6_K: sub-blocks of 16
 
 
@@ -64,15 +72,22 @@ def _bits_to(b, v, bit: int, to: int, mask: int):
     return b.bitcast(b.and_(moved, splat(mask, LANES, i32)), vec(i8, 4 * LANES))
 
 
-def _nibbles(b, src, half: int, v: int, high: bool):
-    raw = load(b, src, const(64 * v + 4 * LANES * half), vec(i8, 4 * LANES))
+def _again(b, offset: int, apart, times: int = 1):
+    """`offset` plus `times` x apart (zero, but not to the compiler): a load of bytes that an
+    earlier load of the super-block read is made again where it is used, not held in a register
+    from there (which spilled)."""
+    return b.add(const(offset), b.mul(apart, const(times))) if times else const(offset)
+
+
+def _nibbles(b, src, half: int, v: int, high: bool, apart):
+    raw = load(b, src, _again(b, 64 * v + 4 * LANES * half, apart, int(high)), vec(i8, 4 * LANES))
     if high:
         words = b.lshr(b.bitcast(raw, vec(i16, 2 * LANES)), splat(4, 2 * LANES, i16))
         raw = b.bitcast(words, vec(i8, 4 * LANES))
     return b.and_(raw, splat(15, 4 * LANES, i8))
 
 
-def _group(b, src, half: int, qt: QuantType, p: int):
+def _group(b, src, half: int, qt: QuantType, p: int, apart):
     """Elements 32 p .. 32 p + 31 of the super-block for rows LANES half ..: 8 weight vectors <4
     LANES x i8> (vector g: each lane's elements 32 p + 4 g .. + 3), the file's q (Q4_K 0..15, Q5_K
     0..31, Q6_K 0..63)."""
@@ -80,14 +95,15 @@ def _group(b, src, half: int, qt: QuantType, p: int):
     for g in range(8):
         if qt.ggml is Q.Q6_K:  # element 128 h + 32 T + l: a nibble of ql, bit pair T of qh
             h, pair = divmod(p, 4)
-            q = _nibbles(b, src, half, 16 * h + 8 * (pair % 2) + g, pair >= 2)
-            qh = load(b, src, const(QS_BYTES + 64 * (8 * h + g) + 4 * LANES * half), vec(i32, LANES))
+            q = _nibbles(b, src, half, 16 * h + 8 * (pair % 2) + g, pair >= 2, apart)
+            at = QS_BYTES + 64 * (8 * h + g) + 4 * LANES * half
+            qh = load(b, src, _again(b, at, apart, pair), vec(i32, LANES))
             out.append(b.or_(q, _bits_to(b, qh, 2 * pair, 4, 0x30303030)))
             continue
         chunk, high = divmod(p, 2)
-        q = _nibbles(b, src, half, 8 * chunk + g, high)
+        q = _nibbles(b, src, half, 8 * chunk + g, high, apart)
         if qt.ggml is Q.Q5_K:  # bit p of each of the lane's four qh bytes, moved to bit 4
-            qh = load(b, src, const(QS_BYTES + 64 * g + 4 * LANES * half), vec(i32, LANES))
+            qh = load(b, src, _again(b, QS_BYTES + 64 * g + 4 * LANES * half, apart, p), vec(i32, LANES))
             q = b.or_(q, _bits_to(b, qh, p, 4, 0x10101010))
         out.append(q)
     return out
@@ -106,10 +122,11 @@ def _products(b, w, x):
     return total
 
 
-def _scaled_dots(b, weights, xs_rows, scale, group: int):
+def _scaled_dots(b, weights, xs_rows, scale, group: int, offsets=None):
     """Per activation row (xs_rows: its broadcast vectors of the sub-block's activations),
     <LANES x i32> = scale * (the sum over the sub-block of q * xq), exact; on AVX2 `group`
-    pmaddubsw results add in 16 bits before each pmaddwd."""
+    pmaddubsw results add in 16 bits before each pmaddwd, less the row's `offsets` (<2 LANES x
+    i16>, Q6_K's 32 times the pair sums of xq: the sums are then of (q - 32) * xq)."""
     if DOT == "avx2":
         low = b.and_(scale, splat(0xFFFF, LANES, i32))
         pairs = b.bitcast(b.or_(low, b.shl(scale, splat(16, LANES, i32))), vec(i16, 2 * LANES))
@@ -120,6 +137,8 @@ def _scaled_dots(b, weights, xs_rows, scale, group: int):
                 for r, xs in enumerate(xs_rows):
                     p = call_intrinsic(b, "llvm.x86.avx2.pmadd.ub.sw", vec(i16, 16), [weights[g], xs[g]])
                     sums[r] = p if sums[r] is None else b.add(sums[r], p)
+            if offsets is not None:  # 16-bit sums wrap: exact wherever the final sum fits
+                sums = [b.sub(s, offset) for s, offset in zip(sums, offsets, strict=True)]
             for r in range(len(xs_rows)):
                 wide = call_intrinsic(b, "llvm.x86.avx2.pmadd.wd", vec(i32, 8), [sums[r], pairs])
                 totals[r] = wide if totals[r] is None else b.add(totals[r], wide)
@@ -145,77 +164,102 @@ def _broadcasts(b, qrow, at):
     return out
 
 
-def _unit_sums(b, src, half: int, qt: QuantType, qrows, sixteens, first_element):
-    """Per activation row, a super-block's isum <LANES x i32> (the module docstring); sixteens:
-    per row the pointer to the super-block's sums of 16 xq (Q6_K's offset of 32)."""
+def _unit_sums(b, src, halves: tuple[int, ...], qt: QuantType, qrows, offsets, first_element, apart):
+    """Per half of the tile and activation row, a super-block's isum <LANES x i32> (the module
+    docstring), as {(half, row): isum}; offsets: per row the pointer to the super-block's
+    `offsets` for Q6_K's q - 32 (matmul). Halves share each 32 elements' activations."""
     at, per = scales_at(qt), scales(qt)
     size = 256 // per  # a sub-block's weights
     group = min(size // 4, (1 << 15) // (2 * ((1 << qt.q_bits) - 1) * 128))  # pair sums that fit 16 bits
-    isums = [None] * len(qrows)
+    centred = qt.ggml is Q.Q6_K and DOT == "avx2"  # q - 32 taken off in 16 bits, before the scales
+    if centred:  # |q - 32| <= 32: a sub-block's 8 products a pair sum stay within 16 bits
+        group = size // 4
+    isums = {}
     for p in range(8):
-        weights = _group(b, src, half, qt, p)
         xs_rows = [_broadcasts(b, qrow, b.add(first_element, const(32 * p))) for qrow in qrows]
-        for part in range(32 // size):
-            j = p * 32 // size + part
-            scale = b.sext(load(b, src, const(at + TILE * j + LANES * half), vec(i8, LANES)), vec(i32, LANES))
-            picked = slice(part * size // 4, (part + 1) * size // 4)
-            dots = _scaled_dots(b, weights[picked], [xs[picked] for xs in xs_rows], scale, group)
-            for r, dot in enumerate(dots):
-                if qt.ggml is Q.Q6_K:  # q - 32: 32 sc times the sub-block's sum of xq
-                    offset = b.mul(b.load(b.gep(sixteens[r], [const(j)])), ir.Constant(i32, 32))
-                    dot = b.sub(dot, b.mul(scale, splat_value(b, offset, LANES)))
-                isums[r] = dot if isums[r] is None else b.add(isums[r], dot)
+        for half in halves:
+            weights = _group(b, src, half, qt, p, apart)
+            for part in range(32 // size):
+                j = p * 32 // size + part
+                scale = b.sext(load(b, src, const(at + TILE * j + LANES * half), vec(i8, LANES)),
+                               vec(i32, LANES))
+                picked = slice(part * size // 4, (part + 1) * size // 4)
+                pair_offsets = [b.bitcast(splat_value(b, b.load(b.gep(row, [const(j)])), LANES),
+                                          vec(i16, 2 * LANES)) for row in offsets] if centred else None
+                dots = _scaled_dots(b, weights[picked], [xs[picked] for xs in xs_rows], scale, group,
+                                    pair_offsets)
+                for r, dot in enumerate(dots):
+                    if qt.ggml is Q.Q6_K and not centred:  # q - 32: 32 sc times the sub-block's sum of xq
+                        offset = b.mul(b.load(b.gep(offsets[r], [const(j)])), ir.Constant(i32, 32))
+                        dot = b.sub(dot, b.mul(scale, splat_value(b, offset, LANES)))
+                    isums[half, r] = b.add(isums[half, r], dot) if (half, r) in isums else dot
     return isums
 
 
+def _passes(rows: int) -> list[tuple[int, ...]]:
+    """The tile's halves each pass over the super-blocks takes: both at once for a single
+    activation row, so that the weights stream from memory while they are multiplied (a second
+    pass would find them in the cache and leave the memory idle); one each for more rows, whose
+    sums would not fit the registers together."""
+    return [tuple(range(HALVES))] if rows == 1 else [(h,) for h in range(HALVES)]
+
+
 def _tile_rows(rows: int, qt: QuantType):
-    """An intrinsic `dot(tile, units, xq, xs, xsum, sixteens, first, out)`: one tile of `qt`
+    """An intrinsic `dot(tile, units, xq, xs, xsum, offsets, first, out)`: one tile of `qt`
     against activation rows first .. first + rows - 1 (those below M; the others repeat row M -
-    1 and are not stored), out[r * 16 + j] for row r and tile row j. sixteens [M, K // 16]:
-    the sums of each 16 of xq (read by Q6_K)."""
+    1 and are not stored), out[r * 16 + j] for row r and tile row j. offsets [M, K // 16]:
+    what Q6_K reads for its q - 32 (`_sixteen_offsets`)."""
     width, mins_at, fields_at = tile_bytes(qt), scales_at(qt) + scales(qt) * TILE, d_at(qt)
 
     @intrinsic
-    def dot(typingctx, tile, units, xq, xs, xsum, sixteens, first, out):
+    def dot(typingctx, tile, units, xq, xs, xsum, offsets, first, out):
         def codegen(context, b, signature, args):
             tp, qp, sp, np_, hp, op = (data_pointer(context, b, signature, args, i)
                                        for i in (0, 2, 3, 4, 5, 7))
             shape = context.make_array(signature.args[2])(context, b, args[2]).shape
             m, k = b.extract_value(shape, 0), b.extract_value(shape, 1)
+            apart = b.lshr(k, const(63))  # zero (see _again)
             picks = Rows(b, qp, sp, np_, np_, m, k, args[6], rows).picks
             qrows = [b.gep(qp, [b.mul(pick, k)]) for pick in picks]
             per_row, blocks, per_sixteen = b.udiv(k, const(256)), b.udiv(k, const(32)), b.udiv(k, const(16))
             zeros = ir.Constant(vec(f32, LANES), None)
-            for half in range(HALVES):
-                accs = [cgutils.alloca_once_value(b, zeros) for _ in range(rows)]
-                mins = [cgutils.alloca_once_value(b, zeros) for _ in range(rows if qt.with_min else 0)]
+            for halves in _passes(rows):
+                accs = {(h, r): cgutils.alloca_once_value(b, zeros) for h in halves for r in range(rows)}
+                mins = {(h, r): cgutils.alloca_once_value(b, zeros)
+                        for h in halves for r in range(rows if qt.with_min else 0)}
                 with cgutils.for_range(b, args[1]) as loop:
                     u = loop.index
                     src = b.gep(tp, [b.mul(u, const(width))])
-                    sixteens = [b.gep(hp, [b.add(b.mul(pick, per_sixteen), b.mul(u, const(16)))])
-                                for pick in picks]
-                    isums = _unit_sums(b, src, half, qt, qrows, sixteens, b.mul(u, const(256)))
-                    d = fp16_lanes(b, src, fields_at + 2 * LANES * half, LANES)
+                    if rows == 1 and qt.q_bits > 4:
+                        for line in range(0, width, 64):
+                            prefetch(b, b.gep(src, [const(PREFETCH_AHEAD * width + line)]))
+                    row_offsets = [b.gep(hp, [b.add(b.mul(pick, per_sixteen), b.mul(u, const(16)))])
+                                   for pick in picks]
                     x_scales = [splat_value(b, b.load(b.gep(sp, [b.add(b.mul(pick, per_row), u)])), LANES)
                                 for pick in picks]
+                    sums = [b.gep(np_, [b.add(b.mul(pick, blocks), b.mul(u, const(8)))]) for pick in picks]
+                    isums = _unit_sums(b, src, halves, qt, qrows, row_offsets, b.mul(u, const(256)), apart)
+                    for h in halves:
+                        d = fp16_lanes(b, src, fields_at + 2 * LANES * h, LANES)
+                        for r in range(rows):
+                            scaled = b.fmul(b.sitofp(isums[h, r], vec(f32, LANES)), b.fmul(d, x_scales[r]))
+                            b.store(b.fadd(b.load(accs[h, r]), scaled), accs[h, r])
+                        if qt.with_min:
+                            dmin = fp16_lanes(b, src, fields_at + 32 + 2 * LANES * h, LANES)
+                            lows = _min_terms(b, src, mins_at + LANES * h, sums, dmin, x_scales)
+                            for r, low in enumerate(lows):
+                                b.store(b.fadd(b.load(mins[h, r]), low), mins[h, r])
+                for h in halves:
                     for r in range(rows):
-                        scaled = b.fmul(b.sitofp(isums[r], vec(f32, LANES)), b.fmul(d, x_scales[r]))
-                        b.store(b.fadd(b.load(accs[r]), scaled), accs[r])
-                    if qt.with_min:
-                        dmin = fp16_lanes(b, src, fields_at + 32 + 2 * LANES * half, LANES)
-                        sums = [b.gep(np_, [b.add(b.mul(pick, blocks), b.mul(u, const(8)))])
-                                for pick in picks]
-                        lows = _min_terms(b, src, mins_at + LANES * half, sums, dmin, x_scales)
-                        for r, low in enumerate(lows):
-                            b.store(b.fadd(b.load(mins[r]), low), mins[r])
-                for r in range(rows):
-                    with b.if_then(b.icmp_signed("<", b.add(args[6], const(r)), m)):
-                        slot = b.gep(op, [const(r * TILE + LANES * half)])
-                        result = b.fsub(b.load(accs[r]), b.load(mins[r])) if qt.with_min else b.load(accs[r])
-                        b.store(result, b.bitcast(slot, vec(f32, LANES).as_pointer()), align=4)
+                        with b.if_then(b.icmp_signed("<", b.add(args[6], const(r)), m)):
+                            slot = b.gep(op, [const(r * TILE + LANES * h)])
+                            result = b.load(accs[h, r])
+                            if qt.with_min:
+                                result = b.fsub(result, b.load(mins[h, r]))
+                            b.store(result, b.bitcast(slot, vec(f32, LANES).as_pointer()), align=4)
             return context.get_dummy_value()
 
-        return types.void(tile, units, xq, xs, xsum, sixteens, first, out), codegen
+        return types.void(tile, units, xq, xs, xsum, offsets, first, out), codegen
 
     return dot
 
@@ -235,19 +279,19 @@ def _min_terms(b, src, at: int, sums, dmin, x_scales):
 
 
 def _by_width(qt: QuantType):
-    """`run(code, args)`: `qt`'s tile against args = (tile, units, xq, xs, xsum, sixteens, first,
+    """`run(code, args)`: `qt`'s tile against args = (tile, units, xq, xs, xsum, offsets, first,
     width, out), `width` (1, 2 or DOT_ROWS) activation rows. Inlined into the cached kernel."""
     one, two, many = (_tile_rows(rows, qt) for rows in (1, 2, DOT_ROWS))
 
     @njit(nogil=True, inline="always")
     def run(code, args):  # pragma: no cover - compiled
-        tile, units, xq, xs, xsum, sixteens, first, width, out = args
+        tile, units, xq, xs, xsum, offsets, first, width, out = args
         if width == 1:
-            one(tile, units, xq, xs, xsum, sixteens, first, out)
+            one(tile, units, xq, xs, xsum, offsets, first, out)
         elif width == 2:
-            two(tile, units, xq, xs, xsum, sixteens, first, out)
+            two(tile, units, xq, xs, xsum, offsets, first, out)
         else:
-            many(tile, units, xq, xs, xsum, sixteens, first, out)
+            many(tile, units, xq, xs, xsum, offsets, first, out)
 
     return run
 
@@ -255,9 +299,29 @@ def _by_width(qt: QuantType):
 _by_code = dispatch([_by_width(qt) for qt in SUPERBLOCKS])
 
 
+@njit(cache=CACHE, nogil=True)
+def _sixteen_offsets(xq, xsum4):  # pragma: no cover - compiled
+    """[M, K // 16] int32, what Q6_K's sub-blocks of 16 read for their q - 32 (exact): on AVX2
+    32 times the sub-block's pair sums of xq as two int16 (low: its elements 4 i and 4 i + 1,
+    high: 4 i + 2 and 4 i + 3; at most 32 * 8 * 128 each), elsewhere the sum of its 16 xq."""
+    m, count = xq.shape[0], xq.shape[1] // 16
+    out = np.empty((m, count), np.int32)
+    for r in range(m):
+        for i in range(count):
+            if DOT == "avx2":
+                low = high = 0
+                for e in range(16 * i, 16 * i + 16, 4):
+                    low += np.int32(xq[r, e]) + np.int32(xq[r, e + 1])
+                    high += np.int32(xq[r, e + 2]) + np.int32(xq[r, e + 3])
+                out[r, i] = ((32 * low) & 0xFFFF) | ((32 * high) << 16)
+            else:
+                out[r, i] = xsum4[r, 4 * i] + xsum4[r, 4 * i + 1] + xsum4[r, 4 * i + 2] + xsum4[r, 4 * i + 3]
+    return out
+
+
 @njit(cache=CACHE, nogil=True, inline="always")
-def _pass(kind, tile, units, xq, xs, xsum, sixteens, first, width, out):  # pragma: no cover - compiled
-    _by_code(kind, (tile, units, xq, xs, xsum, sixteens, first, width, out))
+def _pass(kind, tile, units, xq, xs, xsum, offsets, first, width, out):  # pragma: no cover - compiled
+    _by_code(kind, (tile, units, xq, xs, xsum, offsets, first, width, out))
 
 
 @njit(types.void(types.int64, raw_array(types.uint8), types.int64, types.int64, types.int8[:, ::1],
@@ -269,18 +333,14 @@ def matmul(kind, tiles, rows, units, xq, xs, xsum, xsum4, y, column):  # pragma:
     activations.quantize_rows_k -> y[:, column : column + N]. Activation rows in passes of
     DOT_ROWS, the last ones narrower."""
     m = xq.shape[0]
-    # the sums of each 16 xq, which only sub-blocks of 16 (Q6_K) read: exact
-    sixteens = np.empty((m, xsum4.shape[1] // 4 if kind == SIXTEEN_CODE else 0), np.int32)
-    for r in range(m):
-        for i in range(sixteens.shape[1]):
-            sixteens[r, i] = xsum4[r, 4 * i] + xsum4[r, 4 * i + 1] + xsum4[r, 4 * i + 2] + xsum4[r, 4 * i + 3]
+    offsets = _sixteen_offsets(xq, xsum4) if kind == SIXTEEN_CODE else np.empty((m, 0), np.int32)
     for t in prange(tiles.shape[0]):
         out = np.empty(DOT_ROWS * 16, np.float32)
         count = min(16, rows - 16 * t)
         first = 0
         while first < m:
             width = DOT_ROWS if m - first > 2 else m - first
-            _pass(kind, tiles[t], units, xq, xs, xsum, sixteens, first, width, out)
+            _pass(kind, tiles[t], units, xq, xs, xsum, offsets, first, width, out)
             for r in range(min(width, m - first)):
                 for j in range(count):
                     y[first + r, column + 16 * t + j] = out[r * 16 + j]
