@@ -19,8 +19,8 @@ Instructions: a vector's lanes are a tile's rows, so a sub-block's scale is one 
 row at a time, each row needs a horizontal sum). With AVX-512 VNNI the 16 rows are one vector
 and a sub-block's products a chain of `vpdpbusd`, times the scales. On AVX2 each half of the
 tile (8 rows) takes its own pass over the super-blocks, so that a pass's sums fit the 16
-registers (a single activation row takes both halves in one pass, which lets the weights
-stream in while they are multiplied), and a sub-block's `pmaddubsw` pair sums add in 16 bits
+registers (a single activation row takes both halves in one pass, its activations loaded once
+for both), and a sub-block's `pmaddubsw` pair sums add in 16 bits
 as far as they cannot overflow (q < 2^b: 2 x (2^b - 1) x 128 each), then one `pmaddwd` by the
 scales widens and scales them. Q6_K's sums take 32 times the pair sums of xq off in 16 bits
 first: sums of (q - 32) * xq, at most 8 x 32 x 127, cover the whole sub-block, and the offset
@@ -198,9 +198,9 @@ def _unit_sums(b, src, halves: tuple[int, ...], qt: QuantType, qrows, offsets, f
 
 def _passes(rows: int) -> list[tuple[int, ...]]:
     """The tile's halves each pass over the super-blocks takes: both at once for a single
-    activation row, so that the weights stream from memory while they are multiplied (a second
-    pass would find them in the cache and leave the memory idle); one each for more rows, whose
-    sums would not fit the registers together."""
+    activation row, which then loads its activations once and reads each super-block's bytes
+    once (with PREFETCH_AHEAD, ahead of use); one each for more rows, whose sums would not fit
+    the registers together."""
     return [tuple(range(HALVES))] if rows == 1 else [(h,) for h in range(HALVES)]
 
 
