@@ -8,7 +8,9 @@ import torch
 
 from conftest import tiny_llama
 from specdec.backends import KVMemory
-from specdec.backends.native.model import kv_memory
+from specdec.backends.native.kernels.attention import CACHE_LINE, key_row_length
+from specdec.backends.native.kernels.attention import padded as padded_length  # `padded` names a pool here
+from specdec.backends.native.model import batch_runner, kv_memory
 from specdec.backends.native.model.kv_memory import LazyTensor, resident_bytes
 from specdec.backends.native.model.native_model import NativeModel
 from specdec.serve.cli import ready_line
@@ -71,6 +73,31 @@ def test_the_window_is_the_models_own_by_default(model):
     cfg = model.config
     assert memory.bytes_per_token == cfg.num_layers * cfg.num_kv_heads * (2 * cfg.head_dim + 1) * 4
     assert memory.limit_bytes >= 3 * 2048 * memory.bytes_per_token
+
+
+@pytest.mark.parametrize("length, itemsize, row", [
+    (8192, 2, 8224), (8192, 4, 8208), (2048, 4, 2064), (4128, 2, 4128), (4160, 4, 4176), (64, 1, 64),
+    (128, 1, 192)])
+def test_key_rows_span_an_odd_number_of_cache_lines(length, itemsize, row):
+    """A score tile reads one line from each of head_dim key rows: rows an odd number of lines
+    apart fall into 64 different L1 sets, where a power-of-two window put them all in one."""
+    assert key_row_length(length, itemsize) == row
+    lines = row * itemsize // CACHE_LINE
+    assert lines % 2 == 1 and len({d * lines % 64 for d in range(64)}) == 64
+
+
+def test_the_padding_of_key_rows_is_never_read(model, monkeypatch):
+    """A pool whose key rows carry a line of padding gives the bits of one without it."""
+    prompt = [5 + i % 300 for i in range(300)]
+    padded = model.new_pool(slots=1, kv_dtype=torch.bfloat16)
+    assert padded.k.shape[-1] == key_row_length(padded.max_length, 2) > padded.max_length
+    monkeypatch.setattr(batch_runner, "key_row_length", lambda length, itemsize: length)
+    flush = model.new_pool(slots=1, kv_dtype=torch.bfloat16)
+    assert flush.k.shape[-1] == flush.max_length
+    padded.k[..., padded_length(padded.max_length):] = float("nan")  # padding that was read would show
+    tokens_a, logits_a = _greedy(padded.new_sequence(), prompt, 6)
+    tokens_b, logits_b = _greedy(flush.new_sequence(), prompt, 6)
+    assert tokens_a == tokens_b and torch.equal(logits_a, logits_b)
 
 
 @pytest.mark.parametrize("precision, option, dtype", [

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from specdec.backends.native.kernels.numba_ops import attend_kernel, attend_op, usable
 
+CACHE_LINE = 64  # bytes
 CHUNK = 64  # keys per block of the weights @ values reduction, aligned to absolute positions
 BLOCK = 16  # score columns per GEMM: a fixed shape whatever the number of queries
 
@@ -83,9 +84,10 @@ class KernelPlan:
 
 
 def new_cache(lead: tuple[int, ...], kv_heads: int, length: int, dim: int, dtype=torch.float32, device=None):
-    """Empty keys [*lead, kv_heads, dim, padded(length)] and values [*lead, kv_heads,
-    padded(length), dim + 1] (whose last column is ones), as `attention` reads them."""
-    keys = torch.zeros(*lead, kv_heads, dim, padded(length), dtype=dtype, device=device)
+    """Empty keys [*lead, kv_heads, dim, key_row_length(padded(length))] and values [*lead,
+    kv_heads, padded(length), dim + 1] (whose last column is ones), as `attention` reads them."""
+    row = key_row_length(padded(length), torch.empty(0, dtype=dtype).element_size())
+    keys = torch.zeros(*lead, kv_heads, dim, row, dtype=dtype, device=device)
     return keys, ones_column(torch.zeros(*lead, kv_heads, padded(length), dim, dtype=dtype, device=device))
 
 
@@ -96,6 +98,16 @@ def uses_kernel(device, kv_dtype: torch.dtype = torch.float32) -> bool:
 def padded(length: int) -> int:
     """`length` rounded up to whole chunks: how long a cache must be for `attention`."""
     return -(-length // CHUNK) * CHUNK
+
+
+def key_row_length(length: int, itemsize: int) -> int:
+    """Elements a key row holds for `length` positions (a multiple of CHUNK): one cache line
+    more where the row would span an even number of lines. A score tile reads a line from each
+    of head_dim rows at once; rows an even number of lines apart share few L1 sets (a
+    power-of-two window's rows all share one) and evict each other, while an odd number apart
+    puts 64 rows in 64 different sets. No query reads the padding."""
+    lines = length * itemsize // CACHE_LINE
+    return length + (CACHE_LINE // itemsize if lines % 2 == 0 else 0)
 
 
 def _column_bias(visible: torch.Tensor, group: int) -> torch.Tensor:

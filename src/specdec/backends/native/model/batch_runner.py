@@ -1,5 +1,6 @@
 """The native backend's batch runner: `CachePool` owns the KV cache of several sequences,
-laid out once as [layers, slots, kv_heads, max_length, head_dim] over memory that is committed
+laid out once as keys [layers, slots, kv_heads, head_dim, length] and values [layers, slots,
+kv_heads, length, head_dim + 1] over memory that is committed
 as tokens are written (model/kv_memory.py), and runs their tokens as
 packed forwards of the model (`forward_batch` for decode chains and prompts side by side,
 `forward_prompt` for one prompt's chunks). A slot is one sequence (model/sequence.py's
@@ -13,7 +14,7 @@ from typing import Protocol
 import torch
 
 from specdec.backends import KVMemory
-from specdec.backends.native.kernels.attention import padded, plan_chain, uses_kernel
+from specdec.backends.native.kernels.attention import key_row_length, padded, plan_chain, uses_kernel
 from specdec.backends.native.model.config import DECODE_ATTENTION_MAX, KVRow, NativeConfig
 from specdec.backends.native.model.kv_memory import LazyTensor, committed_bytes
 from specdec.backends.native.model.sequence import COMPILE_BUCKETS, NativeSequence, PooledModel
@@ -52,10 +53,12 @@ class CachePool:
             raise SpecdecError(f"max_length must be in 1..{cfg.max_positions}, got {max_length}",
                                "max_length")
         self.model, self.slots, self.max_length, self.kv_dtype = model, slots, max_length, kv_dtype
-        # keys [layers, slots, kv_heads, head_dim, length], values [layers, slots, kv_heads, length,
-        # head_dim + 1] whose last column is ones up to `_ones`, in whole attention chunks (attention.py)
+        # keys [layers, slots, kv_heads, head_dim, key_row], values [layers, slots, kv_heads, length,
+        # head_dim + 1] whose last column is ones up to `_ones`, in whole attention chunks (attention.py);
+        # a key row holds `length` positions and maybe a line of padding no query reads
         lead, length = (cfg.num_layers, slots), padded(max_length)
-        self._keys = LazyTensor((*lead, cfg.num_kv_heads, cfg.head_dim, length), kv_dtype, model.device)
+        key_row = key_row_length(length, torch.empty(0, dtype=kv_dtype).element_size())
+        self._keys = LazyTensor((*lead, cfg.num_kv_heads, cfg.head_dim, key_row), kv_dtype, model.device)
         self._values = LazyTensor((*lead, cfg.num_kv_heads, length, cfg.head_dim + 1), kv_dtype, model.device)
         self.k, self.v = self._keys.tensor, self._values.tensor
         self._ones = [0] * slots  # value rows of each slot that carry their ones

@@ -7,7 +7,8 @@ sums, and the loads, not the multiplies, bound them. These intrinsics (LLVM vect
 into numba's loops, as jit/ir.py does for the integer kernels) hold a tile of up to four lanes'
 sums in `<8 x float>` registers across the whole reduction: for scores, 16 keys of each lane
 over every dim; for the weighted sums, 16 columns of each lane over every key (in blocks of keys
-that stay in L1 while each tile of columns passes). Each sum is
+that stay in L1 while each tile of columns passes, each pass fetching its columns of the next
+block: from memory the first pass over a block otherwise waits on every row). Each sum is
 still the same separately rounded products added one after another in the same order, from 0
 or from what the accumulator held, so a lane's bits are those of the loops they replace, on
 any CPU (the vectors only say how many sums run side by side).
@@ -158,8 +159,11 @@ def _column_tile(b, vp, vstride, wp, wstride, rows, accs, norms, acc_at, last, e
              for x in range(lanes) for h in range(2)]
     for slot, at in zip(accs, slots, strict=True):
         b.store(b.load(at, align=4), slot)
+    ahead = b.mul(ir.Constant(i64, BLOCK_KEYS), vstride)
     with cgutils.for_range_slice(b, k0, k1, ir.Constant(i64, 1), inc=True) as (i, _):
         row = b.mul(i, vstride)
+        # the same columns of the next block's row: each tile's pass fetches what its next pass reads
+        prefetch(b, b.bitcast(b.gep(vp, [b.add(b.add(row, ahead), c)]), ir.IntType(8).as_pointer()))
         parts = [_widen8(b, vp, b.add(row, b.add(c, ir.Constant(i64, WIDTH * h))), element) for h in range(2)]
         weights = [b.load(b.gep(wp, [b.add(b.mul(rows[x], wstride), i)])) for x in range(lanes)]
         for x in range(lanes):
