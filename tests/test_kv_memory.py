@@ -75,14 +75,15 @@ def test_the_window_is_the_models_own_by_default(model):
     assert memory.limit_bytes >= 3 * 2048 * memory.bytes_per_token
 
 
-@pytest.mark.parametrize("length, itemsize, row", [
-    (8192, 2, 8224), (8192, 4, 8208), (2048, 4, 2064), (4128, 2, 4128), (4160, 4, 4176), (64, 1, 64),
-    (128, 1, 192)])
-def test_key_rows_span_an_odd_number_of_cache_lines(length, itemsize, row):
+@pytest.mark.parametrize("length, dtype, row", [
+    (8192, torch.bfloat16, 8224), (8192, torch.float32, 8208), (2048, torch.float32, 2064),
+    (4128, torch.bfloat16, 4128), (4160, torch.float32, 4176), (64, torch.uint8, 64),
+    (128, torch.uint8, 192)])
+def test_key_rows_span_an_odd_number_of_cache_lines(length, dtype, row):
     """A score tile reads one line from each of head_dim key rows: rows an odd number of lines
     apart fall into 64 different L1 sets, where a power-of-two window put them all in one."""
-    assert key_row_length(length, itemsize) == row
-    lines = row * itemsize // CACHE_LINE
+    assert key_row_length(length, dtype) == row
+    lines = row * dtype.itemsize // CACHE_LINE
     assert lines % 2 == 1 and len({d * lines % 64 for d in range(64)}) == 64
 
 
@@ -90,8 +91,8 @@ def test_the_padding_of_key_rows_is_never_read(model, monkeypatch):
     """A pool whose key rows carry a line of padding gives the bits of one without it."""
     prompt = [5 + i % 300 for i in range(300)]
     padded = model.new_pool(slots=1, kv_dtype=torch.bfloat16)
-    assert padded.k.shape[-1] == key_row_length(padded.max_length, 2) > padded.max_length
-    monkeypatch.setattr(batch_runner, "key_row_length", lambda length, itemsize: length)
+    assert padded.k.shape[-1] == key_row_length(padded.max_length, torch.bfloat16) > padded.max_length
+    monkeypatch.setattr(batch_runner, "key_row_length", lambda length, dtype: length)
     flush = model.new_pool(slots=1, kv_dtype=torch.bfloat16)
     assert flush.k.shape[-1] == flush.max_length
     padded.k[..., padded_length(padded.max_length):] = float("nan")  # padding that was read would show

@@ -86,9 +86,9 @@ class KernelPlan:
 def new_cache(lead: tuple[int, ...], kv_heads: int, length: int, dim: int, dtype=torch.float32, device=None):
     """Empty keys [*lead, kv_heads, dim, key_row_length(padded(length))] and values [*lead,
     kv_heads, padded(length), dim + 1] (whose last column is ones), as `attention` reads them."""
-    row = key_row_length(padded(length), torch.empty(0, dtype=dtype).element_size())
-    keys = torch.zeros(*lead, kv_heads, dim, row, dtype=dtype, device=device)
-    return keys, ones_column(torch.zeros(*lead, kv_heads, padded(length), dim, dtype=dtype, device=device))
+    length = padded(length)
+    keys = torch.zeros(*lead, kv_heads, dim, key_row_length(length, dtype), dtype=dtype, device=device)
+    return keys, ones_column(torch.zeros(*lead, kv_heads, length, dim, dtype=dtype, device=device))
 
 
 def uses_kernel(device, kv_dtype: torch.dtype = torch.float32) -> bool:
@@ -100,14 +100,14 @@ def padded(length: int) -> int:
     return -(-length // CHUNK) * CHUNK
 
 
-def key_row_length(length: int, itemsize: int) -> int:
+def key_row_length(length: int, dtype: torch.dtype) -> int:
     """Elements a key row holds for `length` positions (a multiple of CHUNK): one cache line
     more where the row would span an even number of lines. A score tile reads a line from each
     of head_dim rows at once; rows an even number of lines apart share few L1 sets (a
     power-of-two window's rows all share one) and evict each other, while an odd number apart
     puts 64 rows in 64 different sets. No query reads the padding."""
-    lines = length * itemsize // CACHE_LINE
-    return length + (CACHE_LINE // itemsize if lines % 2 == 0 else 0)
+    lines = length * dtype.itemsize // CACHE_LINE
+    return length + (CACHE_LINE // dtype.itemsize if lines % 2 == 0 else 0)
 
 
 def _column_bias(visible: torch.Tensor, group: int) -> torch.Tensor:

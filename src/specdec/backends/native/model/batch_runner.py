@@ -57,7 +57,7 @@ class CachePool:
         # head_dim + 1] whose last column is ones up to `_ones`, in whole attention chunks (attention.py);
         # a key row holds `length` positions and maybe a line of padding no query reads
         lead, length = (cfg.num_layers, slots), padded(max_length)
-        key_row = key_row_length(length, torch.empty(0, dtype=kv_dtype).element_size())
+        key_row = key_row_length(length, kv_dtype)
         self._keys = LazyTensor((*lead, cfg.num_kv_heads, cfg.head_dim, key_row), kv_dtype, model.device)
         self._values = LazyTensor((*lead, cfg.num_kv_heads, length, cfg.head_dim + 1), kv_dtype, model.device)
         self.k, self.v = self._keys.tensor, self._values.tensor
