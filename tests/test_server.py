@@ -158,7 +158,8 @@ def test_metrics_and_traffic_log(server, client, log_dir):  # noqa: F811  (fixtu
 
 @pytest.mark.slow
 def test_real_model_serves_lossless_chat(tmp_path):
-    """SmolLM2-135M: streamed equals not streamed, and the ngram drafter changes nothing."""
+    """SmolLM2-135M: streamed equals not streamed, the ngram drafter changes nothing, and a
+    conversation's next turn reuses the answer bit-exactly."""
     srv = ServerProcess("smollm2-135m", "--served-model-name", "smol", backend="auto")
     try:
         slots, _, limit = _stated_kv_memory(srv.lines)  # 16 windows of 8192 tokens: 2.8 GiB, if all full
@@ -174,6 +175,15 @@ def test_real_model_serves_lossless_chat(tmp_path):
         streamed = "".join(c.choices[0].delta.content or ""
                            for c in client.chat.completions.create(**base, stream=True))
         assert streamed == spec.choices[0].message.content
+        # the next turn: the default cache keeps turn 1's answer too (prompts run as decode
+        # steps, prefix_cache.py), and the reply is a cold start's (another salt reuses nothing)
+        answer = {"role": "assistant", "content": plain.choices[0].message.content}
+        turn2 = {**base, "messages": [*messages, answer, {"role": "user", "content": "Now three more."}]}
+        warm = client.chat.completions.create(**turn2, extra_body={"drafter": "ngram"})
+        cold = client.chat.completions.create(**turn2, extra_body={"drafter": "none", "cache_salt": "cold"})
+        assert warm.usage.prompt_tokens_details.cached_tokens > plain.usage.prompt_tokens
+        assert cold.usage.prompt_tokens_details.cached_tokens == 0
+        assert warm.choices[0].message.content == cold.choices[0].message.content
     finally:
         srv.close()
 

@@ -62,6 +62,11 @@ class PrefixCache:
     at fixed positions (`prefill_chunks`), so a prompt's keys and values are those of a cold
     prefill whatever the cache held before.
 
+    A backend whose prompt rows carry the bits of one-token steps (`steps_exact`: the native
+    backend on its int8-activation kernels) writes every cached token, prompt or answer, as a
+    cold prefill would, whatever the chunks: there every mode but "off" keeps all a prompt
+    shares with the cache, answers included, with no chunk grid, and stays bit-exact.
+
     In mode "decoded" (`--prefix-cache decoded`), a finished request's answer counts too
     (`mark_decoded`): the next turn of a conversation skips re-reading the answer, as vLLM's
     and SGLang's prefix caches do. A prompt that shares only cold-prefilled tokens with the
@@ -77,17 +82,24 @@ class PrefixCache:
     keeps hidden states.
     """
 
-    def __init__(self, mode: str = "prompt"):
+    def __init__(self, mode: str = "prompt", steps_exact: Callable[[], bool] | None = None):
         self.mode = prefix_cache_mode(mode)
+        self._steps_exact = steps_exact  # None: prompt chunks have bits of their own
         self._tokens: list[int] = []  # the cache's first tokens, written by prefills (or marked)
         self._cold = 0  # how many of them hold the bits of a cold prefill
         self._tokens_hidden = False  # whether their hidden states were kept too
         self._need_hidden = False  # the backend keeps hidden states: a kept prefix must have them
 
     @property
+    def steps_exact(self) -> bool:
+        """Whether the backend writes a prompt's tokens with the bits of one-token steps now."""
+        return self._steps_exact is not None and self._steps_exact()
+
+    @property
     def reuse_decoded(self) -> bool:
-        """Whether finished answers count as cached (mode "decoded")."""
-        return self.mode == "decoded"
+        """Whether finished answers count as cached (mode "decoded", or any mode but "off"
+        where the backend's prompts are steps_exact)."""
+        return self.mode == "decoded" or (self.mode == "prompt" and self.steps_exact)
 
     def cached_prefix(self, token_ids: list[int]) -> int:
         """How many leading `token_ids` the cache holds from earlier prefills: the `keep` a
@@ -99,9 +111,12 @@ class PrefixCache:
             if a != b:
                 break
             n += 1
-        if self.reuse_decoded and n > self._cold:
-            return n  # it reaches into a decoded answer: keep all of it
-        return n - n % PREFILL_CHUNK
+        return n if self._off_grid_ok(n) else n - n % PREFILL_CHUNK
+
+    def _off_grid_ok(self, n: int) -> bool:
+        """Whether a kept prefix of n tokens may end off the chunk grid: every token holds a
+        cold prefill's bits (steps_exact), or it reaches into a decoded answer that counts."""
+        return self.steps_exact or (self.reuse_decoded and n > self._cold)
 
     def extended_by(self, token_ids: list[int]) -> bool:
         """Whether `token_ids` start with every token the cache holds: a prefill of them (the
@@ -128,8 +143,8 @@ class PrefixCache:
 
     def check_keep(self, token_ids: list[int], keep: int) -> None:
         """Raise ValueError unless the cache holds the first `keep` of `token_ids` on the chunk
-        grid (or, in mode "decoded", reaching into a marked answer)."""
-        off_grid = keep % PREFILL_CHUNK and not (self.reuse_decoded and keep > self._cold)
+        grid (or off it, where `_off_grid_ok`)."""
+        off_grid = keep % PREFILL_CHUNK and not self._off_grid_ok(keep)
         if off_grid or keep > len(self._tokens) or self._tokens[:keep] != list(token_ids[:keep]):
             raise ValueError(f"keep={keep}: the cache does not hold these tokens up to a chunk boundary")
 
@@ -138,7 +153,7 @@ class PrefixCache:
         already rolled back to them (or reset, for keep 0)."""
         # the rest is prefilled on the chunk grid: cold bits too, if what it follows has them
         # (after the rollback, _cold == keep exactly when the kept tokens are all cold)
-        if self._cold == keep and keep % PREFILL_CHUNK == 0:
+        if (self._cold == keep and keep % PREFILL_CHUNK == 0) or self.steps_exact:
             self._cold = len(token_ids)
         self._tokens_hidden = self._need_hidden and (self._tokens_hidden or not keep)
         self._tokens = list(token_ids)  # written once the backend's forward has run

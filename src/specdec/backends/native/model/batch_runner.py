@@ -145,7 +145,8 @@ class CachePool:
         head computes each row on its own (`head_rows_independent`); elsewhere all are scored.
 
         Lists of more than DECODE_ATTENTION_MAX tokens, or all of them with `prompt`, are
-        prompt chunks: one causal pass each, through the dense layers where there are some.
+        prompt chunks: one causal pass each, through the dense layers where there are some (or
+        decode chains, where `prompts_as_steps`).
         Shorter lists are decode chains, scored by the batch-invariant attention (attention.py)."""
         if len(sequences) != len(token_lists):
             raise ValueError("one token list per sequence")
@@ -166,7 +167,7 @@ class CachePool:
             return out
         if not self.model.head_rows_independent:
             unscored = None
-        dense = any(is_prompt)  # only prompts (and empty lists) here
+        dense = any(is_prompt) and not self.prompts_as_steps  # only prompts (and empty lists) here
         compiled = self.model.compiled and not dense
         if compiled and len(sequences) > 1:
             # Inductor fuses norms and rotations with its own rounding, so a compiled step and
@@ -194,6 +195,17 @@ class CachePool:
             seq._length, offset = seq._length + len(ids), end
         return out
 
+    @property
+    def prompts_as_steps(self) -> bool:
+        """Whether prompt chunks run as decode chains: the decode layers and the batch-invariant
+        attention, so that every prompt row has the bits of a one-token step. A cache then holds
+        the same keys for a token whether a prompt or a decode step wrote it, in any chunks, and
+        the prefix cache keeps answers and off-grid prefixes bit-exactly (prefix_cache.py). On
+        for models whose decode layers run prompts about as fast as their prompt layers (the
+        int8-activation kernels) and attention on the kernel; off once compiled (a compiled
+        step rounds otherwise than an eager one)."""
+        return self.kernel and self.model.prompts_as_steps and not self.model.compiled
+
     def forward_prompt(self, seq: NativeSequence, chunks: list[list[int]],
                        last_only: bool = False) -> torch.Tensor:
         """A prompt's consecutive chunks in one pass: each chunk a causal row of its own, so its
@@ -203,10 +215,14 @@ class CachePool:
         then decodes each tile once per group, not once per chunk. A chunk of fewer than the
         model's `short_chunk_rows` tokens takes the decode kernels instead (cheaper for a few
         rows than decoding every tile); the choice depends on the chunk alone, so a warm
-        prefill still gives a cold one's bits. Logits [T, V], or [1, V]."""
+        prefill still gives a cold one's bits. Where `prompts_as_steps`, the chunks run as one
+        decode chain instead. Logits [T, V], or [1, V]."""
         seq._check_append(sum(len(chunk) for chunk in chunks))
         if not any(chunks):
             return torch.empty(0, self.model.config.vocab_size)
+        if self.prompts_as_steps:  # one chain of all the chunks' tokens: the bits of one-token steps
+            tokens = [token for chunk in chunks for token in chunk]
+            return self.forward_batch([seq], [tokens], last_only=last_only)[0]
         parts, logits = _runs_of(chunks, self.model.short_chunk_rows), []
         for i, (short, part) in enumerate(parts):
             last = i == len(parts) - 1

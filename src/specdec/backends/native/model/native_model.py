@@ -194,6 +194,14 @@ class NativeModel:
         return CachePool(self, slots, max_length, kv_dtype or self.default_kv_dtype, prefix_cache)
 
     @property
+    def prompts_as_steps(self) -> bool:
+        """Whether prompts may run as decode chains: where every linear is an int8-activation
+        kernel (the layers run one call each), prompts already run on the decode kernels, so as
+        chains they cost about what a prompt pass does (a little more attention at long
+        contexts), and every row keeps a one-token step's bits."""
+        return self.step_stack is not None
+
+    @property
     def default_kv_dtype(self) -> torch.dtype:
         """bf16 for quantized or bf16 weights on a CPU: half the bytes a decode step reads at long
         contexts, with every row's bits still its own (a key is rounded once, when it is stored,

@@ -24,6 +24,7 @@ class PooledModel(HeadSource, Protocol):
     compiled: bool
     compile_seconds: float
     prompt_group_tokens: int | None
+    prompts_as_steps: bool  # its decode layers may run prompts, each row with a one-token step's bits
 
 
 class SequencePool(Protocol):
@@ -33,6 +34,7 @@ class SequencePool(Protocol):
     max_length: int
     kernel: bool  # attention runs on the numba kernel
     group: int  # query heads per kv head
+    prompts_as_steps: bool  # prompt chunks run as decode chains (CachePool.prompts_as_steps)
     k: torch.Tensor  # [layers, slots, kv_heads, dim, length]
     v: torch.Tensor  # [layers, slots, kv_heads, length, dim + 1]
 
@@ -60,7 +62,7 @@ class NativeSequence:
         self.vocab_size = pool.model.config.vocab_size
         self.max_length = pool.max_length
         self.device = pool.model.device
-        self.prefix_cache = PrefixCache(prefix_cache)
+        self.prefix_cache = PrefixCache(prefix_cache, steps_exact=lambda: pool.prompts_as_steps)
         self._length = 0
         self._tree: tuple[int, list[int]] | None = None  # (length before the tree, parents)
         # Off until enable_hidden_states: `hidden` then holds the final post-norm hidden state
