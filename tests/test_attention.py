@@ -102,7 +102,7 @@ def test_the_kernel_gives_the_same_bits_on_one_thread_or_several(kv_dtype):
     for plan in (attn.plan_chain(150, 6, 2, "cpu", True),
                  attn.plan_tree(144, [-1, 0, 0, 1, 2, 2], [0, 1, 1, 2, 2, 2], 2, "cpu", True)):
         args = (q.numpy(), k.numpy(), v.numpy(), *arrays((k_cache, v_cache)), 0, -1, *plan.arrays, 0.25)
-        assert torch.equal(torch.from_numpy(attend(*args)), torch.from_numpy(attend_parallel(*args)))
+        assert torch.equal(torch.from_numpy(attend(*args)), torch.from_numpy(attend_parallel(*args, 2)))
 
 
 @pytest.mark.parametrize("past", [0, 7, 62, 129])
@@ -139,7 +139,11 @@ def test_the_kernel_reads_a_bf16_cache_as_an_fp32_one_of_the_same_values(threads
         pytest.skip("numba is not installed")
     import specdec.backends.native.kernels.jit.attention as jit
 
-    attend, gen = getattr(jit, threads), torch.Generator().manual_seed(5)
+    kernel, gen = getattr(jit, threads), torch.Generator().manual_seed(5)
+
+    def attend(*args):
+        return kernel(*args, 2) if threads == "attend_parallel" else kernel(*args)
+
     q, k, v = (torch.randn(6, 9, 64, generator=gen), torch.randn(6, 3, 64, generator=gen),
                torch.randn(6, 3, 64, generator=gen))
     bf16 = random_cache(3, 1200, 64, seed=6, dtype=torch.bfloat16)
@@ -215,28 +219,78 @@ def sequential_sums(values: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize(("lanes", "dim", "keys"), [(4, 64, 100), (3, 64, 67), (9, 32, 200), (1, 16, 35),
-                                                     (11, 64, 1100), (8, 48, 16), (2, 24, 50)])
-def test_the_kernels_register_tiles_keep_every_sum_in_order(kv_dtype, lanes, dim, keys):
+                                                     (11, 64, 1100), (8, 48, 16), (2, 24, 50), (16, 64, 300),
+                                                     (13, 64, 129), (10, 16, 64)])
+@pytest.mark.parametrize("form", ["tiles", "blocks"])
+def test_the_kernels_register_tiles_keep_every_sum_in_order(kv_dtype, lanes, dim, keys, form):
     """Scores and weighted sums, tiles of keys and columns held in registers (jit/attention_tiles)
     plus the loops for the rest, against the sums written out one product at a time: the same
-    bits for every lane, key and column (dim 24 has no whole tiles of columns: the plain loops)."""
+    bits for every lane, key and column (dim 24 has no whole tiles of columns: the plain loops).
+    `blocks`: the same over blocks of keys widened to fp32 for every lane (attention_sums), with
+    lanes that read different numbers of keys, as a chain's do."""
     if not attn.uses_kernel("cpu"):
         pytest.skip("numba is not installed")
-    from specdec.backends.native.kernels.jit import attention as jit
+    from specdec.backends.native.kernels.jit import attention_sums as jit
 
     gen = torch.Generator().manual_seed(lanes * 1000 + keys)
     keys_t = torch.randn(dim, keys, generator=gen).to(KV_DTYPES[kv_dtype])
     values = attn.ones_column(torch.randn(keys, dim, generator=gen)).to(KV_DTYPES[kv_dtype])
     qs = torch.randn(lanes, dim, generator=gen).numpy()
     weights = torch.rand(lanes, keys, generator=gen).numpy()
-    s = np.full((lanes, keys), np.nan, np.float32)
-    jit.scores(numba_ops.cache_array(keys_t.contiguous()), qs, s, 0, keys)
-    assert s.view(np.int32).tolist() == sequential_scores(keys_t.float().numpy(), qs).view(np.int32).tolist()
-    acc = np.empty((lanes, dim + 1), np.float32)
     counts = np.full(lanes, keys, np.int64)
-    jit.weighted_sums(numba_ops.cache_array(values.contiguous()), weights, acc, 0, counts)
-    expected = sequential_sums(values.float().numpy(), weights)
-    assert acc.view(np.int32).tolist() == expected.view(np.int32).tolist()
+    if form == "blocks":
+        counts -= np.arange(lanes)[::-1] // 3  # a chain: each query reads one key more than the last
+    scores, sums = (jit.scores, jit.weighted_sums) if form == "tiles" else (jit.scores_blocked,
+                                                                            jit.weighted_sums_blocked)
+    s = np.full((lanes, keys), np.nan, np.float32)
+    scores(numba_ops.cache_array(keys_t.contiguous()), qs, s, 0, keys)
+    assert s.view(np.int32).tolist() == sequential_scores(keys_t.float().numpy(), qs).view(np.int32).tolist()
+    acc = np.empty((lanes, dim), np.float32)
+    sums(numba_ops.cache_array(values.contiguous()), weights, acc, 0, counts)
+    for lane in range(lanes):  # the ones column is not read: the normaliser is the softmax's (below)
+        expected = sequential_sums(values[: counts[lane], :dim].float().numpy(),
+                                   weights[lane : lane + 1, : counts[lane]])
+        assert acc[lane].view(np.int32).tolist() == expected[0].view(np.int32).tolist(), lane
+
+
+def fixed_order_total(w: np.ndarray, first: int, count: int) -> np.float32:
+    """softmax.weights_total written out: 32 running sums from `first` rounded down to a multiple
+    of 32 (sum j takes the elements at j, j + 32, ...), added in order, then the rest one by one."""
+    start = first // 32 * 32
+    end = start + (count - start) // 32 * 32
+    partial = np.zeros(32, np.float32)
+    for i in range(start, end):
+        partial[i % 32] = np.float32(partial[i % 32] + w[i])
+    total = np.float32(0)
+    for j in range(32):
+        total = np.float32(total + partial[j])
+    for i in range(end, count):
+        total = np.float32(total + w[i])
+    return total
+
+
+@pytest.mark.parametrize(("first", "count"),
+                         [(0, 1), (0, 31), (0, 32), (0, 100), (5, 70), (33, 64), (40, 1000)])
+def test_the_softmax_normaliser_adds_in_its_fixed_order(first, count):
+    """The normaliser (softmax.weights_total) against its order written out, over weights with
+    exact zeros before `first` (a sliding window's), and the numerators and the maximum it
+    follows against exp_nonpositive and max: the same bits."""
+    if not attn.uses_kernel("cpu"):
+        pytest.skip("numba is not installed")
+    from specdec.backends.native.kernels.jit import norms, softmax
+
+    gen = torch.Generator().manual_seed(count)
+    s = (torch.randn(count + 7, generator=gen) * 20).numpy()
+    top = softmax.largest(s, count)
+    assert top == s[:count].max()
+    w = np.full(count + 7, np.nan, np.float32)
+    softmax.exp_shifted(s, top, count, w)
+    expected, bits = np.empty(count, np.float32), np.empty(count, np.int32)
+    norms.exp_nonpositive(s[:count] - top, count, expected, bits)
+    assert w[:count].view(np.int32).tolist() == expected.view(np.int32).tolist()
+    w[:first] = 0
+    total = np.float32(softmax.weights_total(w, first, count))  # numba hands back the float32 as a float
+    assert total.view(np.int32) == fixed_order_total(w, first, count).view(np.int32)
 
 
 def test_a_fully_masked_chunk_adds_nothing():

@@ -40,7 +40,7 @@ def case(rng, caches, keys: int, rows: int, tokens: int, threads: int, repeats: 
         for r in range(rows):
             a, b = offsets[r], offsets[r + 1]
             jit_attention.attend_parallel(q[a:b], k[a:b], k[a:b], k_cache, v_cache, r, -1, limits[a:b],
-                                          paths[a:b], starts[a:b], SCALE)
+                                          paths[a:b], starts[a:b], SCALE, threads)
 
     def packed():
         jit_attention.attend_packed(q, k, k, k_cache, v_cache, slots, offsets, limits, paths, starts, SCALE,

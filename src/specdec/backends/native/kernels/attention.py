@@ -33,7 +33,8 @@ cache holding the same values); an fp16 cache takes the routine. Either way a tr
 and values are rounded to the cache's type before they are read, as a step reads them back.
 
 The cache keeps keys transposed, [kv_heads, dim, length], so that a query's scores run along
-contiguous keys; values are [kv_heads, length, dim + 1] with a last column of ones.
+contiguous keys; values are [kv_heads, length, dim + 1] with a last column of ones (the
+routine's normaliser; the kernel adds a query's weights itself, in a fixed order of its own).
 """
 
 from __future__ import annotations

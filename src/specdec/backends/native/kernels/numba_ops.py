@@ -104,8 +104,14 @@ def _compiled() -> tuple:
     import specdec.backends.native.kernels.jit.attention as jit  # compiles, or loads from disk
 
     serial = jit.attend, jit.rotate_attend, jit.norm_rotate_attend
-    parallel = jit.attend_parallel, jit.rotate_attend_parallel, jit.norm_rotate_attend_parallel
+    parallel = tuple(functools.partial(_with_threads, kernel, threads) for kernel in (
+        jit.attend_parallel, jit.rotate_attend_parallel, jit.norm_rotate_attend_parallel))
     return (serial, parallel) if threads > 1 else (serial, serial)
+
+
+def _with_threads(kernel, threads: int, *args):
+    """A parallel kernel called as its serial twin is: the thread count it shares work for last."""
+    return kernel(*args, threads)
 
 
 def _kernels(limits: np.ndarray, query_heads: int) -> tuple:

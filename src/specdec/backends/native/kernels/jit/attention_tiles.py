@@ -42,13 +42,6 @@ def _widen8(b, ptr, offset, element):
     return b.bitcast(b.shl(b.zext(raw, vec(i32, WIDTH)), ir.Constant(vec(i32, WIDTH), [16] * WIDTH)), V8)
 
 
-def _widen1(b, ptr, offset, element):
-    value = b.load(b.gep(ptr, [offset]))
-    if element == types.float32:
-        return value
-    return b.bitcast(b.shl(b.zext(value, i32), ir.Constant(i32, 16)), f32)
-
-
 def _row_major(*arrays) -> bool:
     """Whether every argument is a C-contiguous 2-d array: the codegen reads shape[1] as the
     row stride, so any other layout is refused at typing time rather than misread."""
@@ -62,8 +55,8 @@ def _array(context, b, sig, args, k):
 
 
 def _operands(context, b, sig, args, lanes: int):
-    """An intrinsic's (three arrays, r, lo, end): each array's (data pointer, row stride), the
-    key range, the lanes' rows r + x, and two vector accumulators per lane."""
+    """An intrinsic's (three arrays, r, lo, end, shift): each array's (data pointer, row
+    stride), the key range, the lanes' rows r + x, and two vector accumulators per lane."""
     arrays = [_array(context, b, sig, args, k) for k in range(3)]
     rows = [b.add(args[3], ir.Constant(i64, x)) for x in range(lanes)]
     return arrays, args[4:6], rows, [cgutils.alloca_once(b, V8) for _ in range(2 * lanes)]
@@ -73,11 +66,13 @@ def _add_product(b, slot, weight, value):  # slot <- slot + weight * value: one 
     b.store(b.fadd(b.load(slot), b.fmul(weight, value)), slot)
 
 
-def _score_tiles(lanes: int):
+def _score_tiles(lanes: int, fetch: bool = True):
     @intrinsic
-    def score_tiles(typingctx, keys_t, qs, s, r, lo, end):
-        """s[r + x, i] = sum over d, in order from 0, of qs[r + x, d] * keys_t[d, i] for the
-        `lanes` lanes x and lo <= i < end (end - lo a multiple of TILE)."""
+    def score_tiles(typingctx, keys_t, qs, s, r, lo, end, shift):
+        """s[r + x, i + shift] = sum over d, in order from 0, of qs[r + x, d] * keys_t[d, i]
+        for the `lanes` lanes x and lo <= i < end (end - lo a multiple of TILE). With `fetch`,
+        each tile fetches the keys PREFETCH_KEYS ahead (keys streamed from memory, not a block
+        held in L1)."""
         if not _row_major(keys_t, qs, s):
             return None
         element = keys_t.dtype
@@ -91,8 +86,9 @@ def _score_tiles(lanes: int):
                 with cgutils.for_range(b, dim) as loop:
                     d = loop.index
                     row = b.mul(d, kstride)
-                    ahead = b.gep(kp, [b.add(row, b.add(i, ir.Constant(i64, PREFETCH_KEYS)))])
-                    prefetch(b, b.bitcast(ahead, ir.IntType(8).as_pointer()))
+                    if fetch:
+                        ahead = b.gep(kp, [b.add(row, b.add(i, ir.Constant(i64, PREFETCH_KEYS)))])
+                        prefetch(b, b.bitcast(ahead, ir.IntType(8).as_pointer()))
                     keys = [_widen8(b, kp, b.add(row, b.add(i, ir.Constant(i64, WIDTH * h))), element)
                             for h in range(2)]
                     for x in range(lanes):
@@ -101,12 +97,12 @@ def _score_tiles(lanes: int):
                             _add_product(b, accs[2 * x + h], q, keys[h])
                 for x in range(lanes):
                     for h in range(2):
-                        column = b.add(i, ir.Constant(i64, WIDTH * h))
+                        column = b.add(b.add(i, args[6]), ir.Constant(i64, WIDTH * h))
                         at = b.gep(sp, [b.add(b.mul(rows[x], sstride), column)])
                         b.store(b.load(accs[2 * x + h]), b.bitcast(at, V8.as_pointer()), align=4)
             return context.get_dummy_value()
 
-        return types.void(keys_t, qs, s, r, lo, end), codegen
+        return types.void(keys_t, qs, s, r, lo, end, shift), codegen
 
     return score_tiles
 
@@ -115,9 +111,9 @@ def _sum_tiles(lanes: int):
     @intrinsic
     def sum_tiles(typingctx, values, w, acc, r, lo, count):
         """acc[r + x, c] += sum over lo <= i < count, in order, of w[r + x, i] * values[i, c] for
-        the `lanes` lanes x and every column c: TILE columns at a time over all the keys, the
-        last column (the normaliser's ones) as a scalar beside the first tile. The columns
-        before the last must be a multiple of TILE."""
+        the `lanes` lanes x and every column c but the last (the cache's ones, which the kernel
+        does not read): TILE columns at a time over all the keys. Those columns must be a
+        multiple of TILE."""
         if not _row_major(values, w, acc):
             return None
         element = values.dtype
@@ -125,24 +121,19 @@ def _sum_tiles(lanes: int):
         def codegen(context, b, sig, args):
             ((vp, vstride), (wp, wstride), (ap, astride)), (lo_, count_), rows, accs = _operands(
                 context, b, sig, args, lanes)
-            last = b.sub(vstride, ir.Constant(i64, 1))  # the normaliser's column
-            norms = [cgutils.alloca_once(b, f32) for _ in range(lanes)]
+            columns = b.sub(vstride, ir.Constant(i64, 1))
 
             def acc_at(x, column):
                 return b.gep(ap, [b.add(b.mul(rows[x], astride), column)])
 
-            for x in range(lanes):
-                b.store(b.load(acc_at(x, last)), norms[x])
             # keys in blocks that stay in L1 while every tile of columns passes over them
             with cgutils.for_range_slice(b, lo_, count_, ir.Constant(i64, BLOCK_KEYS), inc=True) as (k0, _):
                 k1 = b.add(k0, ir.Constant(i64, BLOCK_KEYS))
                 k1 = b.select(b.icmp_signed("<", k1, count_), k1, count_)
-                with cgutils.for_range_slice(b, ir.Constant(i64, 0), last, ir.Constant(i64, TILE),
+                with cgutils.for_range_slice(b, ir.Constant(i64, 0), columns, ir.Constant(i64, TILE),
                                              inc=True) as (c, _):
-                    _column_tile(b, vp, vstride, wp, wstride, rows, accs, norms, acc_at, last, element, c,
-                                 k0, k1)
-            for x in range(lanes):
-                b.store(b.load(norms[x]), acc_at(x, last))
+                    keys = _Keys(vp, vstride, element, k0, k1, ir.Constant(i64, 0), True)
+                    _column_tile(b, keys, wp, wstride, rows, accs, acc_at, c)
             return context.get_dummy_value()
 
         return types.void(values, w, acc, r, lo, count), codegen
@@ -150,33 +141,70 @@ def _sum_tiles(lanes: int):
     return sum_tiles
 
 
-def _column_tile(b, vp, vstride, wp, wstride, rows, accs, norms, acc_at, last, element, c, k0, k1):
-    """Keys k0 .. k1 - 1 into columns c .. c + TILE - 1 of every lane (and, with c = 0, into
-    their normalisers): the accumulators loaded, held in registers over the keys, stored."""
-    lanes = len(rows)
-    first = b.icmp_signed("==", c, ir.Constant(i64, 0))
+def _block_sum_tiles(lanes: int):
+    @intrinsic
+    def block_sum_tiles(typingctx, block, w, acc, r, n, shift):
+        """acc[r + x, c] += sum over 0 <= i < n, in order, of w[r + x, shift + i] * block[i, c]
+        for the `lanes` lanes x and every column c of an fp32 block of values held in L1 (no
+        ones column; the columns a multiple of TILE)."""
+        if not _row_major(block, w, acc) or block.dtype != types.float32:
+            return None
+
+        def codegen(context, b, sig, args):
+            ((vp, vstride), (wp, wstride), (ap, astride)), (n_, shift_), rows, accs = _operands(
+                context, b, sig, args, lanes)
+
+            def acc_at(x, column):
+                return b.gep(ap, [b.add(b.mul(rows[x], astride), column)])
+
+            keys = _Keys(vp, vstride, types.float32, ir.Constant(i64, 0), n_, shift_, False)
+            with cgutils.for_range_slice(b, ir.Constant(i64, 0), vstride, ir.Constant(i64, TILE),
+                                         inc=True) as (c, _):
+                _column_tile(b, keys, wp, wstride, rows, accs, acc_at, c)
+            return context.get_dummy_value()
+
+        return types.void(block, w, acc, r, n, shift), codegen
+
+    return block_sum_tiles
+
+
+class _Keys:
+    """The keys a column tile passes over: values at vp (row stride vstride, `element`), rows
+    k0 .. k1 - 1, whose weights sit at column i + shift; `fetch`: prefetch the next block."""
+
+    def __init__(self, vp, vstride, element, k0, k1, shift, fetch: bool):
+        self.vp, self.vstride, self.element = vp, vstride, element
+        self.k0, self.k1, self.shift, self.fetch = k0, k1, shift, fetch
+
+
+def _column_tile(b, keys, wp, wstride, rows, accs, acc_at, c):
+    """Keys k0 .. k1 - 1 into columns c .. c + TILE - 1 of every lane: the accumulators loaded,
+    held in registers over the keys, stored."""
+    lanes, vp, vstride, element = len(rows), keys.vp, keys.vstride, keys.element
     slots = [b.bitcast(acc_at(x, b.add(c, ir.Constant(i64, WIDTH * h))), V8.as_pointer())
              for x in range(lanes) for h in range(2)]
     for slot, at in zip(accs, slots, strict=True):
         b.store(b.load(at, align=4), slot)
     ahead = b.mul(ir.Constant(i64, BLOCK_KEYS), vstride)
-    with cgutils.for_range_slice(b, k0, k1, ir.Constant(i64, 1), inc=True) as (i, _):
+    with cgutils.for_range_slice(b, keys.k0, keys.k1, ir.Constant(i64, 1), inc=True) as (i, _):
         row = b.mul(i, vstride)
-        # the same columns of the next block's row: each tile's pass fetches what its next pass reads
-        prefetch(b, b.bitcast(b.gep(vp, [b.add(b.add(row, ahead), c)]), ir.IntType(8).as_pointer()))
+        if keys.fetch:  # the same columns of the next block's row: what this tile's next pass reads
+            prefetch(b, b.bitcast(b.gep(vp, [b.add(b.add(row, ahead), c)]), ir.IntType(8).as_pointer()))
         parts = [_widen8(b, vp, b.add(row, b.add(c, ir.Constant(i64, WIDTH * h))), element) for h in range(2)]
-        weights = [b.load(b.gep(wp, [b.add(b.mul(rows[x], wstride), i)])) for x in range(lanes)]
+        weight_at = b.add(i, keys.shift)
+        weights = [b.load(b.gep(wp, [b.add(b.mul(rows[x], wstride), weight_at)])) for x in range(lanes)]
         for x in range(lanes):
             spread = splat_value(b, weights[x], WIDTH)
             for h in range(2):
                 _add_product(b, accs[2 * x + h], spread, parts[h])
-        with b.if_then(first, likely=False):
-            one = _widen1(b, vp, b.add(row, last), element)
-            for x in range(lanes):
-                _add_product(b, norms[x], weights[x], one)
     for slot, at in zip(accs, slots, strict=True):
         b.store(b.load(slot), at, align=4)
 
 
 score_tiles4, score_tiles3, score_tiles1 = _score_tiles(4), _score_tiles(3), _score_tiles(1)
 sum_tiles4, sum_tiles3 = _sum_tiles(4), _sum_tiles(3)
+# over a block of keys or values widened to fp32 once for every lane (jit/attention_blocks.py)
+block_score_tiles4, block_score_tiles3, block_score_tiles1 = (_score_tiles(4, False), _score_tiles(3, False),
+                                                             _score_tiles(1, False))
+block_sum_tiles4, block_sum_tiles3, block_sum_tiles1 = (_block_sum_tiles(4), _block_sum_tiles(3),
+                                                       _block_sum_tiles(1))

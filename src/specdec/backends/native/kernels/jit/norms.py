@@ -8,7 +8,9 @@ for bit); each row is computed on its own."""
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
 from specdec.backends.native.kernels.jit.kv import encode
 
@@ -20,23 +22,36 @@ EXP_FLOOR = np.float32(-87.0)  # exp of less is below float32's normal range: we
 vector, matrix = "float32[::1]", "float32[:, ::1]"  # numba signatures
 
 
+@intrinsic
+def as_float(typingctx, bits):
+    """int32 bits -> the float32 they spell (a numba scalar has no bit view)."""
+    if bits != types.int32:
+        return None
+    return types.float32(bits), lambda context, b, sig, args: b.bitcast(args[0], ir.FloatType())
+
+
+@njit(cache=True, nogil=True, inline="always")
+def exp_terms(x):  # pragma: no cover - compiled
+    """exp(x) for x <= 0 as (a degree-7 polynomial of the reduced argument, 2^k as its bits)."""
+    x = max(x, EXP_FLOOR)
+    k = np.floor(x * LOG2E + np.float32(0.5))
+    r = (x - k * LN2_HI) - k * LN2_LO
+    p = np.float32(1.0 / 5040)
+    p = p * r + np.float32(1.0 / 720)
+    p = p * r + np.float32(1.0 / 120)
+    p = p * r + np.float32(1.0 / 24)
+    p = p * r + np.float32(1.0 / 6)
+    p = p * r + np.float32(0.5)
+    p = p * r + np.float32(1.0)
+    return p * r + np.float32(1.0), (np.int32(k) + np.int32(127)) << np.int32(23)
+
+
 @njit(f"void({vector}, int64, {vector}, int32[::1])", cache=True, nogil=True)
 def exp_nonpositive(s, count, w, bits):  # pragma: no cover - compiled
     """w[i] = exp(s[i]) for i < count, s <= 0: 2^k times a degree-7 polynomial of the
     reduced argument, the power of two assembled from its bits."""
     for i in range(count):
-        x = max(s[i], EXP_FLOOR)
-        k = np.floor(x * LOG2E + np.float32(0.5))
-        r = (x - k * LN2_HI) - k * LN2_LO
-        p = np.float32(1.0 / 5040)
-        p = p * r + np.float32(1.0 / 720)
-        p = p * r + np.float32(1.0 / 120)
-        p = p * r + np.float32(1.0 / 24)
-        p = p * r + np.float32(1.0 / 6)
-        p = p * r + np.float32(0.5)
-        p = p * r + np.float32(1.0)
-        w[i] = p * r + np.float32(1.0)
-        bits[i] = (np.int32(k) + np.int32(127)) << np.int32(23)
+        w[i], bits[i] = exp_terms(s[i])
     scale = bits.view(np.float32)
     for i in range(count):
         w[i] = w[i] * scale[i]
