@@ -29,7 +29,7 @@ from specdec.backends.native.kernels.jit.softmax import exp_shifted, largest, we
 
 LOWEST = np.float32(-3.4e38)  # the score of a key outside a sliding window: never a maximum
 ITEM_QUADS = 6  # at most 24 lanes a work item: their scores stay in L2 while each widened block serves all
-WIDEN_SHARE = 0.3  # a lane's cost in an item of m groups of four lanes: about 1 + WIDEN_SHARE / m (measured)
+WIDEN_SHARE = 0.3  # a lane's cost in a blocked item of m groups of four: about 1 + WIDEN_SHARE / m (measured)
 
 vector, matrix = "float32[::1]", "float32[:, ::1]"  # numba signatures
 ELEMENTS = ("float32", "uint16")  # a cache's elements: fp32, or bf16 bits (kv.py)
@@ -113,7 +113,7 @@ def work_items(offsets, limits, heads, kv_heads, threads):  # pragma: no cover -
     best, span = np.inf, 4
     for quads in range(1, ITEM_QUADS + 1):
         _, most = _deal(_cut(offsets, limits, group, kv_heads, 4 * quads)[1], threads)
-        finish = most * (1 + WIDEN_SHARE / quads)
+        finish = most * (1 + WIDEN_SHARE / (quads if 4 * quads >= BLOCKED_LANES else 1))
         if finish < best:
             best, span = finish, 4 * quads
     table, cost = _cut(offsets, limits, group, kv_heads, span)

@@ -25,6 +25,7 @@ from specdec.backends.native.kernels.jit.attention_tiles import (
     block_sum_tiles1,
     block_sum_tiles3,
     block_sum_tiles4,
+    fetch,
     score_tiles1,
     score_tiles3,
     score_tiles4,
@@ -34,7 +35,7 @@ from specdec.backends.native.kernels.jit.attention_tiles import (
 from specdec.backends.native.kernels.jit.kv import load
 
 KEY_BLOCK = 64  # keys (or value rows) widened at a time: 64 x 64 dims in fp32 is 16 KiB, half an L1
-BLOCKED_LANES = 8  # lanes from which a widened block pays for its copy (below, the tiles widen as they load)
+BLOCKED_LANES = 12  # lanes from which a widened block pays for its copy (below, the tiles widen as they load)
 
 vector, matrix = "float32[::1]", "float32[:, ::1]"  # numba signatures
 ELEMENTS = ("float32", "uint16")  # a cache's elements: fp32, or bf16 bits (kv.py)
@@ -225,16 +226,22 @@ def weighted_sums(values, w, acc, lo, counts):  # pragma: no cover - compiled
 
 @njit(cache=True, nogil=True, inline="always")
 def _widen_keys(keys_t, first, n, block):  # pragma: no cover - compiled
-    """block[d, i] = keys_t[d, first + i] as fp32 for i < n (exact: kv.load)."""
+    """block[d, i] = keys_t[d, first + i] as fp32 for i < n (exact: kv.load), fetching the next
+    block's keys: its head_dim rows are as many streams, more than the CPU's prefetcher follows
+    (from memory, each block would otherwise wait on every row)."""
+    line = 64 // keys_t.itemsize
     for d in range(keys_t.shape[0]):
         row, out = keys_t[d, first : first + n], block[d]
+        for c in range(0, KEY_BLOCK, line):
+            fetch(keys_t, d, first + KEY_BLOCK + c)
         for i in range(n):
             out[i] = load(row[i])
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _widen_values(values, first, n, block):  # pragma: no cover - compiled
-    """block[i, c] = values[first + i, c] as fp32 for i < n and every column but the ones."""
+    """block[i, c] = values[first + i, c] as fp32 for i < n and every column but the ones (the
+    rows are one stream, which the CPU's prefetcher follows)."""
     columns = block.shape[1]
     for i in range(n):
         row, out = values[first + i], block[i]

@@ -62,6 +62,22 @@ def _operands(context, b, sig, args, lanes: int):
     return arrays, args[4:6], rows, [cgutils.alloca_once(b, V8) for _ in range(2 * lanes)]
 
 
+@intrinsic
+def fetch(typingctx, array, row, column):
+    """A hint to bring the cache line of array[row, column] (a C-contiguous 2-d array) into the
+    caches: no effect on any result, and never a fault, even past the array's end."""
+    if not _row_major(array) or not all(isinstance(x, types.Integer) for x in (row, column)):
+        return None
+
+    def codegen(context, b, sig, args):
+        ptr, stride = _array(context, b, sig, args, 0)
+        row_, column_ = (context.cast(b, args[k], sig.args[k], types.int64) for k in (1, 2))
+        prefetch(b, b.bitcast(b.gep(ptr, [b.add(b.mul(row_, stride), column_)]), ir.IntType(8).as_pointer()))
+        return context.get_dummy_value()
+
+    return types.void(array, row, column), codegen
+
+
 def _add_product(b, slot, weight, value):  # slot <- slot + weight * value: one rounding each
     b.store(b.fadd(b.load(slot), b.fmul(weight, value)), slot)
 
