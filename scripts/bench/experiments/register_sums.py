@@ -1,6 +1,6 @@
 """Attention's weighted sums with the accumulators held in vector registers over the keys.
 
-`kernels/jit/attention.py`'s `weighted_sum4` adds four lanes' weighted values key after key,
+`kernels/jit/attention_sums.py`'s `weighted_sum4` adds four lanes' weighted values key after key,
 vectorised by LLVM over the columns: every pass over four keys loads and stores the lanes'
 accumulators. Here an intrinsic keeps them in `<8 x float>` registers across all the keys of a
 block of columns (4 lanes x `--blocks` vectors of 8 columns): the same products and sums in the
@@ -23,7 +23,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from specdec.backends.native.kernels.jit import attention
+from specdec.backends.native.kernels.jit import attention_sums as attention
 from specdec.backends.native.kernels.jit.ir import data_pointer, splat_value, vec
 
 i16, i32, i64, f32 = ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
