@@ -110,7 +110,8 @@ def _compiled() -> tuple:
 
 
 def _with_threads(kernel, threads: int, *args):
-    """A parallel kernel called as its serial twin is: the thread count it shares work for last."""
+    """A parallel kernel called with its serial twin's arguments, plus the thread count its work
+    items are dealt to."""
     return kernel(*args, threads)
 
 

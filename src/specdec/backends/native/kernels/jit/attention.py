@@ -201,23 +201,37 @@ def attend(q, k_new, v_new, k_cache, v_cache, slot, store, limits, paths, starts
     return out
 
 
-@njit([s[:-1] + ", int64)" for s in SIGNATURES], cache=True, nogil=True, parallel=True)
-def attend_parallel(q, k_new, v_new, k_cache, v_cache, slot, store, limits, paths, starts, scale,
-                    threads):  # pragma: no cover
-    """`attend` on numba's `threads` threads, in the work items of `work_items`: the same bits
-    (a lane's do not depend on the lanes that share its pass)."""
-    (out, k_own, v_own), widest = begin(q, k_new, v_new, k_cache, v_cache, slot, store), limits.max()
-    offsets = np.array([0, q.shape[0]], np.int64)  # one row
-    table, items = work_items(offsets, limits, q.shape[1], k_new.shape[1], threads)
+@njit(cache=True, nogil=True, parallel=True)
+def attend_packed(q, k_own, v_own, k_cache, v_cache, slots, offsets, limits, paths, starts, scale,
+                  threads):  # pragma: no cover - compiled
+    """`attend` for the packed rows of a forward, after `begin` stored each one's keys: q [T,
+    heads, dim], k_own, v_own [T, kv_heads, dim] as `begin` returns them, row r's tokens
+    offsets[r] .. offsets[r + 1] - 1 in slot slots[r]; every row's work items on numba's
+    threads at once (`work_items`, for `threads` threads: numba's count, numba_ops.numba_threads).
+    A lane's bits do not depend on its item or thread."""
+    out = np.empty(q.shape, np.float32)
+    table, items = work_items(offsets, limits, q.shape[1], k_own.shape[1], threads)
     for t in prange(items.shape[0]):
         for n in range(items.shape[1]):
             i = items[t, n]
             if i < 0:
                 break
-            h = table[i, 1]
-            head(q, k_own, v_own, k_cache[slot, h], v_cache[slot, h], h, table[i, 2], table[i, 3], limits,
-                 paths, starts, widest, scale, out)
+            r, h = table[i, 0], table[i, 1]
+            a, b = offsets[r], offsets[r + 1]
+            head(q[a:b], k_own[a:b], v_own[a:b], k_cache[slots[r], h], v_cache[slots[r], h], h, table[i, 2],
+                 table[i, 3], limits[a:b], paths[a:b], starts[a:b], limits[a:b].max(), scale, out[a:b])
     return out
+
+
+@njit([s[:-1] + ", int64)" for s in SIGNATURES], cache=True, nogil=True)
+def attend_parallel(q, k_new, v_new, k_cache, v_cache, slot, store, limits, paths, starts, scale,
+                    threads):  # pragma: no cover
+    """`attend` on numba's `threads` threads: one row's `attend_packed`, the same bits (a lane's
+    do not depend on the lanes that share its pass)."""
+    _, k_own, v_own = begin(q, k_new, v_new, k_cache, v_cache, slot, store)
+    slots, offsets = np.full(1, slot, np.int64), np.array([0, q.shape[0]], np.int64)
+    return attend_packed(q, k_own, v_own, k_cache, v_cache, slots, offsets, limits, paths, starts, scale,
+                         threads)
 
 
 @njit(cache=True, nogil=True)
@@ -258,25 +272,3 @@ def norm_rotate_attend_parallel(qkv, cos, signed_sin, heads, kv_heads, q_weight,
     q, k, v = split_norm_rotate(qkv, cos, signed_sin, heads, kv_heads, q_weight, k_weight, eps)
     out = attend_parallel(q, k, v, k_cache, v_cache, slot, store, limits, paths, starts, scale, threads)
     return out.reshape(out.shape[0], out.shape[1] * out.shape[2])
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def attend_packed(q, k_own, v_own, k_cache, v_cache, slots, offsets, limits, paths, starts, scale,
-                  threads):  # pragma: no cover - compiled
-    """`attend` for the packed rows of a forward, after `begin` stored each one's keys: q [T,
-    heads, dim], k_own, v_own [T, kv_heads, dim] as `begin` returns them, row r's tokens
-    offsets[r] .. offsets[r + 1] - 1 in slot slots[r]; every row's work items on numba's
-    threads at once (`work_items`, for `threads` threads: numba's count, numba_ops.numba_threads).
-    A lane's bits do not depend on its item or thread."""
-    out = np.empty(q.shape, np.float32)
-    table, items = work_items(offsets, limits, q.shape[1], k_own.shape[1], threads)
-    for t in prange(items.shape[0]):
-        for n in range(items.shape[1]):
-            i = items[t, n]
-            if i < 0:
-                break
-            r, h = table[i, 0], table[i, 1]
-            a, b = offsets[r], offsets[r + 1]
-            head(q[a:b], k_own[a:b], v_own[a:b], k_cache[slots[r], h], v_cache[slots[r], h], h, table[i, 2],
-                 table[i, 3], limits[a:b], paths[a:b], starts[a:b], limits[a:b].max(), scale, out[a:b])
-    return out

@@ -1,6 +1,6 @@
 """numba kernels for the row-wise parts of a decoder layer: RMSNorm (into fp32 or bf16), the
 residual add joined to the next norm, the rotary embedding (with qwen3's and gemma3's q/k
-norms), SwiGLU, the rounding to bf16, and the exp that attention.py and the activations share.
+norms), SwiGLU, the rounding to bf16, and the exp the activations share with softmax.py.
 Imported on first use; compiled once, cached on disk. numba compiles without fastmath, so
 every rounding happens where the code says, as PyTorch's ops round (the tests compare them bit
 for bit); each row is computed on its own."""
