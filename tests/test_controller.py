@@ -358,3 +358,35 @@ def test_acceptance_is_measured_per_draft_position():
     assert curve[0] == pytest.approx(0.5, abs=0.05) and curve[3] > 0.9 * curve[0]
     assert curve[3] / curve[0] > 1.5 * controller.alpha**3  # geometric: the fourth at α^3 of the first
     assert make_controller(3).acceptance() is None
+
+
+def true_steps(n, steps, slower=1.0):
+    """(width, seconds) samples after 3000 cached tokens: a one-token step then width n, `steps`
+    times, each `slower` times its true cost."""
+    return [(w, slower * long_context_time(w, 3000)) for _ in range(steps) for w in (1, n)]
+
+
+@pytest.mark.parametrize(
+    ("name", "samples", "n", "within"),
+    [
+        # one step of width 5 stalled 20x (a page fault, another process): it counts as 2x at most,
+        # and the true times that follow bring it back
+        ("a stall at one width", true_steps(5, 1) + [(5, 20 * long_context_time(5, 3000))]
+         + true_steps(5, 10), 5, 0.15),
+        # the long prompt's first steps timed while the whole machine ran 5x slow, then only plain
+        # steps at the true cost: width 5, never timed again, comes down with them
+        ("a slow machine", true_steps(5, 3, slower=5) + [(1, long_context_time(1, 3000))] * 30, 5, 0.15),
+        # a real rise at one width (3x what the model expected) still gets through
+        ("a real rise", true_steps(1, 1) + [(5, 3 * long_context_time(5, 3000))] * 12, 5, 0.15),
+    ],
+)
+def test_a_timing_that_stood_out_does_not_price_a_width_out(name, samples, n, within):
+    """What `SPIKE` and the ratios to t(1) are for: a width priced out is never chosen, so never
+    timed again, and a time that stood out would have held it out for good."""
+    costs = ScoreCosts()
+    for w in range(1, 18):
+        costs.observe(w, long_context_time(w, 0))
+    for width, seconds in samples:
+        costs.observe(width, seconds, context=3000)
+    truth = (3 if name == "a real rise" else 1) * long_context_time(n, 3000)
+    assert costs.cost(n, 3000) == pytest.approx(truth, rel=within), name

@@ -95,6 +95,14 @@ CATCH_UP_LIMIT = 32
 FIRST_READ = 8  # the fewest tokens a probe from a window reads: the first, while reading has no price
 PROBE_READ = 32  # the context calibrate_drafter reads
 KEY_SAMPLE_MIN = 512  # cached keys a row must read for its forward to price them (observe_keys)
+# A timed step counts as at most this many times what the model expects. A stall (another
+# process, a page fault, a first call) can make one step many times dearer; taken as it was, it
+# priced its width out for good, since a width priced out is never timed again. An estimate that
+# is too low corrects itself (its width gets chosen and timed), so only spikes are cut; a real
+# rise still gets through over a few samples. For the same reason a bucket's wider steps keep
+# their ratio to its one-token step, which plain steps keep timing: times taken while the whole
+# machine was slow come down with it.
+SPIKE = 2.0
 
 
 def parse_fixed_costs(text: str) -> dict[int, float]:
@@ -202,12 +210,19 @@ class ScoreCosts:
         self.draft_known = self.read_known = True
 
     def observe(self, num_scored: int, score_s: float, context: int = 0) -> None:
-        """One forward of num_scored tokens after `context` cached ones took score_s seconds."""
+        """One forward of num_scored tokens after `context` cached ones took score_s seconds. A
+        sample above SPIKE times what the model expects there counts as SPIKE times it."""
         if self.frozen or num_scored < 1 or score_s <= 0:
             return
-        table = self._tables.setdefault(context_bucket(context), {})
+        bucket = context_bucket(context)
+        if self._tables.get(bucket):  # a bucket's first time stands: it has nothing to compare with
+            score_s = min(score_s, SPIKE * self.cost(num_scored, context))
+        table = self._tables.setdefault(bucket, {})
         old = table.get(num_scored)
         table[num_scored] = score_s if old is None else 0.8 * old + 0.2 * score_s
+        if num_scored == 1 and old is not None:  # the others keep their ratio to t(1) (see above)
+            for n in table:
+                table[n] *= table[1] / old if n > 1 else 1.0
         self._fit = None
         self.observe_keys(num_scored, num_scored * context, score_s)
 
