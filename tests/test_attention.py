@@ -105,6 +105,53 @@ def test_the_kernel_gives_the_same_bits_on_one_thread_or_several(kv_dtype):
         assert torch.equal(torch.from_numpy(attend(*args)), torch.from_numpy(attend_parallel(*args, 2)))
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "past", "window"),
+                         [(4, 1, 64, 1100, None), (4, 1, 256, 1100, 300), (4, 1, 64, 67, None),
+                          (2, 1, 32, 700, 129), (3, 1, 16, 2000, None)])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_a_decode_step_on_one_kv_head_split_over_threads_keeps_its_bits(kv_dtype, heads, kv_heads, dim, past,
+                                                                         window, threads):
+    """One token over one kv head is one work item: attend_split cuts its keys (the scores) and
+    its columns (the weighted sums) across the threads instead, and each lane keeps attend's
+    bits (key counts not a multiple of the parts, sliding windows, gemma3's 256 dims)."""
+    if not attn.uses_kernel("cpu"):
+        pytest.skip("numba is not installed")
+    from specdec.backends.native.kernels.jit.attention import attend, attend_parallel, splits
+
+    gen = torch.Generator().manual_seed(past + dim)
+    k_cache, v_cache = random_cache(kv_heads, past + 70, dim, seed=3, dtype=KV_DTYPES[kv_dtype])
+    q, k, v = (torch.randn(1, heads, dim, generator=gen), torch.randn(1, kv_heads, dim, generator=gen),
+               torch.randn(1, kv_heads, dim, generator=gen))
+    plan = attn.plan_chain(past + 1, 1, heads // kv_heads, "cpu", True, window=window)
+    starts = np.zeros(1, np.int64) if plan.starts is None else plan.starts.numpy()
+    limits, paths = plan.limits.numpy(), plan.paths.numpy()
+    assert splits(np.array([0, 1]), paths, heads // kv_heads, kv_heads, dim, threads)
+    args = (q.numpy(), k.numpy(), v.numpy(), *arrays((k_cache, v_cache)), 0, past, limits, paths, starts,
+            np.float32(dim**-0.5))
+    want = attend(*args)
+    got = attend_parallel(*args, threads)  # stores the key again, as the same bits
+    assert np.array_equal(got.view(np.int32), want.view(np.int32))
+
+
+@pytest.mark.parametrize(("rows", "tokens", "heads", "kv_heads", "dim", "tree", "threads", "split"), [
+    (1, 1, 4, 1, 64, False, 2, True),  # gemma3's decode step: one item, two threads
+    (1, 1, 9, 3, 64, False, 2, False),  # three items on two threads: dealt whole (measured faster)
+    (2, 1, 4, 1, 64, False, 2, False),  # two rows: an item each
+    (1, 2, 4, 1, 64, False, 2, False),  # a chain's eight lanes: more than a register tile
+    (1, 1, 4, 1, 64, True, 2, False),  # a tree path
+    (1, 1, 4, 1, 24, False, 2, False),  # no whole tiles of columns
+    (1, 1, 4, 1, 64, False, 1, False),  # one thread
+])
+def test_which_calls_split_a_work_item(rows, tokens, heads, kv_heads, dim, tree, threads, split):
+    if not attn.uses_kernel("cpu"):
+        pytest.skip("numba is not installed")
+    from specdec.backends.native.kernels.jit.attention import splits
+
+    offsets = np.arange(rows + 1, dtype=np.int64) * tokens
+    paths = np.full((rows * tokens, 1), 0 if tree else -1, np.int64)
+    assert splits(offsets, paths, heads // kv_heads, kv_heads, dim, threads) == split
+
+
 @pytest.mark.parametrize("past", [0, 7, 62, 129])
 @pytest.mark.parametrize("parents", [[-1, 0, 0, 1, 2, 2, 5], [-1, -1, 0, 1, 1]])
 def test_a_tree_node_gets_the_bits_of_its_path_attended_step_by_step(routine, kv_dtype, past, parents):
@@ -246,7 +293,16 @@ def test_the_kernels_register_tiles_keep_every_sum_in_order(kv_dtype, lanes, dim
     scores(numba_ops.cache_array(keys_t.contiguous()), qs, s, 0, keys)
     assert s.view(np.int32).tolist() == sequential_scores(keys_t.float().numpy(), qs).view(np.int32).tolist()
     acc = np.empty((lanes, dim), np.float32)
-    sums(numba_ops.cache_array(values.contiguous()), weights, acc, 0, counts)
+    if form == "tiles":
+        jit.weighted_sums(numba_ops.cache_array(values.contiguous()), weights, acc, 0, counts, 0, dim)
+    else:
+        sums(numba_ops.cache_array(values.contiguous()), weights, acc, 0, counts)
+    if form == "tiles" and dim % 16 == 0:  # in parts of columns, as attend_split takes them
+        parts = np.full((lanes, dim), np.nan, np.float32)
+        for c0 in range(0, dim, 16):
+            jit.weighted_sums(numba_ops.cache_array(values.contiguous()), weights, parts, 0, counts, c0,
+                              c0 + 16)
+        assert parts.view(np.int32).tolist() == acc.view(np.int32).tolist()
     for lane in range(lanes):  # the ones column is not read: the normaliser is the softmax's (below)
         expected = sequential_sums(values[: counts[lane], :dim].float().numpy(),
                                    weights[lane : lane + 1, : counts[lane]])

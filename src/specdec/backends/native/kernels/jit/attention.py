@@ -14,11 +14,13 @@ from numba import njit, prange
 
 from specdec.backends.native.kernels.jit.attention_sums import (
     BLOCKED_LANES,
+    KEY_BLOCK,
     scores,
     scores_blocked,
     weighted_sums,
     weighted_sums_blocked,
 )
+from specdec.backends.native.kernels.jit.attention_tiles import TILE
 from specdec.backends.native.kernels.jit.kv import encode, load
 from specdec.backends.native.kernels.jit.norms import (
     bf16_rows,
@@ -30,6 +32,7 @@ from specdec.backends.native.kernels.jit.softmax import exp_shifted, largest, we
 LOWEST = np.float32(-3.4e38)  # the score of a key outside a sliding window: never a maximum
 ITEM_QUADS = 6  # at most 24 lanes a work item: their scores stay in L2 while each widened block serves all
 WIDEN_SHARE = 0.3  # a lane's cost in a blocked item of m groups of four: about 1 + WIDEN_SHARE / m (measured)
+SPLIT_LANES = 4  # lanes of a (row, kv head) item that attend_split takes: one register tile
 
 vector, matrix = "float32[::1]", "float32[:, ::1]"  # numba signatures
 ELEMENTS = ("float32", "uint16")  # a cache's elements: fp32, or bf16 bits (kv.py)
@@ -154,7 +157,7 @@ def head(q, k_new, v_new, keys_t, values, h, first, last, limits, paths, starts,
     if blocked:
         weighted_sums_blocked(values, w, acc, lo, counts)
     else:
-        weighted_sums(values, w, acc, lo, counts)
+        weighted_sums(values, w, acc, lo, counts, 0, acc.shape[1])
     for x in range(lanes):
         j, g = (first + x) // group, (first + x) % group
         lane_finish(w, acc, x, counts[x], paths[j, : extras[x]], v_new, h, totals[x], out[j, h * group + g])
@@ -201,14 +204,83 @@ def attend(q, k_new, v_new, k_cache, v_cache, slot, store, limits, paths, starts
     return out
 
 
+@njit(cache=True, nogil=True)
+def splits(offsets, paths, group, kv_heads, dim, threads):  # pragma: no cover - compiled
+    """Whether `attend_split` suits these rows: fewer (row, kv head) items than threads (a decode
+    step of a model with one kv head), each of one token whose lanes fit a register tile, no
+    tree, whole tiles of columns. Three items on two threads measured 6-25% slower split than
+    dealt whole: the passes' cost outweighs the idle third."""
+    tokens = offsets[1:] - offsets[:-1]
+    tree = paths.size > 0 and paths.max() >= 0
+    return (threads > 1 and (offsets.shape[0] - 1) * kv_heads < threads and dim % TILE == 0 and not tree
+            and tokens.min() == tokens.max() and tokens[0] * group <= SPLIT_LANES)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _part(lo, hi, part, parts, unit):  # pragma: no cover - compiled
+    """The part-th of `parts` slices of lo .. hi, cut at multiples of `unit` past lo."""
+    step = -(-(hi - lo) // parts // unit) * unit
+    return min(hi, lo + part * step), min(hi, lo + (part + 1) * step)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def attend_split(q, k_own, v_own, k_cache, v_cache, slots, offsets, limits, starts, scale,
+                 threads):  # pragma: no cover - compiled
+    """`attend_packed` for rows that `splits` suits, in three passes that each cut every (row,
+    kv head) item across the `threads` threads: its keys for the scores (a score is its own
+    sum, whoever computes the others), its lanes for their weights (lane_weights), its columns
+    for the weighted sums and their division (a column's sum runs over the keys in order). A
+    lane's bits are `head`'s."""
+    heads, dim, kv_heads = q.shape[1], q.shape[2], k_own.shape[1]
+    group, items = heads // kv_heads, (offsets.shape[0] - 1) * kv_heads
+    lanes = (offsets[1] - offsets[0]) * group
+    qs = np.empty((items, lanes, dim), np.float32)
+    counts, begins = np.empty((items, lanes), np.int64), np.empty((items, lanes), np.int64)
+    for i in range(items):
+        r, h = i // kv_heads, i % kv_heads
+        for x in range(lanes):
+            j = offsets[r] + x // group
+            counts[i, x], begins[i, x] = limits[j], starts[j]
+            for d in range(dim):
+                qs[i, x, d] = q[j, h * group + x % group, d] * scale
+    w = np.empty((items, lanes, limits.max()), np.float32)
+    acc, totals = np.empty((items, lanes, dim), np.float32), np.empty((items, lanes), np.float32)
+    out, no_path = np.empty(q.shape, np.float32), np.empty(0, np.int64)
+    for t in prange(threads):
+        for i in range(items):
+            reach = counts[i].max()
+            a, b = _part(min(begins[i].min(), reach) // 4 * 4, reach, t, threads, KEY_BLOCK)
+            scores(k_cache[slots[i // kv_heads], i % kv_heads], qs[i], w[i], a, b)
+    for t in prange(threads):
+        for n in range(t, items * lanes, threads):
+            i, x = n // lanes, n % lanes
+            h = i % kv_heads
+            totals[i, x] = lane_weights(w[i], qs[i], x, begins[i, x], counts[i, x], no_path, k_own, h)
+    for t in prange(threads):
+        for i in range(items):
+            r, h = i // kv_heads, i % kv_heads
+            c0, c1 = _part(0, dim, t, threads, TILE)
+            lo = min(begins[i].min(), counts[i].max()) // 4 * 4
+            weighted_sums(v_cache[slots[r], h], w[i], acc[i], lo, counts[i], c0, c1)
+            for x in range(lanes):
+                j, g = offsets[r] + x // group, h * group + x % group
+                for c in range(c0, c1):
+                    out[j, g, c] = acc[i, x, c] / totals[i, x]
+    return out
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def attend_packed(q, k_own, v_own, k_cache, v_cache, slots, offsets, limits, paths, starts, scale,
                   threads):  # pragma: no cover - compiled
     """`attend` for the packed rows of a forward, after `begin` stored each one's keys: q [T,
     heads, dim], k_own, v_own [T, kv_heads, dim] as `begin` returns them, row r's tokens
     offsets[r] .. offsets[r + 1] - 1 in slot slots[r]; every row's work items on numba's
-    threads at once (`work_items`, for `threads` threads: numba's count, numba_ops.numba_threads).
-    A lane's bits do not depend on its item or thread."""
+    threads at once (`work_items`, for `threads` threads: numba's count, numba_ops.numba_threads),
+    or `attend_split`'s passes where those items would leave a thread idle. A lane's bits do not
+    depend on its item or thread."""
+    group, kv_heads = q.shape[1] // k_own.shape[1], k_own.shape[1]
+    if splits(offsets, paths, group, kv_heads, q.shape[2], threads):
+        return attend_split(q, k_own, v_own, k_cache, v_cache, slots, offsets, limits, starts, scale, threads)
     out = np.empty(q.shape, np.float32)
     table, items = work_items(offsets, limits, q.shape[1], k_own.shape[1], threads)
     for t in prange(items.shape[0]):

@@ -132,24 +132,25 @@ def scores(keys_t, qs, s, lo, count):  # pragma: no cover - compiled
             _scores1(keys_t, qs, s, r, end, count)
 
 
-@njit([f"void({e}[:, ::1], {vector}, {vector}, int64, int64)" for e in ELEMENTS], cache=True, nogil=True)
-def weighted_sum(values, w, acc, start, count):  # pragma: no cover - compiled
-    """acc[c] += sum over start <= i < count, in order, of w[i] * values[i, c] for every column
-    but the last (the cache's ones); four keys per pass (start is a multiple of four: the
-    passes fall where they would from 0)."""
-    columns = values.shape[1] - 1  # not the cache's ones column
+@njit([f"void({e}[:, ::1], {vector}, {vector}, int64, int64, int64, int64)" for e in ELEMENTS], cache=True,
+      nogil=True)
+def weighted_sum(values, w, acc, start, count, c0, c1):  # pragma: no cover - compiled
+    """acc[c] += sum over start <= i < count, in order, of w[i] * values[i, c] for the columns
+    c0 <= c < c1 (never the last, the cache's ones); four keys per pass (start is a multiple of
+    four: the passes fall where they would from 0)."""
+    columns, out = c1 - c0, acc[c0:c1]  # loops from 0 over sliced rows: LLVM vectorises those best
     i = start
     while i + 4 <= count:
-        v0, v1, v2, v3 = values[i], values[i + 1], values[i + 2], values[i + 3]
+        v0, v1, v2, v3 = values[i, c0:c1], values[i + 1, c0:c1], values[i + 2, c0:c1], values[i + 3, c0:c1]
         w0, w1, w2, w3 = w[i], w[i + 1], w[i + 2], w[i + 3]
         for c in range(columns):
             p0, p1, p2, p3 = load(v0[c]), load(v1[c]), load(v2[c]), load(v3[c])
-            acc[c] = (((acc[c] + w0 * p0) + w1 * p1) + w2 * p2) + w3 * p3
+            out[c] = (((out[c] + w0 * p0) + w1 * p1) + w2 * p2) + w3 * p3
         i += 4
     for rest in range(i, count):
-        wi, vi = w[rest], values[rest]
+        wi, vi = w[rest], values[rest, c0:c1]
         for c in range(columns):
-            acc[c] += wi * load(vi[c])
+            out[c] += wi * load(vi[c])
 
 
 @njit([f"void({e}[:, ::1], {matrix}, {matrix}, int64, int64, int64)" for e in ELEMENTS], cache=True,
@@ -194,34 +195,35 @@ def weighted_sum3(values, w, acc, r, lo, count):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True)
-def weighted_sums(values, w, acc, lo, counts):  # pragma: no cover - compiled
-    """acc[r] = w[r, :counts[r]] @ values[:counts[r], :dim] for every lane r (acc [lanes, dim];
-    the values' last column, the cache's ones, is not read), from key lo (a multiple of four
-    below which every weight is 0: skipping those zero terms leaves the bits as they are): four
-    lanes at a time as far as all four have keys (weighted_sum4), each lane on its own after
-    that; past the last four, three at a time or one (as `scores`). Where the columns are
-    whole tiles, the shared keys go through sum_tiles."""
-    acc[:] = 0
+def weighted_sums(values, w, acc, lo, counts, c0, c1):  # pragma: no cover - compiled
+    """acc[r, c] = w[r, :counts[r]] @ values[:counts[r], c] for every lane r and the columns
+    c0 <= c < c1 (acc [lanes, dim]; the values' last column, the cache's ones, is not read;
+    a range other than all of them must be whole tiles), from key lo (a multiple of four below
+    which every weight is 0: skipping those zero terms leaves the bits as they are): four lanes
+    at a time as far as all four have keys (weighted_sum4), each lane on its own after that;
+    past the last four, three at a time or one (as `scores`). Where the columns are whole
+    tiles, the shared keys go through sum_tiles. A column's sums do not depend on the range."""
+    acc[:, c0:c1] = 0
     lanes = acc.shape[0]
     quads = lanes // 4 * 4
     tiles = (values.shape[1] - 1) % TILE == 0  # whole tiles of columns
     for r in range(0, quads, 4):
         shared = max(lo, min(counts[r], counts[r + 1], counts[r + 2], counts[r + 3]) // 4 * 4)
         if tiles:
-            sum_tiles4(values, w, acc, r, lo, shared)
+            sum_tiles4(values, w, acc, r, lo, shared, c0, c1)
         else:
             weighted_sum4(values, w, acc, r, lo, shared)
         for x in range(r, r + 4):
-            weighted_sum(values, w[x], acc[x], shared, counts[x])
+            weighted_sum(values, w[x], acc[x], shared, counts[x], c0, c1)
     shared = lo
     if lanes - quads == 3:
         shared = max(lo, min(counts[quads], counts[quads + 1], counts[quads + 2]) // 4 * 4)
         if tiles:
-            sum_tiles3(values, w, acc, quads, lo, shared)
+            sum_tiles3(values, w, acc, quads, lo, shared, c0, c1)
         else:
             weighted_sum3(values, w, acc, quads, lo, shared)
     for x in range(quads, lanes):
-        weighted_sum(values, w[x], acc[x], shared, counts[x])
+        weighted_sum(values, w[x], acc[x], shared, counts[x], c0, c1)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -284,7 +286,7 @@ def weighted_sums_blocked(values, w, acc, lo, counts):  # pragma: no cover - com
     lane, then each lane its own last keys."""
     lanes, dim = acc.shape[0], values.shape[1] - 1
     if dim % TILE:
-        weighted_sums(values, w, acc, lo, counts)
+        weighted_sums(values, w, acc, lo, counts, 0, dim)
         return
     acc[:] = 0
     ends = np.empty(lanes, np.int64)  # each lane's keys taken in blocks: lo .. ends[x] - 1
@@ -309,4 +311,4 @@ def weighted_sums_blocked(values, w, acc, lo, counts):  # pragma: no cover - com
                 block_sum_tiles1(block, w, acc, r, m, first)
             r += size
     for x in range(lanes):
-        weighted_sum(values, w[x], acc[x], ends[x], counts[x])
+        weighted_sum(values, w[x], acc[x], ends[x], counts[x], 0, dim)

@@ -125,11 +125,11 @@ def _score_tiles(lanes: int, fetch: bool = True):
 
 def _sum_tiles(lanes: int):
     @intrinsic
-    def sum_tiles(typingctx, values, w, acc, r, lo, count):
+    def sum_tiles(typingctx, values, w, acc, r, lo, count, c0, c1):
         """acc[r + x, c] += sum over lo <= i < count, in order, of w[r + x, i] * values[i, c] for
-        the `lanes` lanes x and every column c but the last (the cache's ones, which the kernel
-        does not read): TILE columns at a time over all the keys. Those columns must be a
-        multiple of TILE."""
+        the `lanes` lanes x and the columns c0 <= c < c1 (never the cache's last, its ones, which
+        the kernel does not read): TILE columns at a time over all the keys. c0 and c1 must be
+        multiples of TILE."""
         if not _row_major(values, w, acc):
             return None
         element = values.dtype
@@ -137,7 +137,7 @@ def _sum_tiles(lanes: int):
         def codegen(context, b, sig, args):
             ((vp, vstride), (wp, wstride), (ap, astride)), (lo_, count_), rows, accs = _operands(
                 context, b, sig, args, lanes)
-            columns = b.sub(vstride, ir.Constant(i64, 1))
+            c0_, c1_ = args[6], args[7]
 
             def acc_at(x, column):
                 return b.gep(ap, [b.add(b.mul(rows[x], astride), column)])
@@ -146,13 +146,12 @@ def _sum_tiles(lanes: int):
             with cgutils.for_range_slice(b, lo_, count_, ir.Constant(i64, BLOCK_KEYS), inc=True) as (k0, _):
                 k1 = b.add(k0, ir.Constant(i64, BLOCK_KEYS))
                 k1 = b.select(b.icmp_signed("<", k1, count_), k1, count_)
-                with cgutils.for_range_slice(b, ir.Constant(i64, 0), columns, ir.Constant(i64, TILE),
-                                             inc=True) as (c, _):
+                with cgutils.for_range_slice(b, c0_, c1_, ir.Constant(i64, TILE), inc=True) as (c, _):
                     keys = _Keys(vp, vstride, element, k0, k1, ir.Constant(i64, 0), True)
                     _column_tile(b, keys, wp, wstride, rows, accs, acc_at, c)
             return context.get_dummy_value()
 
-        return types.void(values, w, acc, r, lo, count), codegen
+        return types.void(values, w, acc, r, lo, count, c0, c1), codegen
 
     return sum_tiles
 
