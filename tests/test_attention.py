@@ -267,7 +267,7 @@ def sequential_sums(values: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize(("lanes", "dim", "keys"), [(4, 64, 100), (3, 64, 67), (9, 32, 200), (1, 16, 35),
                                                      (11, 64, 1100), (8, 48, 16), (2, 24, 50), (16, 64, 300),
-                                                     (13, 64, 129), (10, 16, 64)])
+                                                     (13, 64, 129), (10, 16, 64), (4, 256, 130)])
 @pytest.mark.parametrize("form", ["tiles", "blocks"])
 def test_the_kernels_register_tiles_keep_every_sum_in_order(kv_dtype, lanes, dim, keys, form):
     """Scores and weighted sums, tiles of keys and columns held in registers (jit/attention_tiles)

@@ -36,6 +36,12 @@ from specdec.backends.native.kernels.jit.kv import load
 
 KEY_BLOCK = 64  # keys (or value rows) widened at a time: 64 x 64 dims in fp32 is 16 KiB, half an L1
 BLOCKED_LANES = 12  # lanes from which a widened block pays for its copy (below, the tiles widen as they load)
+# Up to this many lanes of up to STREAM_DIMS dims (a decode step of SmolLM2), the scores pass over
+# all the keys four dims at a time rather than in tiles: a tile reads its keys' 64 dims at once, 64
+# streams from memory, more than the prefetchers follow, and a decode step's keys come from memory
+# (its layers' caches and weights pass through the L3). At 256 dims (gemma3) the 64 passes over the
+# scores cost more than that saves; 128 is not measured.
+STREAM_LANES, STREAM_DIMS = 4, 64
 
 vector, matrix = "float32[::1]", "float32[:, ::1]"  # numba signatures
 ELEMENTS = ("float32", "uint16")  # a cache's elements: fp32, or bf16 bits (kv.py)
@@ -113,9 +119,11 @@ def scores(keys_t, qs, s, lo, count):  # pragma: no cover - compiled
     tiles of keys with the sums in registers (attention_tiles.py), the keys past the last tile
     four dims per pass over the scores and four lanes per pass over the keys (unroll and jam).
     The lanes past the last four go three at a time, or one at a time (a decode step of a GQA
-    group of 3 has three lanes: a fourth, idle lane cost a quarter of the arithmetic)."""
+    group of 3 has three lanes: a fourth, idle lane cost a quarter of the arithmetic). Up to
+    STREAM_LANES lanes of up to STREAM_DIMS dims take every key in those passes, the same bits."""
     lanes, dim = qs.shape
-    end = lo + (count - lo) // TILE * TILE
+    streamed = lanes <= STREAM_LANES and dim <= STREAM_DIMS
+    end = lo if streamed else lo + (count - lo) // TILE * TILE
     for r in range(lanes):
         for i in range(end, count):
             s[r, i] = 0
