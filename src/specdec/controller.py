@@ -8,14 +8,14 @@ measures online:
   and per context-length bucket, since attention makes wide steps dearer on long contexts;
   an Engine shares one across its requests, since the hardware and the model do not
   change between them).
-A k-token draft then yields (1 - α^(k+1)) / (1 - α) tokens per step at a cost of
-t(k+1) + k * t_draft, against 1 token per t(1) for plain decoding. The controller picks
-the k with the best rate, grows it by at most `grow` per step, and bypasses speculation
-(k = 0) when no k beats plain decoding. While bypassed it probes again after a back-off
-that doubles each time the probe does not pay, and the back-off outlives the request (it
-lives in the shared ScoreCosts): a bypassed drafter is not even asked to propose, so it costs
-nothing between probes. The first step at a new context bucket is a plain one, which times
-t(1) there. A chosen k is raised to fill the int4 kernel's 4-row block when that is free.
+A k-token draft then yields (1 - α^(k+1)) / (1 - α) tokens per step at a cost of t(k+1) + k *
+t_draft, against 1 token per t(1) for plain decoding. The controller picks the k with the best rate,
+grows it by at most `grow` per step, and bypasses speculation (k = 0) when no k beats plain
+decoding. While bypassed it probes again after a back-off that doubles each time the probe does not
+pay, and the back-off outlives the request (it lives in the shared ScoreCosts): a bypassed drafter
+is not even asked to propose, so it costs nothing between probes. The first step at a new context
+bucket is a plain one, which times t(1) there. A chosen k is raised to fill the int4 kernel's 4-row
+block when that is free.
 
 A loss budget bounds what a drafter that never wins can cost, from a request's first step:
 each speculative step is priced at the cost model's rates (the extra rows it scored and the
@@ -34,10 +34,9 @@ a second pass over the whole sequence, while one that wins earns the credit for 
 Such a drafter is also timed at start-up with the target (`ScoreCosts.calibrate_drafter`), so
 a draft model too slow to ever pay is priced out before its first proposal.
 
-Fixed costs (`ScoreCosts(fixed={n: seconds})`, or `SPECDEC_SCORE_COSTS="1=1.0,8=2.2"` for every
-cost model a process makes) freeze t(n): nothing is timed or learned, so k depends on the
-tokens alone, never on how busy the machine is. The test suite runs that way.
-"""
+Fixed costs (`ScoreCosts(fixed={n: seconds})`, or `SPECDEC_SCORE_COSTS="1=1.0,8=2.2"` for every cost
+model a process makes) freeze t(n): nothing is timed or learned, so k depends on the tokens alone,
+never on how busy the machine is. The test suite runs that way."""
 
 from __future__ import annotations
 
@@ -95,14 +94,8 @@ CATCH_UP_LIMIT = 32
 FIRST_READ = 8  # the fewest tokens a probe from a window reads: the first, while reading has no price
 PROBE_READ = 32  # the context calibrate_drafter reads
 KEY_SAMPLE_MIN = 512  # cached keys a row must read for its forward to price them (observe_keys)
-# A timed step counts as at most this many times what the model expects. A stall (another
-# process, a page fault, a first call) can make one step many times dearer; taken as it was, it
-# priced its width out for good, since a width priced out is never timed again. An estimate that
-# is too low corrects itself (its width gets chosen and timed), so only spikes are cut; a real
-# rise still gets through over a few samples. For the same reason a bucket's wider steps keep
-# their ratio to its one-token step, which plain steps keep timing: times taken while the whole
-# machine was slow come down with it.
-SPIKE = 2.0
+# A width priced out is never timed again, so one stall held it out for good; too low an estimate
+SPIKE = 2.0  # corrects itself (its width gets timed). So a timing counts as at most SPIKE x the estimate.
 
 
 def parse_fixed_costs(text: str) -> dict[int, float]:
@@ -211,7 +204,7 @@ class ScoreCosts:
 
     def observe(self, num_scored: int, score_s: float, context: int = 0) -> None:
         """One forward of num_scored tokens after `context` cached ones took score_s seconds. A
-        sample above SPIKE times what the model expects there counts as SPIKE times it."""
+        bucket's wider steps keep their ratio to its t(1): times taken on a slow machine come down."""
         if self.frozen or num_scored < 1 or score_s <= 0:
             return
         bucket = context_bucket(context)
@@ -220,9 +213,8 @@ class ScoreCosts:
         table = self._tables.setdefault(bucket, {})
         old = table.get(num_scored)
         table[num_scored] = score_s if old is None else 0.8 * old + 0.2 * score_s
-        if num_scored == 1 and old is not None:  # the others keep their ratio to t(1) (see above)
-            for n in table:
-                table[n] *= table[1] / old if n > 1 else 1.0
+        if num_scored == 1 and old is not None:
+            table.update({n: t * table[1] / old for n, t in table.items() if n > 1})
         self._fit = None
         self.observe_keys(num_scored, num_scored * context, score_s)
 
