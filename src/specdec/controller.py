@@ -8,10 +8,10 @@ measures online:
   and per context-length bucket, since attention makes wide steps dearer on long contexts;
   an Engine shares one across its requests, since the hardware and the model do not
   change between them).
-A k-token draft then yields (1 - α^(k+1)) / (1 - α) tokens per step at a cost of t(k+1) + k *
-t_draft, against 1 token per t(1) for plain decoding. The controller picks the k with the best rate,
-grows it by at most `grow` per step, and bypasses speculation (k = 0) when no k beats plain
-decoding. While bypassed it probes again after a back-off that doubles each time the probe does not
+A k-token draft then yields (1 - α^(k+1)) / (1 - α) tokens per step at a cost of
+t(k+1) + k * t_draft, against 1 token per t(1) for plain decoding. The controller picks the k with
+the best rate, grows it by at most `grow` per step, and bypasses speculation (k = 0) when no k beats
+plain decoding. While bypassed it probes again after a back-off that doubles each time the probe does not
 pay, and the back-off outlives the request (it lives in the shared ScoreCosts): a bypassed drafter
 is not even asked to propose, so it costs nothing between probes. The first step at a new context
 bucket is a plain one, which times t(1) there. A chosen k is raised to fill the int4 kernel's 4-row
@@ -94,8 +94,7 @@ CATCH_UP_LIMIT = 32
 FIRST_READ = 8  # the fewest tokens a probe from a window reads: the first, while reading has no price
 PROBE_READ = 32  # the context calibrate_drafter reads
 KEY_SAMPLE_MIN = 512  # cached keys a row must read for its forward to price them (observe_keys)
-# A width priced out is never timed again, so one stall held it out for good; too low an estimate
-SPIKE = 2.0  # corrects itself (its width gets timed). So a timing counts as at most SPIKE x the estimate.
+SPIKE = 2.0  # a timing counts as at most SPIKE x the model's estimate (ScoreCosts.observe says why)
 
 
 def parse_fixed_costs(text: str) -> dict[int, float]:
@@ -203,8 +202,10 @@ class ScoreCosts:
         self.draft_known = self.read_known = True
 
     def observe(self, num_scored: int, score_s: float, context: int = 0) -> None:
-        """One forward of num_scored tokens after `context` cached ones took score_s seconds. A
-        bucket's wider steps keep their ratio to its t(1): times taken on a slow machine come down."""
+        """One forward of num_scored tokens after `context` cached ones took score_s seconds. A width
+        priced out is never timed again (too low an estimate corrects itself): a timing counts as at
+        most SPIKE times the estimate, and a bucket's wider steps keep their ratio to its t(1), which
+        plain steps keep timing, so times taken while the whole machine was slow come down."""
         if self.frozen or num_scored < 1 or score_s <= 0:
             return
         bucket = context_bucket(context)
