@@ -236,6 +236,7 @@ def attend_split(q, k_own, v_own, k_cache, v_cache, slots, offsets, limits, star
     lanes = (offsets[1] - offsets[0]) * group
     qs = np.empty((items, lanes, dim), np.float32)
     counts, begins = np.empty((items, lanes), np.int64), np.empty((items, lanes), np.int64)
+    los = np.empty(items, np.int64)  # keys before every lane's window: not read (as `head`)
     for i in range(items):
         r, h = i // kv_heads, i % kv_heads
         for x in range(lanes):
@@ -243,13 +244,13 @@ def attend_split(q, k_own, v_own, k_cache, v_cache, slots, offsets, limits, star
             counts[i, x], begins[i, x] = limits[j], starts[j]
             for d in range(dim):
                 qs[i, x, d] = q[j, h * group + x % group, d] * scale
+        los[i] = min(begins[i].min(), counts[i].max()) // 4 * 4
     w = np.empty((items, lanes, limits.max()), np.float32)
     acc, totals = np.empty((items, lanes, dim), np.float32), np.empty((items, lanes), np.float32)
     out, no_path = np.empty(q.shape, np.float32), np.empty(0, np.int64)
     for t in prange(threads):
         for i in range(items):
-            reach = counts[i].max()
-            a, b = _part(min(begins[i].min(), reach) // 4 * 4, reach, t, threads, KEY_BLOCK)
+            a, b = _part(los[i], counts[i].max(), t, threads, KEY_BLOCK)
             scores(k_cache[slots[i // kv_heads], i % kv_heads], qs[i], w[i], a, b)
     for t in prange(threads):
         for n in range(t, items * lanes, threads):
@@ -260,8 +261,7 @@ def attend_split(q, k_own, v_own, k_cache, v_cache, slots, offsets, limits, star
         for i in range(items):
             r, h = i // kv_heads, i % kv_heads
             c0, c1 = _part(0, dim, t, threads, TILE)
-            lo = min(begins[i].min(), counts[i].max()) // 4 * 4
-            weighted_sums(v_cache[slots[r], h], w[i], acc[i], lo, counts[i], c0, c1)
+            weighted_sums(v_cache[slots[r], h], w[i], acc[i], los[i], counts[i], c0, c1)
             for x in range(lanes):
                 j, g = offsets[r] + x // group, h * group + x % group
                 for c in range(c0, c1):
