@@ -58,7 +58,8 @@ def lane_weights(s, qs, r, first, n, path, k_new, h):  # pragma: no cover - comp
     return weights_total(s[r], first, n + extra)
 
 
-@njit(cache=True, nogil=True)
+# error_model="numpy": no zero-divisor check, so the divisions vectorise (the same quotients)
+@njit(cache=True, nogil=True, error_model="numpy")
 def lane_finish(w, acc, r, n, path, v_new, h, total, out):  # pragma: no cover - compiled
     """Lane r's output from acc[r] = its weights @ values over the cache: its path's own values,
     then the division by the normaliser `total` (lane_weights') -> out [dim]."""
@@ -223,7 +224,7 @@ def _part(lo, hi, part, parts, unit):  # pragma: no cover - compiled
     return min(hi, lo + part * step), min(hi, lo + (part + 1) * step)
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True, error_model="numpy")  # as lane_finish
 def attend_split(q, k_own, v_own, k_cache, v_cache, slots, offsets, limits, starts, scale,
                  threads):  # pragma: no cover - compiled
     """`attend_packed` for rows that `splits` suits, in three passes that each cut every (row,

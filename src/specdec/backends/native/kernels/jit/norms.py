@@ -207,7 +207,7 @@ def split_norm_rotate(qkv, cos, signed_sin, heads, kv_heads, q_weight, k_weight,
     return q, k, v
 
 
-@njit("uint16[:, ::1](uint16[:, ::1])", cache=True, nogil=True)
+@njit("uint16[:, ::1](uint16[:, ::1])", cache=True, nogil=True, error_model="numpy")  # vectorised division
 def silu_mul_bf16(gate_up):  # pragma: no cover - compiled
     """SwiGLU from the fused gate|up projection as bf16 bits [N, 2 I]: silu(gate) * up in
     fp32, rounded once to bf16 bits [N, I]. exp as in exp_nonpositive, of -|g|."""
