@@ -267,12 +267,14 @@ def sequential_sums(values: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize(("lanes", "dim", "keys"), [(4, 64, 100), (3, 64, 67), (9, 32, 200), (1, 16, 35),
                                                      (11, 64, 1100), (8, 48, 16), (2, 24, 50), (16, 64, 300),
-                                                     (13, 64, 129), (10, 16, 64), (4, 256, 130)])
+                                                     (13, 64, 129), (10, 16, 64), (4, 256, 130),
+                                                     (6, 64, 2100)])
 @pytest.mark.parametrize("form", ["tiles", "blocks"])
 def test_the_kernels_register_tiles_keep_every_sum_in_order(kv_dtype, lanes, dim, keys, form):
     """Scores and weighted sums, tiles of keys and columns held in registers (jit/attention_tiles)
     plus the loops for the rest, against the sums written out one product at a time: the same
-    bits for every lane, key and column (dim 24 has no whole tiles of columns: the plain loops).
+    bits for every lane, key and column (dim 24 has no whole tiles of columns: the plain loops;
+    2100 keys of an fp32 cache take the loops at any lane count).
     `blocks`: the same over blocks of keys widened to fp32 for every lane (attention_sums), with
     lanes that read different numbers of keys, as a chain's do."""
     if not attn.uses_kernel("cpu"):

@@ -40,8 +40,11 @@ BLOCKED_LANES = 12  # lanes from which a widened block pays for its copy (below,
 # all the keys four dims at a time rather than in tiles: a tile reads its keys' 64 dims at once, 64
 # streams from memory, more than the prefetchers follow, and a decode step's keys come from memory
 # (its layers' caches and weights pass through the L3). At 256 dims (gemma3) the 64 passes over the
-# scores cost more than that saves; 128 is not measured.
-STREAM_LANES, STREAM_DIMS = 4, 64
+# scores cost more than that saves; 128 is not measured. From FP32_STREAM_KEYS keys on (from memory,
+# not the caches), an fp32 cache's keys take those passes at any lane count, and its values the
+# loops of weighted_sum4 rather than the column tiles: the tiles made a two-token step after 4,000
+# tokens about 1.3x dearer than those loops, while over a short context they are the faster.
+STREAM_LANES, STREAM_DIMS, FP32_STREAM_KEYS = 4, 64, 2048
 
 vector, matrix = "float32[::1]", "float32[:, ::1]"  # numba signatures
 ELEMENTS = ("float32", "uint16")  # a cache's elements: fp32, or bf16 bits (kv.py)
@@ -120,9 +123,11 @@ def scores(keys_t, qs, s, lo, count):  # pragma: no cover - compiled
     four dims per pass over the scores and four lanes per pass over the keys (unroll and jam).
     The lanes past the last four go three at a time, or one at a time (a decode step of a GQA
     group of 3 has three lanes: a fourth, idle lane cost a quarter of the arithmetic). Up to
-    STREAM_LANES lanes of up to STREAM_DIMS dims take every key in those passes, the same bits."""
+    STREAM_LANES lanes (any number over FP32_STREAM_KEYS keys of an fp32 cache) of up to
+    STREAM_DIMS dims take every key in those passes, the same bits."""
     lanes, dim = qs.shape
-    streamed = lanes <= STREAM_LANES and dim <= STREAM_DIMS
+    long_fp32 = keys_t.itemsize == 4 and count - lo >= FP32_STREAM_KEYS
+    streamed = (lanes <= STREAM_LANES or long_fp32) and dim <= STREAM_DIMS
     end = lo if streamed else lo + (count - lo) // TILE * TILE
     for r in range(lanes):
         for i in range(end, count):
@@ -210,11 +215,16 @@ def weighted_sums(values, w, acc, lo, counts, c0, c1):  # pragma: no cover - com
     which every weight is 0: skipping those zero terms leaves the bits as they are): four lanes
     at a time as far as all four have keys (weighted_sum4), each lane on its own after that;
     past the last four, three at a time or one (as `scores`). Where the columns are whole
-    tiles, the shared keys go through sum_tiles. A column's sums do not depend on the range."""
+    tiles, the shared keys go through sum_tiles (over an fp32 cache's FP32_STREAM_KEYS keys or more,
+    only for a part of the columns).
+    A column's sums do not depend on the range."""
     acc[:, c0:c1] = 0
     lanes = acc.shape[0]
     quads = lanes // 4 * 4
-    tiles = (values.shape[1] - 1) % TILE == 0  # whole tiles of columns
+    columns = values.shape[1] - 1
+    # whole tiles of columns; an fp32 cache's long values take the loops over all of them
+    long_fp32 = values.itemsize == 4 and counts.max() - lo >= FP32_STREAM_KEYS
+    tiles = columns % TILE == 0 and (not long_fp32 or c1 - c0 < columns)
     for r in range(0, quads, 4):
         shared = max(lo, min(counts[r], counts[r + 1], counts[r + 2], counts[r + 3]) // 4 * 4)
         if tiles:
