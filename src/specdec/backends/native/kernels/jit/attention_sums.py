@@ -215,9 +215,8 @@ def weighted_sums(values, w, acc, lo, counts, c0, c1):  # pragma: no cover - com
     which every weight is 0: skipping those zero terms leaves the bits as they are): four lanes
     at a time as far as all four have keys (weighted_sum4), each lane on its own after that;
     past the last four, three at a time or one (as `scores`). Where the columns are whole
-    tiles, the shared keys go through sum_tiles (over an fp32 cache's FP32_STREAM_KEYS keys or more,
-    only for a part of the columns).
-    A column's sums do not depend on the range."""
+    tiles, the shared keys go through sum_tiles (from FP32_STREAM_KEYS keys of an fp32 cache,
+    only for a part of the columns). A column's sums do not depend on the range."""
     acc[:, c0:c1] = 0
     lanes = acc.shape[0]
     quads = lanes // 4 * 4
