@@ -51,6 +51,12 @@ ELEMENTS = ("float32", "uint16")  # a cache's elements: fp32, or bf16 bits (kv.p
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _long_fp32(cache, keys):  # pragma: no cover - compiled
+    """Whether `keys` keys of an fp32 cache (keys_t or values) take the loops (FP32_STREAM_KEYS)."""
+    return cache.itemsize == 4 and keys >= FP32_STREAM_KEYS
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _score_rest(keys_t, qs, s, first, last, d, lo, count):  # pragma: no cover - compiled
     for rest in range(d, qs.shape[1]):  # the dims past the last four, one at a time
         for x in range(first, last):
@@ -126,8 +132,7 @@ def scores(keys_t, qs, s, lo, count):  # pragma: no cover - compiled
     STREAM_LANES lanes (any number over FP32_STREAM_KEYS keys of an fp32 cache) of up to
     STREAM_DIMS dims take every key in those passes, the same bits."""
     lanes, dim = qs.shape
-    long_fp32 = keys_t.itemsize == 4 and count - lo >= FP32_STREAM_KEYS
-    streamed = (lanes <= STREAM_LANES or long_fp32) and dim <= STREAM_DIMS
+    streamed = (lanes <= STREAM_LANES or _long_fp32(keys_t, count - lo)) and dim <= STREAM_DIMS
     end = lo if streamed else lo + (count - lo) // TILE * TILE
     for r in range(lanes):
         for i in range(end, count):
@@ -222,8 +227,7 @@ def weighted_sums(values, w, acc, lo, counts, c0, c1):  # pragma: no cover - com
     quads = lanes // 4 * 4
     columns = values.shape[1] - 1
     # whole tiles of columns; an fp32 cache's long values take the loops over all of them
-    long_fp32 = values.itemsize == 4 and counts.max() - lo >= FP32_STREAM_KEYS
-    tiles = columns % TILE == 0 and (not long_fp32 or c1 - c0 < columns)
+    tiles = columns % TILE == 0 and (not _long_fp32(values, counts.max() - lo) or c1 - c0 < columns)
     for r in range(0, quads, 4):
         shared = max(lo, min(counts[r], counts[r + 1], counts[r + 2], counts[r + 3]) // 4 * 4)
         if tiles:
