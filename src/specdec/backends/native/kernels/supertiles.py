@@ -8,13 +8,14 @@ vectors of 64 bytes whose lane r (4 bytes) belongs to row r:
   nibbles are elements 64 c + 4 g .. + 3 (sub-block 2 c) and high nibbles elements 64 c + 32 +
   4 g .. + 3 (sub-block 2 c + 1); Q5_K then 8 vectors, g giving each row's qh[4 g .. 4 g + 3]
   (bit j of qh[l] is the fifth bit of element 32 j + l);
-- Q6_K: 32 vectors of ql, v = 16 h + 8 s + g giving ql[4 v .. 4 v + 3] (low nibbles: elements
-  128 h + 32 s + 4 g .. + 3, high nibbles: 64 further), then 16 vectors of qh, w = 8 h + g
-  giving qh[4 w .. 4 w + 3] (bit pair T: the top bits of element 128 h + 32 T + 4 g + ...);
+- Q6_K: 64 vectors of whole bytes, v giving each row's q of elements 4 v .. 4 v + 3 (0..63,
+  the file's six bits joined): a vector is a load away from the dot, where splitting the
+  nibble and two-bit planes each time cost more than the memory it saved (a one-row pass
+  was bound by those instructions, not by its bytes);
 then the sub-block scales (and Q4_K's and Q5_K's mins), 16 bytes each (byte r: row r's), and
 the 16 rows' fp16 d (and dmin). The file's bits in another order, the six-bit fields of Q4_K
 and Q5_K unpacked to bytes: per 16 x 256 weights 2,368 bytes for Q4_K (the file's 2,304),
-2,880 for Q5_K (2,816) and 3,360 for Q6_K (the same).
+2,880 for Q5_K (2,816) and 4,384 for Q6_K (3,360).
 """
 
 from __future__ import annotations
@@ -29,10 +30,15 @@ TILE = 16
 QS_BYTES = 32 * 64  # 32 vectors of 64 bytes of nibbles
 
 
+def whole_bytes(qt: QuantType) -> bool:
+    """Whether the tiles hold each weight as a byte (Q6_K) rather than nibbles and high bits."""
+    return qt.ggml is Q.Q6_K
+
+
 def high_bytes(qt: QuantType) -> int:
     """Bytes of the vectors of high bits that follow the nibbles: 16 rows x 256 weights' bits
-    above the fourth (Q6_K 1,024, Q5_K 512, Q4_K none)."""
-    return (qt.q_bits - 4) * 256 // 8 * TILE
+    above the fourth (Q5_K 512, Q4_K none); for Q6_K's whole bytes, the 2,048 past the first."""
+    return QS_BYTES if whole_bytes(qt) else (qt.q_bits - 4) * 256 // 8 * TILE
 
 
 def scales(qt: QuantType) -> int:
@@ -80,11 +86,14 @@ def _repack_into(out: np.ndarray, rows: np.ndarray, qt: QuantType) -> None:
         part = blocks[..., first : first + count].reshape(tiles, TILE, units, count // 4, 4)
         return part.transpose(0, 2, 3, 1, 4).reshape(tiles, units, count * TILE)
 
-    nibbles, high = (0, 128) if qt.ggml is Q.Q6_K else (qt.block_bytes - 128, 16)
-    out[..., :QS_BYTES] = lanes(nibbles, 128)
-    if high_bytes(qt):
-        out[..., QS_BYTES : scales_at(qt)] = lanes(high, high_bytes(qt) // TILE)
-    _, sc, mn = SUPERBLOCK_VALUES[qt.ggml](padded)  # [tiles * 16, units, scales] fp32 of integers
+    q, sc, mn = SUPERBLOCK_VALUES[qt.ggml](padded)  # [tiles * 16, units, 256 or scales] fp32 of integers
+    if whole_bytes(qt):  # q + 32 (0..63) as bytes, 4 a lane: [tiles, units, 64 vectors, 16 rows, 4]
+        whole = (q + 32).astype(np.uint8).reshape(tiles, TILE, units, 64, 4).transpose(0, 2, 3, 1, 4)
+        out[..., : scales_at(qt)] = whole.reshape(tiles, units, 256 * TILE)
+    else:
+        out[..., :QS_BYTES] = lanes(qt.block_bytes - 128, 128)
+        if high_bytes(qt):
+            out[..., QS_BYTES : scales_at(qt)] = lanes(16, high_bytes(qt) // TILE)
     at, count = scales_at(qt), scales(qt)
     for field, values in enumerate((sc, mn)[: 1 + qt.with_min]):  # Q6_K's int8, the others' six bits
         grouped = values.astype(np.int8).reshape(tiles, TILE, units, count).transpose(0, 2, 3, 1)
@@ -107,13 +116,14 @@ def unpack(tiles: np.ndarray, qtype: QuantType, n: int, k: int) -> tuple[np.ndar
         part = t[..., first : first + size].reshape(count, units, size // 64, TILE, 4)
         return part.transpose(0, 3, 1, 2, 4).reshape(count * TILE, units, size // TILE)
 
-    qs = rows_bytes(0, QS_BYTES)  # the file's 128 bytes of nibbles per row
-    raw = np.zeros((count * TILE, units, qt.block_bytes), np.uint8)
-    nibbles, high = (0, 128) if qt.ggml is Q.Q6_K else (qt.block_bytes - 128, 16)
-    raw[..., nibbles : nibbles + 128] = qs
-    if high_bytes(qt):
-        raw[..., high : high + high_bytes(qt) // TILE] = rows_bytes(QS_BYTES, high_bytes(qt))
-    q = SUPERBLOCK_VALUES[qt.ggml](raw)[0]  # the integers alone: scales and mins come next
+    if whole_bytes(qt):
+        q = rows_bytes(0, scales_at(qt)).astype(np.float32) - 32
+    else:
+        raw = np.zeros((count * TILE, units, qt.block_bytes), np.uint8)
+        raw[..., qt.block_bytes - 128 : qt.block_bytes] = rows_bytes(0, QS_BYTES)  # the nibbles
+        if high_bytes(qt):
+            raw[..., 16 : 16 + high_bytes(qt) // TILE] = rows_bytes(QS_BYTES, high_bytes(qt))
+        q = SUPERBLOCK_VALUES[qt.ggml](raw)[0]  # the integers alone: scales and mins come next
     at, per = scales_at(qt), scales(qt)
     fields = [t[..., at + per * TILE * f : at + per * TILE * (f + 1)].view(np.int8)
               .reshape(count, units, per, TILE).transpose(0, 3, 1, 2).reshape(count * TILE, units, per)

@@ -53,15 +53,23 @@ from specdec.backends.native.kernels.jit.ir import (
     splat_value,
     vec,
 )
-from specdec.backends.native.kernels.supertiles import QS_BYTES, TILE, d_at, scales, scales_at, tile_bytes
+from specdec.backends.native.kernels.supertiles import (
+    QS_BYTES,
+    TILE,
+    d_at,
+    scales,
+    scales_at,
+    tile_bytes,
+    whole_bytes,
+)
 from specdec.backends.native.quant_types import SUPERBLOCKS, Q, QuantType
 
 i8, i16, i32, i64, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 HALVES = 2 if DOT == "avx2" else 1  # passes per tile: AVX2 holds 8 rows a vector (plain IR: 16, as VNNI)
 LANES = TILE // HALVES
-# Super-blocks ahead that a one-row pass prefetches, for the types whose high bits lie in a plane
-# of their own (Q5_K, Q6_K): their two interleaved streams outran the hardware prefetcher, while
-# Q4_K's one stream did not (docs/performance-notes.md).
+# Super-blocks ahead that a one-row pass prefetches, for Q5_K, whose high bits lie in a plane of
+# their own: its two interleaved streams outran the hardware prefetcher, while one stream (Q4_K,
+# Q6_K's whole bytes) does not (docs/performance-notes.md).
 PREFETCH_AHEAD = 4
 SIXTEEN_CODE = next(t.code for t in SUPERBLOCKS if t.sub_block == 16)  # Q6_K: sub-blocks of 16
 
@@ -93,12 +101,8 @@ def _group(b, src, half: int, qt: QuantType, p: int, apart):
     0..31, Q6_K 0..63)."""
     out = []
     for g in range(8):
-        if qt.ggml is Q.Q6_K:  # element 128 h + 32 T + l: a nibble of ql, bit pair T of qh
-            h, pair = divmod(p, 4)
-            q = _nibbles(b, src, half, 16 * h + 8 * (pair % 2) + g, pair >= 2, apart)
-            at = QS_BYTES + 64 * (8 * h + g) + 4 * LANES * half
-            qh = load(b, src, _again(b, at, apart, pair), vec(i32, LANES))
-            out.append(b.or_(q, _bits_to(b, qh, 2 * pair, 4, 0x30303030)))
+        if whole_bytes(qt):  # Q6_K: vector 8 p + g holds the q themselves
+            out.append(load(b, src, const(64 * (8 * p + g) + 4 * LANES * half), vec(i8, 4 * LANES)))
             continue
         chunk, high = divmod(p, 2)
         q = _nibbles(b, src, half, 8 * chunk + g, high, apart)
@@ -230,7 +234,7 @@ def _tile_rows(rows: int, qt: QuantType):
                 with cgutils.for_range(b, args[1]) as loop:
                     u = loop.index
                     src = b.gep(tp, [b.mul(u, const(width))])
-                    if rows == 1 and qt.q_bits > 4:
+                    if rows == 1 and qt.q_bits > 4 and not whole_bytes(qt):
                         for line in range(0, width, 64):
                             prefetch(b, b.gep(src, [const(PREFETCH_AHEAD * width + line)]))
                     row_offsets = [b.gep(hp, [b.add(b.mul(pick, per_sixteen), b.mul(u, const(16)))])
