@@ -36,11 +36,19 @@ def one_by_one(backend, tokens: list[int]) -> torch.Tensor:
 
 
 def random_cache(kv_heads: int, length: int, dim: int, seed: int, dtype=torch.float32):
-    """keys [1, kv_heads, dim, L] and values [1, kv_heads, L, dim + 1], as attention.new_cache."""
+    """keys [1, kv_heads, L / 16, dim, 16] and values [1, kv_heads, L, dim + 1], as
+    attention.new_cache."""
     gen = torch.Generator().manual_seed(seed)
     k = torch.randn(1, kv_heads, dim, attn.padded(length), generator=gen)
     v = attn.ones_column(torch.randn(1, kv_heads, attn.padded(length), dim, generator=gen))
-    return k.to(dtype), v.to(dtype)
+    return blocked_keys(k).to(dtype), v.to(dtype)
+
+
+def blocked_keys(keys_t: torch.Tensor) -> torch.Tensor:
+    """Keys [..., dim, L] (L a multiple of KEY_TILE) in the cache's blocks [..., L / 16, dim, 16]."""
+    *lead, dim, length = keys_t.shape
+    tile = attn.KEY_TILE
+    return keys_t.reshape(*lead, dim, length // tile, tile).transpose(-3, -2).contiguous()
 
 
 KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the caches the kernel reads
@@ -81,7 +89,7 @@ def test_each_query_gets_the_bits_of_a_call_of_its_own(routine, kv_dtype, heads,
         alone = attn.attention(q[j : j + 1], k[j : j + 1], v[j : j + 1], k_cache, v_cache, [row],
                                heads != kv_heads)
         assert torch.equal(together[j], alone[0]), j
-    keys, values = k_cache[..., : past + t].transpose(2, 3).float(), v_cache[:, :, : past + t, :dim].float()
+    keys, values = attn.keys_of(k_cache, past + t).float(), v_cache[:, :, : past + t, :dim].float()
     mask = torch.ones(t, past + t, dtype=torch.bool).tril(past)
     expected = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask,
                                               enable_gqa=heads != kv_heads)[0].transpose(0, 1)
@@ -225,7 +233,7 @@ def test_the_kernel_stores_bf16_as_torch_casts_it():
     k_cache, v_cache = attn.new_cache((1,), 3, 64, 64, dtype=torch.bfloat16)
     numba_ops.attend_kernel(torch.zeros(4, 3, 64), k, -k, k_cache, v_cache, 0, 0, np.arange(1, 5),
                             np.full((4, 0), -1))
-    stored_k, stored_v = k_cache[0, :, :, :4].permute(2, 0, 1), v_cache[0, :, :4, :64].transpose(0, 1)
+    stored_k, stored_v = attn.keys_of(k_cache[0], 4).transpose(0, 1), v_cache[0, :, :4, :64].transpose(0, 1)
     finite = ~k.isnan()
     assert torch.equal(stored_k[finite].view(torch.int16), k[finite].bfloat16().view(torch.int16))
     assert torch.equal(stored_v[finite].view(torch.int16), (-k[finite]).bfloat16().view(torch.int16))
@@ -292,7 +300,8 @@ def test_the_kernels_register_tiles_keep_every_sum_in_order(kv_dtype, lanes, dim
     scores, sums = (jit.scores, jit.weighted_sums) if form == "tiles" else (jit.scores_blocked,
                                                                             jit.weighted_sums_blocked)
     s = np.full((lanes, keys), np.nan, np.float32)
-    scores(numba_ops.cache_array(keys_t.contiguous()), qs, s, 0, keys)
+    whole = -(-keys // attn.KEY_TILE) * attn.KEY_TILE  # the cache's blocks, the last one padded
+    scores(numba_ops.cache_array(blocked_keys(F.pad(keys_t, (0, whole - keys)))), qs, s, 0, keys)
     assert s.view(np.int32).tolist() == sequential_scores(keys_t.float().numpy(), qs).view(np.int32).tolist()
     acc = np.empty((lanes, dim), np.float32)
     if form == "tiles":

@@ -20,6 +20,7 @@ from specdec.backends.native import quant_types
 from specdec.backends.native.arch import llama as llama_arch
 from specdec.backends.native.gguf.layers import runs_int8_activations
 from specdec.backends.native.gguf.reader import read_gguf
+from specdec.backends.native.kernels.attention import keys_of
 from specdec.backends.native.kernels.int4_blocks import prompt_tiles
 from specdec.backends.native.kernels.int8_ort import OrtBlockLinear8, ort_8bit_usable
 from specdec.backends.native.model import native_model
@@ -224,8 +225,8 @@ def test_prompt_groups_give_the_bits_of_one_pass_per_chunk(tmp_path_factory, qty
             seq.prefill(keep_from)
             keep = 128
         logits = seq.prefill(tokens, keep=keep)
-        return logits, torch.stack([k[seq.slot, ..., : len(tokens)]
-                                    for k in pool.k])  # [layers, kv_heads, dim, T]
+        return logits, torch.stack([keys_of(k[seq.slot], len(tokens))
+                                    for k in pool.k])  # [layers, kv_heads, T, dim]
 
     grouped, cache = prefill(512)
     for group_tokens, keep_from in ((128, None), (256, None), (512, tokens[:200])):

@@ -8,9 +8,9 @@ import torch
 
 from conftest import tiny_llama
 from specdec.backends import KVMemory
-from specdec.backends.native.kernels.attention import CACHE_LINE, key_row_length
+from specdec.backends.native.kernels.attention import KEY_TILE, keys_of, store_keys
 from specdec.backends.native.kernels.attention import padded as padded_length  # `padded` names a pool here
-from specdec.backends.native.model import batch_runner, kv_memory
+from specdec.backends.native.model import kv_memory
 from specdec.backends.native.model.kv_memory import LazyTensor, resident_bytes
 from specdec.backends.native.model.native_model import NativeModel
 from specdec.serve.cli import ready_line
@@ -75,30 +75,36 @@ def test_the_window_is_the_models_own_by_default(model):
     assert memory.limit_bytes >= 3 * 2048 * memory.bytes_per_token
 
 
-@pytest.mark.parametrize("length, dtype, row", [
-    (8192, torch.bfloat16, 8224), (8192, torch.float32, 8208), (2048, torch.float32, 2064),
-    (4128, torch.bfloat16, 4128), (4160, torch.float32, 4176), (64, torch.uint8, 64),
-    (128, torch.uint8, 192)])
-def test_key_rows_span_an_odd_number_of_cache_lines(length, dtype, row):
-    """A score tile reads one line from each of head_dim key rows: rows an odd number of lines
-    apart fall into 64 different L1 sets, where a power-of-two window put them all in one."""
-    assert key_row_length(length, dtype) == row
-    lines = row * dtype.itemsize // CACHE_LINE
-    assert lines % 2 == 1 and len({d * lines % 64 for d in range(64)}) == 64
+def test_a_heads_keys_are_one_stretch_of_memory_in_blocks(model):
+    """Keys [layers, slots, kv_heads, length / 16, dim, 16]: position p in block p // 16, column
+    p % 16, so a head's keys are one stretch that a pass reads as one stream."""
+    pool = model.new_pool(slots=2, kv_dtype=torch.bfloat16)
+    assert pool.k.is_contiguous()
+    assert pool.k.shape[3:] == (padded_length(pool.max_length) // KEY_TILE, pool.k.shape[4], KEY_TILE)
+    keys = torch.randn(pool.k.shape[2], 40, pool.k.shape[4]).bfloat16()  # [kv_heads, 40, dim]
+    store_keys(pool.k[0, 1], 5, keys)
+    assert torch.equal(pool.k[0, 1, :, 39 // KEY_TILE, :, 39 % KEY_TILE], keys[:, 39 - 5])  # position 39
+    assert torch.equal(keys_of(pool.k[0, 1], 45)[:, 5:], keys) and not pool.k[0, 0].any()
 
 
-def test_the_padding_of_key_rows_is_never_read(model, monkeypatch):
-    """A pool whose key rows carry a line of padding gives the bits of one without it."""
-    prompt = [5 + i % 300 for i in range(300)]
-    padded = model.new_pool(slots=1, kv_dtype=torch.bfloat16)
-    assert padded.k.shape[-1] == key_row_length(padded.max_length, torch.bfloat16) > padded.max_length
-    monkeypatch.setattr(batch_runner, "key_row_length", lambda length, dtype: length)
-    flush = model.new_pool(slots=1, kv_dtype=torch.bfloat16)
-    assert flush.k.shape[-1] == flush.max_length
-    padded.k[..., padded_length(padded.max_length):] = float("nan")  # padding that was read would show
-    tokens_a, logits_a = _greedy(padded.new_sequence(), prompt, 6)
-    tokens_b, logits_b = _greedy(flush.new_sequence(), prompt, 6)
-    assert tokens_a == tokens_b and torch.equal(logits_a, logits_b)
+def test_keys_past_a_sequence_in_its_last_block_are_never_read(model):
+    """A step reads its keys in whole blocks only where they are all held: keys past the
+    sequence in its last block (NaN here) leave the bits as they are."""
+    prompt = [5 + i % 300 for i in range(300)]  # 300 = 18 blocks and 12 keys
+    runs = []
+    for poison in (True, False):
+        pool = model.new_pool(slots=1, kv_dtype=torch.bfloat16)
+        seq = pool.new_sequence()
+        logits = seq.prefill(prompt)
+        if poison:  # positions 306 .. 319: past the six steps below, inside their last block
+            layers, kv_heads, dim = pool.k.shape[0], pool.k.shape[2], pool.k.shape[4]
+            store_keys(pool.k[:, 0], 306, torch.full((layers, kv_heads, 14, dim), float("nan")))
+        tokens = [int(logits[-1].argmax())]
+        for _ in range(6):
+            logits = seq.forward(tokens[-1:])
+            tokens.append(int(logits[-1].argmax()))
+        runs.append((tokens, logits))
+    assert runs[0][0] == runs[1][0] and torch.equal(runs[0][1], runs[1][1])
 
 
 @pytest.mark.parametrize("precision, option, dtype", [

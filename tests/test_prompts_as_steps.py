@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from specdec.backends import make_backend
+from specdec.backends.native.kernels.attention import keys_of
 from specdec.backends.native.model import batch_runner
 from specdec.backends.native.model.native_model import NativeModel
 from specdec.backends.prefix_cache import PREFILL_CHUNK, PrefixCache
@@ -27,7 +28,7 @@ def _tokens(n: int, seed: int) -> list[int]:
 
 def _slot_cache(pool, seq, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The slot's keys and values of its first `length` tokens, every layer."""
-    return pool.k[:, seq.slot, :, :, :length].clone(), pool.v[:, seq.slot, :, :length].clone()
+    return keys_of(pool.k[:, seq.slot], length), pool.v[:, seq.slot, :, :length].clone()
 
 
 @pytest.mark.parametrize("kv", list(KV))

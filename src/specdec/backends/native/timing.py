@@ -49,8 +49,8 @@ def load_kernels() -> int:
     glu_mul(torch.ones(1, 2), False)  # jit/layer.py
     unpack_tile_t_jit(torch.zeros(64, 16, dtype=torch.uint8), torch.ones(1, 64, 2))  # jit/int4_unpack.py
     row = torch.ones(1, 1, 4)  # one query of one head, its key stored at 0 and read: jit/attention.py
-    attend_kernel(row, row, row, torch.zeros(1, 1, 4, 4), torch.ones(1, 1, 4, 5), 0, 0, np.ones(1, np.int64),
-                  np.full((1, 1), -1, np.int64))
+    keys, values = attention.new_cache((1,), 1, 1, 4)
+    attend_kernel(row, row, row, keys, values, 0, 0, np.ones(1, np.int64), np.full((1, 1), -1, np.int64))
     return threads
 
 
@@ -114,7 +114,8 @@ def attention_pass(cached: int, new: int, heads: int, kv_heads: int, dim: int, m
     gen = torch.Generator().manual_seed(seed)
     length = cached + new
     k_cache, v_cache = attention.new_cache((1,), kv_heads, length, dim, dtype=torch.bfloat16)
-    k_cache[0, :, :, :cached] = torch.randn(kv_heads, dim, cached, generator=gen).bfloat16()
+    keys = torch.randn(kv_heads, dim, cached, generator=gen).bfloat16()
+    attention.store_keys(k_cache[0], 0, keys.transpose(1, 2))
     v_cache[0, :, :cached, :dim] = torch.randn(kv_heads, cached, dim, generator=gen).bfloat16()
     q, k, v = (torch.randn(new, n, dim, generator=gen) for n in (heads, kv_heads, kv_heads))
     mask = torch.ones(new, length, dtype=torch.bool).tril(cached)

@@ -32,9 +32,11 @@ element widened exactly, then the fp32 arithmetic, so a bf16 cache gives the bit
 cache holding the same values); an fp16 cache takes the routine. Either way a tree's own keys
 and values are rounded to the cache's type before they are read, as a step reads them back.
 
-The cache keeps keys transposed, [kv_heads, dim, length], so that a query's scores run along
-contiguous keys; values are [kv_heads, length, dim + 1] with a last column of ones (the
-routine's normaliser; the kernel adds a query's weights itself, in a fixed order of its own).
+The cache keeps keys in blocks of KEY_TILE, [kv_heads, length / KEY_TILE, dim, KEY_TILE]: a
+block's scores run along contiguous keys, and a pass over a head's keys is one stream from memory
+(`keys_of`, `keys_at` and `store_keys` read and write them by position); values are [kv_heads,
+length, dim + 1] with a last column of ones (the routine's normaliser; the kernel adds a query's
+weights itself, in a fixed order of its own).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ import torch.nn.functional as F
 
 from specdec.backends.native.kernels.numba_ops import attend_kernel, attend_op, usable
 
-CACHE_LINE = 64  # bytes
+KEY_TILE = 16  # keys a block of the key cache holds (jit/attention_tiles.TILE: the kernel's score tile)
 CHUNK = 64  # keys per block of the weights @ values reduction, aligned to absolute positions
 BLOCK = 16  # score columns per GEMM: a fixed shape whatever the number of queries
 
@@ -85,11 +87,36 @@ class KernelPlan:
 
 
 def new_cache(lead: tuple[int, ...], kv_heads: int, length: int, dim: int, dtype=torch.float32, device=None):
-    """Empty keys [*lead, kv_heads, dim, key_row_length(padded(length))] and values [*lead,
+    """Empty keys [*lead, kv_heads, padded(length) / KEY_TILE, dim, KEY_TILE] and values [*lead,
     kv_heads, padded(length), dim + 1] (whose last column is ones), as `attention` reads them."""
     length = padded(length)
-    keys = torch.zeros(*lead, kv_heads, dim, key_row_length(length, dtype), dtype=dtype, device=device)
+    keys = torch.zeros(*lead, kv_heads, length // KEY_TILE, dim, KEY_TILE, dtype=dtype, device=device)
     return keys, ones_column(torch.zeros(*lead, kv_heads, length, dim, dtype=dtype, device=device))
+
+
+def key_blocks(positions: int) -> int:
+    """Blocks of the key cache that hold positions 0 .. positions - 1."""
+    return -(-positions // KEY_TILE)
+
+
+def keys_of(k_cache: torch.Tensor, count: int) -> torch.Tensor:
+    """k_cache [..., blocks, dim, KEY_TILE] -> its first `count` keys [..., count, dim] (a copy;
+    fewer where the cache holds fewer)."""
+    blocks = k_cache[..., : key_blocks(count), :, :]
+    *lead, n, dim, _ = blocks.shape
+    return blocks.transpose(-2, -1).reshape(*lead, n * KEY_TILE, dim)[..., :count, :]
+
+
+def keys_at(k_cache: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """k_cache [..., blocks, dim, KEY_TILE] -> the keys at `positions` [P], [..., P, dim] (a copy)."""
+    return k_cache.transpose(-2, -1)[..., positions // KEY_TILE, positions % KEY_TILE, :]
+
+
+def store_keys(k_cache: torch.Tensor, first: int, keys: torch.Tensor) -> None:
+    """Write keys [..., n, dim] at positions first .. first + n - 1 of k_cache [..., blocks, dim,
+    KEY_TILE]."""
+    positions = torch.arange(first, first + keys.shape[-2], device=k_cache.device)
+    k_cache.transpose(-2, -1)[..., positions // KEY_TILE, positions % KEY_TILE, :] = keys.to(k_cache.dtype)
 
 
 def uses_kernel(device, kv_dtype: torch.dtype = torch.float32) -> bool:
@@ -99,16 +126,6 @@ def uses_kernel(device, kv_dtype: torch.dtype = torch.float32) -> bool:
 def padded(length: int) -> int:
     """`length` rounded up to whole chunks: how long a cache must be for `attention`."""
     return -(-length // CHUNK) * CHUNK
-
-
-def key_row_length(length: int, dtype: torch.dtype) -> int:
-    """Elements a key row holds for `length` positions (a multiple of CHUNK): one cache line
-    more where the row would span an even number of lines. A score tile reads a line from each
-    of head_dim rows at once; rows an even number of lines apart share few L1 sets (a
-    power-of-two window's rows all share one) and evict each other, while an odd number apart
-    puts 64 rows in 64 different sets. No query reads the padding."""
-    lines = length * dtype.itemsize // CACHE_LINE
-    return length + (CACHE_LINE // dtype.itemsize if lines % 2 == 0 else 0)
 
 
 def _column_bias(visible: torch.Tensor, group: int) -> torch.Tensor:
@@ -193,7 +210,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
               v_cache: torch.Tensor, rows: list, gqa: bool, masked_dtype: torch.dtype | None = None,
               scale: float | None = None) -> torch.Tensor:
     """Store each row's new keys and values, then let its queries attend (see the module doc).
-    q [N, heads, dim], k, v [N, kv_heads, dim]; k_cache [slots, kv_heads, dim, length], v_cache
+    q [N, heads, dim], k, v [N, kv_heads, dim]; k_cache [slots, kv_heads, blocks, dim, KEY_TILE], v_cache
     [slots, kv_heads, length, dim + 1] (see new_cache); rows are layer.KVRow (plan: a KeyPlan or
     KernelPlan, or None to make one here). Rows with a mask (prompt chunks, eagle's draft
     trees) run SDPA in `masked_dtype` (default: the cache's). `scale` multiplies the scores
@@ -215,7 +232,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
             outs.append(attend_kernel(q[row.start : row.end], rows_k, rows_v, k_cache, v_cache,
                                       row.slot, row.store, *row.plan.arrays, scale))
             continue
-        k_cache[row.slot, :, :, row.store : row.store + t] = rows_k.permute(1, 2, 0)
+        store_keys(k_cache[row.slot], row.store, rows_k.transpose(0, 1))
         v_cache[row.slot, :, row.store : row.store + t, :dim] = rows_v.transpose(0, 1)
         if row.mask is not None:  # a prompt chunk or an eagle draft tree: one masked pass
             outs.append(_masked_row(q[row.start : row.end], k_cache, v_cache[..., :dim], row, gqa,
@@ -301,9 +318,9 @@ def kernel_rows(rows: list, group: int, device, kv_dtype: torch.dtype) -> tuple 
 
 
 def _slot_keys(k_cache, v_cache, slot: int, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys [kv_heads, keys, dim] (a view of the transposed cache) and values [kv_heads, keys,
-    dim + 1] of a slot, in fp32; zero-padded where the cache is shorter."""
-    k_row, v_row = k_cache[slot, :, :, :keys].transpose(1, 2), v_cache[slot, :, :keys]
+    """Keys [kv_heads, keys, dim] and values [kv_heads, keys, dim + 1] of a slot, in fp32;
+    zero-padded where the cache is shorter."""
+    k_row, v_row = keys_of(k_cache[slot], keys), v_cache[slot, :, :keys]
     if k_row.dtype != torch.float32:
         k_row, v_row = k_row.float(), v_row.float()
     if k_row.shape[1] < keys:
@@ -322,10 +339,10 @@ def _masked_row(q_row, k_cache, v_cache, row, gqa: bool, dtype: torch.dtype,
     q_row = q_row.to(dtype).view(t, kv_heads, group, dim).permute(1, 2, 0, 3)
     q_row = q_row.reshape(1, kv_heads, group * t, dim)
     # keys and values copied contiguous: SDPA's fused CPU kernel wants the last dim contiguous
-    # (the cache holds keys transposed, values beside their column of ones); with views it
+    # (the cache holds keys in blocks, values beside their column of ones); with views it
     # takes a path about 2x slower at 4k keys. (.to(memory_format=...) returns a view as it is
     # where the dtype already matches, so .contiguous())
-    k_row = k_cache[row.slot : row.slot + 1, :, :, : row.kv_len].transpose(2, 3).to(dtype).contiguous()
+    k_row = keys_of(k_cache[row.slot : row.slot + 1], row.kv_len).to(dtype).contiguous()
     v_row = v_cache[row.slot : row.slot + 1, :, : row.kv_len].to(dtype).contiguous()
     mask = row.mask if group == 1 else row.mask.repeat(group, 1)  # [group * T, S]
     out = F.scaled_dot_product_attention(q_row, k_row, v_row, attn_mask=mask, scale=scale)

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from specdec.backends import KVMemory
-from specdec.backends.native.kernels.attention import key_row_length, padded, plan_chain, uses_kernel
+from specdec.backends.native.kernels.attention import KEY_TILE, key_blocks, padded, plan_chain, uses_kernel
 from specdec.backends.native.model.config import DECODE_ATTENTION_MAX, KVRow, NativeConfig
 from specdec.backends.native.model.kv_memory import LazyTensor, committed_bytes
 from specdec.backends.native.model.sequence import COMPILE_BUCKETS, NativeSequence, PooledModel
@@ -53,12 +53,12 @@ class CachePool:
             raise SpecdecError(f"max_length must be in 1..{cfg.max_positions}, got {max_length}",
                                "max_length")
         self.model, self.slots, self.max_length, self.kv_dtype = model, slots, max_length, kv_dtype
-        # keys [layers, slots, kv_heads, head_dim, key_row], values [layers, slots, kv_heads, length,
-        # head_dim + 1] whose last column is ones up to `_ones`, in whole attention chunks (attention.py);
-        # a key row holds `length` positions and maybe a line of padding no query reads
+        # keys [layers, slots, kv_heads, length / KEY_TILE, head_dim, KEY_TILE], values [layers, slots,
+        # kv_heads, length, head_dim + 1] whose last column is ones up to `_ones`, in whole attention
+        # chunks (attention.py)
         lead, length = (cfg.num_layers, slots), padded(max_length)
-        key_row = key_row_length(length, kv_dtype)
-        self._keys = LazyTensor((*lead, cfg.num_kv_heads, cfg.head_dim, key_row), kv_dtype, model.device)
+        key_shape = (cfg.num_kv_heads, length // KEY_TILE, cfg.head_dim, KEY_TILE)
+        self._keys = LazyTensor((*lead, *key_shape), kv_dtype, model.device)
         self._values = LazyTensor((*lead, cfg.num_kv_heads, length, cfg.head_dim + 1), kv_dtype, model.device)
         self.k, self.v = self._keys.tensor, self._values.tensor
         self._ones = [0] * slots  # value rows of each slot that carry their ones
@@ -88,7 +88,8 @@ class CachePool:
             raise ValueError(f"cannot fork {length} tokens of this sequence")
         seq = self.new_sequence()
         self.reserve(seq.slot, length)
-        self.k[:, seq.slot, ..., :length] = self.k[:, source.slot, ..., :length]
+        blocks = key_blocks(length)  # whole blocks: positions past `length` are never read
+        self.k[:, seq.slot, :, :blocks] = self.k[:, source.slot, :, :blocks]
         self.v[:, seq.slot, :, :length] = self.v[:, source.slot, :, :length]
         seq.adopt(source, length)
         return seq
@@ -128,7 +129,7 @@ class CachePool:
         heads = cfg.num_layers * cfg.num_kv_heads
         hidden = 0 if self._hidden is None else cfg.hidden_size * self._hidden.itemsize
         buffers = [b for b in (self._keys, self._values, self._hidden) if b is not None]
-        committed = sum(committed_bytes(n * item, heads * cfg.head_dim)  # key rows
+        committed = sum(committed_bytes(key_blocks(n) * KEY_TILE * cfg.head_dim * item, heads)  # keys
                         + committed_bytes(n * (cfg.head_dim + 1) * item, heads)  # value rows
                         + committed_bytes(n * hidden, 1) for n in self._ones)
         return KVMemory(slots=self.slots, window=self.max_length, dtype=str(self._keys.dtype).split(".")[-1],

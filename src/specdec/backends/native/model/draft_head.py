@@ -110,8 +110,8 @@ class NativeDraftHead:
         if length > self.cos.shape[0]:  # grow the cache (doubling), keeping what it holds
             old_k, old_v = self.k, self.v
             self._alloc(max(2 * self.cos.shape[0], length))
-            held = old_v.shape[2]  # positions; a key row may hold a line of padding past them
-            self.k[..., :held], self.v[:, :, :held] = old_k[..., :held], old_v
+            held = old_v.shape[2]  # positions (old_k holds them in its blocks)
+            self.k[..., : old_k.shape[-3], :, :], self.v[:, :, :held] = old_k, old_v
 
     @torch.no_grad()
     def forward(self, features: torch.Tensor, embeds: torch.Tensor, past: int) -> torch.Tensor:

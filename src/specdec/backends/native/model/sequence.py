@@ -9,7 +9,7 @@ from typing import Protocol
 
 import torch
 
-from specdec.backends.native.kernels.attention import plan_tree
+from specdec.backends.native.kernels.attention import keys_at, plan_tree, store_keys
 from specdec.backends.native.model.config import KVRow
 from specdec.backends.native.model.draft_head import HeadSource, NativeFeatures
 from specdec.backends.prefix_cache import PrefixCache, chunked_prefill
@@ -185,11 +185,12 @@ class NativeSequence:
         path = torch.tensor(indices, dtype=torch.long, device=self.device)
         end, src, moved = base + len(indices), path + base, indices != list(range(len(indices)))
         if tree_kv is None and moved:  # the one-call layers wrote node i's keys and values at base + i
-            self.pool.k[:, self.slot, :, :, base:end] = self.pool.k[:, self.slot, :, :, src]
+            keys = self.pool.k[:, self.slot]
+            store_keys(keys, base, keys_at(keys, src))
             self.pool.v[:, self.slot, :, base:end] = self.pool.v[:, self.slot, :, src]
         elif tree_kv is not None:
             for layer, (k_nodes, v_nodes) in enumerate(tree_kv):  # [T, kv_heads, dim] each
-                self.pool.k[layer, self.slot, :, :, base:end] = k_nodes.index_select(0, path).permute(1, 2, 0)
+                store_keys(self.pool.k[layer, self.slot], base, k_nodes.index_select(0, path).transpose(0, 1))
                 values = v_nodes.index_select(0, path).transpose(0, 1)
                 self.pool.v[layer, self.slot, :, base:end, :-1] = values
         if moved and self._keep_hidden:

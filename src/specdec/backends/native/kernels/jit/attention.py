@@ -125,11 +125,11 @@ def work_items(offsets, limits, heads, kv_heads, threads):  # pragma: no cover -
 
 
 @njit(cache=True, nogil=True)
-def head(q, k_new, v_new, keys_t, values, h, first, last, limits, paths, starts, widest, scale,
+def head(q, k_new, v_new, keys, values, h, first, last, limits, paths, starts, widest, scale,
          out):  # pragma: no cover - compiled
     """Lanes first .. last - 1 of kv head h (lane r: query r // group, its head r % group of
-    the group): their scores and their weighted sums share the passes over its keys_t
-    [dim, L] and values [L, dim + 1]. A lane's bits do not depend on which lanes share them."""
+    the group): their scores and their weighted sums share the passes over its keys [L / TILE,
+    dim, TILE] and values [L, dim + 1]. A lane's bits do not depend on which lanes share them."""
     dim, group = q.shape[2], q.shape[1] // k_new.shape[1]
     lanes = last - first
     w = np.empty((lanes, widest + paths.shape[1]), np.float32)  # scores, then in their place the weights
@@ -149,9 +149,9 @@ def head(q, k_new, v_new, keys_t, values, h, first, last, limits, paths, starts,
     lo = min(begins[:lanes].min(), reach) // 4 * 4  # keys before every lane's window: not read at all
     blocked = lanes >= BLOCKED_LANES  # the same bits either way (attention_sums.py)
     if blocked:
-        scores_blocked(keys_t, qs, w, lo, reach)  # a lane ignores the keys past its limit
+        scores_blocked(keys, qs, w, lo, reach)  # a lane ignores the keys past its limit
     else:
-        scores(keys_t, qs, w, lo, reach)
+        scores(keys, qs, w, lo, reach)
     for x in range(lanes):
         totals[x] = lane_weights(w, qs, x, begins[x], counts[x], paths[(first + x) // group, : extras[x]],
                                  k_new, h)
@@ -177,13 +177,13 @@ def begin(q, k_new, v_new, k_cache, v_cache, slot, store):  # pragma: no cover -
                 key, value = encode(k_new[j, h, d], k_cache), encode(v_new[j, h, d], v_cache)
                 k_own[j, h, d], v_own[j, h, d] = load(key), load(value)
                 if store >= 0:
-                    k_cache[slot, h, d, store + j] = key
+                    k_cache[slot, h, (store + j) // TILE, d, (store + j) % TILE] = key
                     v_cache[slot, h, store + j, d] = value
     return np.empty(q.shape, np.float32), k_own, v_own
 
 
 rows = "float32[:, :, :]"  # rows may be strided views; caches are whole
-SIGNATURES = [f"float32[:, :, ::1]({rows}, {rows}, {rows}, {e}[:, :, :, ::1], {e}[:, :, :, ::1], int64, "
+SIGNATURES = [f"float32[:, :, ::1]({rows}, {rows}, {rows}, {e}[:, :, :, :, ::1], {e}[:, :, :, ::1], int64, "
               "int64, int64[::1], int64[:, ::1], int64[::1], float32)" for e in ELEMENTS]
 
 
@@ -192,7 +192,7 @@ def attend(q, k_new, v_new, k_cache, v_cache, slot, store, limits, paths, starts
            scale):  # pragma: no cover - compiled
     """q [T, heads, dim]; k_new, v_new [T, kv_heads, dim]: the row's own keys and values,
     written to the slot at positions store.. first unless store < 0; k_cache [slots,
-    kv_heads, dim, L] (keys along the last axis), v_cache [slots, kv_heads, L, dim + 1] (a
+    kv_heads, L / TILE, dim, TILE] (blocks of TILE keys), v_cache [slots, kv_heads, L, dim + 1] (a
     last column of ones: the normaliser), both fp32 or both bf16 bits (kv.py); limits [T]:
     the slot's keys query j reads; paths [T, E]: the row's own tokens it reads next, a tree
     path (-1: none); starts [T]: the first cached key query j reads (0, or where its sliding
@@ -219,9 +219,11 @@ def splits(offsets, paths, group, kv_heads, dim, threads):  # pragma: no cover -
 
 @njit(cache=True, nogil=True, inline="always")
 def _part(lo, hi, part, parts, unit):  # pragma: no cover - compiled
-    """The part-th of `parts` slices of lo .. hi, cut at multiples of `unit` past lo."""
-    step = -(-(hi - lo) // parts // unit) * unit
-    return min(hi, lo + part * step), min(hi, lo + (part + 1) * step)
+    """The part-th of `parts` slices of lo .. hi, cut at multiples of `unit` (so a part's keys
+    start and end on the cache's blocks, but for lo and hi)."""
+    base = lo // unit * unit
+    step = -(-(hi - base) // parts // unit) * unit
+    return min(hi, max(lo, base + part * step)), min(hi, max(lo, base + (part + 1) * step))
 
 
 @njit(cache=True, nogil=True, parallel=True, error_model="numpy")  # as lane_finish

@@ -3,13 +3,15 @@ the scores (queries x keys) and the weighted sums (weights x values; the normali
 softmax's own, softmax.weights_total). Every sum adds its products one after another in a fixed order,
 so a lane's bits do not depend on which lanes share the pass (jit/attention.py relies on it).
 
-Two forms of each, with the same bits:
+The keys come in the cache's blocks of TILE keys, [blocks, dim, TILE] (kernels/attention.py's
+`new_cache`): a block is one stretch of memory, so a pass over a head's keys is one stream the
+CPU's prefetcher follows (keys transposed whole, [dim, length], were head_dim streams, more than
+it follows). Two forms of each reduction, with the same bits:
 - `scores` and `weighted_sums` pass over the cache's own keys and values, up to four lanes at
   a time (the register tiles of jit/attention_tiles.py widen bf16 elements as they load them);
 - `scores_blocked` and `weighted_sums_blocked`, for many lanes (a chain, a prompt, a tree),
   widen KEY_BLOCK keys or value rows to fp32 once into a block that stays in L1 while every
-  lane's tiles pass over it: the widening is paid once per block instead of once per four lanes,
-  and the tiles read a 16 KiB block instead of 64 strided rows of the cache.
+  lane's tiles pass over it: the widening is paid once per block instead of once per four lanes.
 """
 
 from __future__ import annotations
@@ -25,10 +27,6 @@ from specdec.backends.native.kernels.jit.attention_tiles import (
     block_sum_tiles1,
     block_sum_tiles3,
     block_sum_tiles4,
-    fetch,
-    score_tiles1,
-    score_tiles3,
-    score_tiles4,
     sum_tiles3,
     sum_tiles4,
 )
@@ -36,15 +34,10 @@ from specdec.backends.native.kernels.jit.kv import load
 
 KEY_BLOCK = 64  # keys (or value rows) widened at a time: 64 x 64 dims in fp32 is 16 KiB, half an L1
 BLOCKED_LANES = 12  # lanes from which a widened block pays for its copy (below, the tiles widen as they load)
-# Up to this many lanes of up to STREAM_DIMS dims (a decode step of SmolLM2), the scores pass over
-# all the keys four dims at a time rather than in tiles: a tile reads its keys' 64 dims at once, 64
-# streams from memory, more than the prefetchers follow, and a decode step's keys come from memory
-# (its layers' caches and weights pass through the L3). At 256 dims (gemma3) the 64 passes over the
-# scores cost more than that saves; 128 is not measured. From FP32_STREAM_KEYS keys on (from memory,
-# not the caches), an fp32 cache's keys take those passes at any lane count, and its values the
-# loops of weighted_sum4 rather than the column tiles: the tiles made a two-token step after 4,000
-# tokens about 1.3x dearer than those loops, while over a short context they are the faster.
-STREAM_LANES, STREAM_DIMS, FP32_STREAM_KEYS = 4, 64, 2048
+# From FP32_STREAM_KEYS values of an fp32 cache on (from memory, not the caches), weighted_sums
+# takes the loops of weighted_sum4 rather than the column tiles: the tiles made a two-token step
+# after 4,000 tokens about 1.3x dearer than those loops, while over a short context they are faster.
+FP32_STREAM_KEYS = 2048
 
 vector, matrix = "float32[::1]", "float32[:, ::1]"  # numba signatures
 ELEMENTS = ("float32", "uint16")  # a cache's elements: fp32, or bf16 bits (kv.py)
@@ -52,102 +45,47 @@ ELEMENTS = ("float32", "uint16")  # a cache's elements: fp32, or bf16 bits (kv.p
 
 @njit(cache=True, nogil=True, inline="always")
 def _long_fp32(cache, keys):  # pragma: no cover - compiled
-    """Whether `keys` keys of an fp32 cache (keys_t or values) take the loops (FP32_STREAM_KEYS)."""
+    """Whether `keys` values of an fp32 cache take the loops (FP32_STREAM_KEYS)."""
     return cache.itemsize == 4 and keys >= FP32_STREAM_KEYS
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _score_rest(keys_t, qs, s, first, last, d, lo, count):  # pragma: no cover - compiled
-    for rest in range(d, qs.shape[1]):  # the dims past the last four, one at a time
-        for x in range(first, last):
-            qd, row, kd = qs[x, rest], s[x], keys_t[rest]
-            for i in range(lo, count):
-                row[i] += qd * load(kd[i])
+def _score_keys(keys, qs, s, lo, count):  # pragma: no cover - compiled
+    """s[r, i] for every lane r and the keys lo <= i < count one at a time (the keys outside
+    whole blocks): a tile's sums, in its order."""
+    for r in range(qs.shape[0]):
+        for i in range(lo, count):
+            block, column, x = i // TILE, i % TILE, np.float32(0)
+            for d in range(qs.shape[1]):
+                x += qs[r, d] * load(keys[block, d, column])
+            s[r, i] = x
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _scores4(keys_t, qs, s, r, lo, count):  # pragma: no cover - compiled
-    dim, n = qs.shape[1], count - lo  # loops from 0 over rows sliced at lo: LLVM vectorises those best
-    s0, s1, s2, s3 = s[r, lo:count], s[r + 1, lo:count], s[r + 2, lo:count], s[r + 3, lo:count]
-    d = 0
-    while d + 4 <= dim:
-        k0, k1, k2, k3 = (keys_t[d, lo:count], keys_t[d + 1, lo:count], keys_t[d + 2, lo:count],
-                          keys_t[d + 3, lo:count])
-        a0, a1, a2, a3 = qs[r, d], qs[r, d + 1], qs[r, d + 2], qs[r, d + 3]
-        b0, b1, b2, b3 = qs[r + 1, d], qs[r + 1, d + 1], qs[r + 1, d + 2], qs[r + 1, d + 3]
-        c0, c1, c2, c3 = qs[r + 2, d], qs[r + 2, d + 1], qs[r + 2, d + 2], qs[r + 2, d + 3]
-        e0, e1, e2, e3 = qs[r + 3, d], qs[r + 3, d + 1], qs[r + 3, d + 2], qs[r + 3, d + 3]
-        for i in range(n):
-            x0, x1, x2, x3 = load(k0[i]), load(k1[i]), load(k2[i]), load(k3[i])
-            s0[i] = (((s0[i] + a0 * x0) + a1 * x1) + a2 * x2) + a3 * x3
-            s1[i] = (((s1[i] + b0 * x0) + b1 * x1) + b2 * x2) + b3 * x3
-            s2[i] = (((s2[i] + c0 * x0) + c1 * x1) + c2 * x2) + c3 * x3
-            s3[i] = (((s3[i] + e0 * x0) + e1 * x1) + e2 * x2) + e3 * x3
-        d += 4
-    _score_rest(keys_t, qs, s, r, r + 4, d, lo, count)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _scores3(keys_t, qs, s, r, lo, count):  # pragma: no cover - compiled
-    dim, n = qs.shape[1], count - lo
-    s0, s1, s2 = s[r, lo:count], s[r + 1, lo:count], s[r + 2, lo:count]
-    d = 0
-    while d + 4 <= dim:
-        k0, k1, k2, k3 = (keys_t[d, lo:count], keys_t[d + 1, lo:count], keys_t[d + 2, lo:count],
-                          keys_t[d + 3, lo:count])
-        a0, a1, a2, a3 = qs[r, d], qs[r, d + 1], qs[r, d + 2], qs[r, d + 3]
-        b0, b1, b2, b3 = qs[r + 1, d], qs[r + 1, d + 1], qs[r + 1, d + 2], qs[r + 1, d + 3]
-        c0, c1, c2, c3 = qs[r + 2, d], qs[r + 2, d + 1], qs[r + 2, d + 2], qs[r + 2, d + 3]
-        for i in range(n):
-            x0, x1, x2, x3 = load(k0[i]), load(k1[i]), load(k2[i]), load(k3[i])
-            s0[i] = (((s0[i] + a0 * x0) + a1 * x1) + a2 * x2) + a3 * x3
-            s1[i] = (((s1[i] + b0 * x0) + b1 * x1) + b2 * x2) + b3 * x3
-            s2[i] = (((s2[i] + c0 * x0) + c1 * x1) + c2 * x2) + c3 * x3
-        d += 4
-    _score_rest(keys_t, qs, s, r, r + 3, d, lo, count)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _scores1(keys_t, qs, s, r, lo, count):  # pragma: no cover - compiled
-    dim, n = qs.shape[1], count - lo
-    s0 = s[r, lo:count]
-    d = 0
-    while d + 4 <= dim:
-        k0, k1, k2, k3 = (keys_t[d, lo:count], keys_t[d + 1, lo:count], keys_t[d + 2, lo:count],
-                          keys_t[d + 3, lo:count])
-        a0, a1, a2, a3 = qs[r, d], qs[r, d + 1], qs[r, d + 2], qs[r, d + 3]
-        for i in range(n):
-            s0[i] = (((s0[i] + a0 * load(k0[i])) + a1 * load(k1[i])) + a2 * load(k2[i])) + a3 * load(k3[i])
-        d += 4
-    _score_rest(keys_t, qs, s, r, r + 1, d, lo, count)
-
-
-@njit([f"void({e}[:, ::1], {matrix}, {matrix}, int64, int64)" for e in ELEMENTS], cache=True, nogil=True)
-def scores(keys_t, qs, s, lo, count):  # pragma: no cover - compiled
-    """s[r, i] = sum over d, in order, of qs[r, d] * keys_t[d, i] for lo <= i < count: whole
-    tiles of keys with the sums in registers (attention_tiles.py), the keys past the last tile
-    four dims per pass over the scores and four lanes per pass over the keys (unroll and jam).
-    The lanes past the last four go three at a time, or one at a time (a decode step of a GQA
-    group of 3 has three lanes: a fourth, idle lane cost a quarter of the arithmetic). Up to
-    STREAM_LANES lanes (any number over FP32_STREAM_KEYS keys of an fp32 cache) of up to
-    STREAM_DIMS dims take every key in those passes, the same bits."""
-    lanes, dim = qs.shape
-    streamed = (lanes <= STREAM_LANES or _long_fp32(keys_t, count - lo)) and dim <= STREAM_DIMS
-    end = lo if streamed else lo + (count - lo) // TILE * TILE
-    for r in range(lanes):
-        for i in range(end, count):
-            s[r, i] = 0
+def _score_block(tile, qs, s, lanes, first):  # pragma: no cover - compiled
+    """Every lane's scores over one block [dim, TILE] (keys first .. first + TILE - 1): four
+    lanes a tile, then the last three together or one at a time."""
     quads = lanes // 4 * 4
     for r in range(0, quads, 4):
-        score_tiles4(keys_t, qs, s, r, lo, end, 0)
-        _scores4(keys_t, qs, s, r, end, count)
+        block_score_tiles4(tile, qs, s, r, 0, TILE, first)
     if lanes - quads == 3:
-        score_tiles3(keys_t, qs, s, quads, lo, end, 0)
-        _scores3(keys_t, qs, s, quads, end, count)
+        block_score_tiles3(tile, qs, s, quads, 0, TILE, first)
     else:
         for r in range(quads, lanes):
-            score_tiles1(keys_t, qs, s, r, lo, end, 0)
-            _scores1(keys_t, qs, s, r, end, count)
+            block_score_tiles1(tile, qs, s, r, 0, TILE, first)
+
+
+@njit([f"void({e}[:, :, ::1], {matrix}, {matrix}, int64, int64)" for e in ELEMENTS], cache=True, nogil=True)
+def scores(keys, qs, s, lo, count):  # pragma: no cover - compiled
+    """s[r, i] = sum over d, in order, of qs[r, d] * key i's dim d for lo <= i < count; keys
+    [blocks, dim, TILE]: whole blocks in register tiles (attention_tiles.py), a block at a time,
+    the keys before the first and past the last whole block one at a time, the same sums."""
+    lanes = qs.shape[0]
+    first, last = min(count, -(-lo // TILE) * TILE), max(lo, count // TILE * TILE)
+    _score_keys(keys, qs, s, lo, first)
+    for block in range(first // TILE, last // TILE):
+        _score_block(keys[block], qs, s, lanes, block * TILE)
+    _score_keys(keys, qs, s, max(first, last), count)
 
 
 @njit([f"void({e}[:, ::1], {vector}, {vector}, int64, int64, int64, int64)" for e in ELEMENTS], cache=True,
@@ -248,17 +186,15 @@ def weighted_sums(values, w, acc, lo, counts, c0, c1):  # pragma: no cover - com
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _widen_keys(keys_t, first, n, block):  # pragma: no cover - compiled
-    """block[d, i] = keys_t[d, first + i] as fp32 for i < n (exact: kv.load), fetching the next
-    block's keys: its head_dim rows are as many streams, more than the CPU's prefetcher follows
-    (from memory, each block would otherwise wait on every row)."""
-    line = 64 // keys_t.itemsize
-    for d in range(keys_t.shape[0]):
-        row, out = keys_t[d, first : first + n], block[d]
-        for c in range(0, KEY_BLOCK, line):
-            fetch(keys_t, d, first + KEY_BLOCK + c)
-        for i in range(n):
-            out[i] = load(row[i])
+def _widen_keys(keys, first, n, block):  # pragma: no cover - compiled
+    """block[d, i] = key first + i's dim d as fp32 for i < n (exact: kv.load); first and n
+    whole blocks of the cache's."""
+    for b in range(n // TILE):
+        tile = keys[first // TILE + b]
+        for d in range(tile.shape[0]):
+            row, out = tile[d], block[d, b * TILE : (b + 1) * TILE]
+            for c in range(TILE):
+                out[c] = load(row[c])
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -273,24 +209,25 @@ def _widen_values(values, first, n, block):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True)
-def scores_blocked(keys_t, qs, s, lo, count):  # pragma: no cover - compiled
-    """`scores`, with the same bits: its whole tiles of keys from blocks of KEY_BLOCK keys
-    widened to fp32 once for every lane, the keys past the last tile as `scores` takes them."""
+def scores_blocked(keys, qs, s, lo, count):  # pragma: no cover - compiled
+    """`scores`, with the same bits: its whole blocks of keys widened to fp32 KEY_BLOCK keys at
+    a time, once for every lane, the keys outside whole blocks as `scores` takes them."""
     lanes, dim = qs.shape
-    end = lo + (count - lo) // TILE * TILE
+    first, last = min(count, -(-lo // TILE) * TILE), max(lo, count // TILE * TILE)
     block = np.empty((dim, KEY_BLOCK), np.float32)
     quads = lanes // 4 * 4
-    for first in range(lo, end, KEY_BLOCK):
-        n = min(KEY_BLOCK, end - first)
-        _widen_keys(keys_t, first, n, block)
+    for start in range(first, last, KEY_BLOCK):
+        n = min(KEY_BLOCK, last - start)
+        _widen_keys(keys, start, n, block)
         for r in range(0, quads, 4):
-            block_score_tiles4(block, qs, s, r, 0, n, first)
+            block_score_tiles4(block, qs, s, r, 0, n, start)
         if lanes - quads == 3:
-            block_score_tiles3(block, qs, s, quads, 0, n, first)
+            block_score_tiles3(block, qs, s, quads, 0, n, start)
         else:
             for r in range(quads, lanes):
-                block_score_tiles1(block, qs, s, r, 0, n, first)
-    scores(keys_t, qs, s, end, count)
+                block_score_tiles1(block, qs, s, r, 0, n, start)
+    scores(keys, qs, s, lo, first)
+    scores(keys, qs, s, max(first, last), count)
 
 
 @njit(cache=True, nogil=True, inline="always")

@@ -23,9 +23,9 @@ from numba.extending import intrinsic
 
 from specdec.backends.native.kernels.jit.ir import data_pointer, prefetch, splat_value, vec
 
-TILE = 16  # keys per score tile, columns per weighted-sum tile: two vectors of 8
+TILE = 16  # keys per score tile and per block of the key cache (kernels/attention.KEY_TILE); columns
+# per weighted-sum tile: two vectors of 8
 WIDTH = 8  # floats per vector
-PREFETCH_KEYS = 64  # a score tile fetches the keys this far ahead: 64 rows of keys are 64 streams
 BLOCK_KEYS = 128  # keys a weighted-sum block holds in L1 for all its column tiles
 
 i16, i32, i64, f32 = ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -62,33 +62,16 @@ def _operands(context, b, sig, args, lanes: int):
     return arrays, args[4:6], rows, [cgutils.alloca_once(b, V8) for _ in range(2 * lanes)]
 
 
-@intrinsic
-def fetch(typingctx, array, row, column):
-    """A hint to bring the cache line of array[row, column] (a C-contiguous 2-d array) into the
-    caches: no effect on any result, and never a fault, even past the array's end."""
-    if not _row_major(array) or not all(isinstance(x, types.Integer) for x in (row, column)):
-        return None
-
-    def codegen(context, b, sig, args):
-        ptr, stride = _array(context, b, sig, args, 0)
-        row_, column_ = (context.cast(b, args[k], sig.args[k], types.int64) for k in (1, 2))
-        prefetch(b, b.bitcast(b.gep(ptr, [b.add(b.mul(row_, stride), column_)]), ir.IntType(8).as_pointer()))
-        return context.get_dummy_value()
-
-    return types.void(array, row, column), codegen
-
-
 def _add_product(b, slot, weight, value):  # slot <- slot + weight * value: one rounding each
     b.store(b.fadd(b.load(slot), b.fmul(weight, value)), slot)
 
 
-def _score_tiles(lanes: int, fetch: bool = True):
+def _score_tiles(lanes: int):
     @intrinsic
     def score_tiles(typingctx, keys_t, qs, s, r, lo, end, shift):
         """s[r + x, i + shift] = sum over d, in order from 0, of qs[r + x, d] * keys_t[d, i]
-        for the `lanes` lanes x and lo <= i < end (end - lo a multiple of TILE). With `fetch`,
-        each tile fetches the keys PREFETCH_KEYS ahead (keys streamed from memory, not a block
-        held in L1)."""
+        for the `lanes` lanes x and lo <= i < end (end - lo a multiple of TILE): keys_t [dim,
+        n] is a block of the cache's (n = TILE) or a block widened to fp32."""
         if not _row_major(keys_t, qs, s):
             return None
         element = keys_t.dtype
@@ -102,9 +85,6 @@ def _score_tiles(lanes: int, fetch: bool = True):
                 with cgutils.for_range(b, dim) as loop:
                     d = loop.index
                     row = b.mul(d, kstride)
-                    if fetch:
-                        ahead = b.gep(kp, [b.add(row, b.add(i, ir.Constant(i64, PREFETCH_KEYS)))])
-                        prefetch(b, b.bitcast(ahead, ir.IntType(8).as_pointer()))
                     keys = [_widen8(b, kp, b.add(row, b.add(i, ir.Constant(i64, WIDTH * h))), element)
                             for h in range(2)]
                     for x in range(lanes):
@@ -216,10 +196,8 @@ def _column_tile(b, keys, wp, wstride, rows, accs, acc_at, c):
         b.store(b.load(slot), at, align=4)
 
 
-score_tiles4, score_tiles3, score_tiles1 = _score_tiles(4), _score_tiles(3), _score_tiles(1)
 sum_tiles4, sum_tiles3 = _sum_tiles(4), _sum_tiles(3)
-# over a block of keys or values widened to fp32 once for every lane (jit/attention_blocks.py)
-block_score_tiles4, block_score_tiles3, block_score_tiles1 = (_score_tiles(4, False), _score_tiles(3, False),
-                                                             _score_tiles(1, False))
+# over a block of the cache's keys, or of keys or values widened to fp32 once for every lane
+block_score_tiles4, block_score_tiles3, block_score_tiles1 = _score_tiles(4), _score_tiles(3), _score_tiles(1)
 block_sum_tiles4, block_sum_tiles3, block_sum_tiles1 = (_block_sum_tiles(4), _block_sum_tiles(3),
                                                        _block_sum_tiles(1))
