@@ -299,10 +299,13 @@ def test_the_kernels_register_tiles_keep_every_sum_in_order(kv_dtype, lanes, dim
         counts -= np.arange(lanes)[::-1] // 3  # a chain: each query reads one key more than the last
     scores, sums = (jit.scores, jit.weighted_sums) if form == "tiles" else (jit.scores_blocked,
                                                                             jit.weighted_sums_blocked)
-    s = np.full((lanes, keys), np.nan, np.float32)
     whole = -(-keys // attn.KEY_TILE) * attn.KEY_TILE  # the cache's blocks, the last one padded
-    scores(numba_ops.cache_array(blocked_keys(F.pad(keys_t, (0, whole - keys)))), qs, s, 0, keys)
-    assert s.view(np.int32).tolist() == sequential_scores(keys_t.float().numpy(), qs).view(np.int32).tolist()
+    cache = numba_ops.cache_array(blocked_keys(F.pad(keys_t, (0, whole - keys))))
+    expected = sequential_scores(keys_t.float().numpy(), qs).view(np.int32).tolist()
+    for width in (keys, whole):  # the last block's keys one at a time, or a tile past the last key
+        s = np.full((lanes, width), np.nan, np.float32)
+        scores(cache, qs, s, 0, keys)
+        assert s[:, :keys].view(np.int32).tolist() == expected, width
     acc = np.empty((lanes, dim), np.float32)
     if form == "tiles":
         jit.weighted_sums(numba_ops.cache_array(values.contiguous()), weights, acc, 0, counts, 0, dim)

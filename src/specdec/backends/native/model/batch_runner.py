@@ -1,6 +1,6 @@
 """The native backend's batch runner: `CachePool` owns the KV cache of several sequences,
-laid out once as keys [layers, slots, kv_heads, head_dim, length] and values [layers, slots,
-kv_heads, length, head_dim + 1] over memory that is committed
+laid out once as keys [layers, slots, kv_heads, length / 16, head_dim, 16] (blocks of 16 keys)
+and values [layers, slots, kv_heads, length, head_dim + 1] over memory that is committed
 as tokens are written (model/kv_memory.py), and runs their tokens as
 packed forwards of the model (`forward_batch` for decode chains and prompts side by side,
 `forward_prompt` for one prompt's chunks). A slot is one sequence (model/sequence.py's

@@ -35,7 +35,7 @@ class SequencePool(Protocol):
     kernel: bool  # attention runs on the numba kernel
     group: int  # query heads per kv head
     prompts_as_steps: bool  # prompt chunks run as decode chains (CachePool.prompts_as_steps)
-    k: torch.Tensor  # [layers, slots, kv_heads, dim, length]
+    k: torch.Tensor  # [layers, slots, kv_heads, length / 16, dim, 16]: blocks of 16 keys
     v: torch.Tensor  # [layers, slots, kv_heads, length, dim + 1]
 
     def hidden_buffer(self) -> torch.Tensor: ...

@@ -132,7 +132,8 @@ def head(q, k_new, v_new, keys, values, h, first, last, limits, paths, starts, w
     dim, TILE] and values [L, dim + 1]. A lane's bits do not depend on which lanes share them."""
     dim, group = q.shape[2], q.shape[1] // k_new.shape[1]
     lanes = last - first
-    w = np.empty((lanes, widest + paths.shape[1]), np.float32)  # scores, then in their place the weights
+    # scores (and a block's worth past them: a score tile's), then in their place the weights
+    w = np.empty((lanes, widest + paths.shape[1] + TILE), np.float32)
     acc = np.empty((lanes, dim), np.float32)
     totals = np.empty(lanes, np.float32)
     qs = np.empty((lanes, dim), np.float32)
@@ -248,7 +249,7 @@ def attend_split(q, k_own, v_own, k_cache, v_cache, slots, offsets, limits, star
             for d in range(dim):
                 qs[i, x, d] = q[j, h * group + x % group, d] * scale
         los[i] = min(begins[i].min(), counts[i].max()) // 4 * 4
-    w = np.empty((items, lanes, limits.max()), np.float32)
+    w = np.empty((items, lanes, limits.max() + TILE), np.float32)  # room for the last block's tile
     acc, totals = np.empty((items, lanes, dim), np.float32), np.empty((items, lanes), np.float32)
     out, no_path = np.empty(q.shape, np.float32), np.empty(0, np.int64)
     for t in prange(threads):

@@ -75,17 +75,27 @@ def _score_block(tile, qs, s, lanes, first):  # pragma: no cover - compiled
             block_score_tiles1(tile, qs, s, r, 0, TILE, first)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _tiled(lo, count, width):  # pragma: no cover - compiled
+    """The keys first .. last - 1 (whole blocks) that cover lo .. count - 1 as far as a score
+    row of `width` columns holds their tiles' scores."""
+    last = -(-count // TILE) * TILE
+    if last > width:
+        last = count // TILE * TILE
+    return min(lo // TILE * TILE, last), last
+
+
 @njit([f"void({e}[:, :, ::1], {matrix}, {matrix}, int64, int64)" for e in ELEMENTS], cache=True, nogil=True)
 def scores(keys, qs, s, lo, count):  # pragma: no cover - compiled
     """s[r, i] = sum over d, in order, of qs[r, d] * key i's dim d for lo <= i < count; keys
-    [blocks, dim, TILE]: whole blocks in register tiles (attention_tiles.py), a block at a time,
-    the keys before the first and past the last whole block one at a time, the same sums."""
-    lanes = qs.shape[0]
-    first, last = min(count, -(-lo // TILE) * TILE), max(lo, count // TILE * TILE)
-    _score_keys(keys, qs, s, lo, first)
+    [blocks, dim, TILE]: the blocks that hold them in register tiles (attention_tiles.py), a
+    block at a time, the same sums. A tile also writes the scores of its block's other keys
+    (no query reads those); where s ends inside the last block, that block's keys go one at a
+    time."""
+    first, last = _tiled(lo, count, s.shape[1])
     for block in range(first // TILE, last // TILE):
-        _score_block(keys[block], qs, s, lanes, block * TILE)
-    _score_keys(keys, qs, s, max(first, last), count)
+        _score_block(keys[block], qs, s, qs.shape[0], block * TILE)
+    _score_keys(keys, qs, s, max(lo, last), count)
 
 
 @njit([f"void({e}[:, ::1], {vector}, {vector}, int64, int64, int64, int64)" for e in ELEMENTS], cache=True,
@@ -210,10 +220,10 @@ def _widen_values(values, first, n, block):  # pragma: no cover - compiled
 
 @njit(cache=True, nogil=True)
 def scores_blocked(keys, qs, s, lo, count):  # pragma: no cover - compiled
-    """`scores`, with the same bits: its whole blocks of keys widened to fp32 KEY_BLOCK keys at
-    a time, once for every lane, the keys outside whole blocks as `scores` takes them."""
+    """`scores`, with the same bits: its blocks of keys widened to fp32 KEY_BLOCK keys at a
+    time, once for every lane."""
     lanes, dim = qs.shape
-    first, last = min(count, -(-lo // TILE) * TILE), max(lo, count // TILE * TILE)
+    first, last = _tiled(lo, count, s.shape[1])
     block = np.empty((dim, KEY_BLOCK), np.float32)
     quads = lanes // 4 * 4
     for start in range(first, last, KEY_BLOCK):
@@ -226,8 +236,7 @@ def scores_blocked(keys, qs, s, lo, count):  # pragma: no cover - compiled
         else:
             for r in range(quads, lanes):
                 block_score_tiles1(block, qs, s, r, 0, n, start)
-    scores(keys, qs, s, lo, first)
-    scores(keys, qs, s, max(first, last), count)
+    scores(keys, qs, s, max(lo, last), count)
 
 
 @njit(cache=True, nogil=True, inline="always")
