@@ -88,7 +88,7 @@ class CachePool:
             raise ValueError(f"cannot fork {length} tokens of this sequence")
         seq = self.new_sequence()
         self.reserve(seq.slot, length)
-        blocks = key_blocks(length)  # whole blocks: positions past `length` are never read
+        blocks = key_blocks(length)  # whole blocks: no query weighs the positions past `length`
         self.k[:, seq.slot, :, :blocks] = self.k[:, source.slot, :, :blocks]
         self.v[:, seq.slot, :, :length] = self.v[:, source.slot, :, :length]
         seq.adopt(source, length)
