@@ -62,17 +62,18 @@ def _score_keys(keys, qs, s, lo, count):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _score_block(tile, qs, s, lanes, first):  # pragma: no cover - compiled
-    """Every lane's scores over one block [dim, TILE] (keys first .. first + TILE - 1): four
-    lanes a tile, then the last three together or one at a time."""
+def _score_block(tile, qs, s, n, first):  # pragma: no cover - compiled
+    """Every lane's scores over a block [dim, >= n] of keys first .. first + n - 1 (n a multiple
+    of TILE): four lanes a tile, then the last three together or one at a time."""
+    lanes = qs.shape[0]
     quads = lanes // 4 * 4
     for r in range(0, quads, 4):
-        block_score_tiles4(tile, qs, s, r, 0, TILE, first)
+        block_score_tiles4(tile, qs, s, r, 0, n, first)
     if lanes - quads == 3:
-        block_score_tiles3(tile, qs, s, quads, 0, TILE, first)
+        block_score_tiles3(tile, qs, s, quads, 0, n, first)
     else:
         for r in range(quads, lanes):
-            block_score_tiles1(tile, qs, s, r, 0, TILE, first)
+            block_score_tiles1(tile, qs, s, r, 0, n, first)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -94,7 +95,7 @@ def scores(keys, qs, s, lo, count):  # pragma: no cover - compiled
     time."""
     first, last = _tiled(lo, count, s.shape[1])
     for block in range(first // TILE, last // TILE):
-        _score_block(keys[block], qs, s, qs.shape[0], block * TILE)
+        _score_block(keys[block], qs, s, TILE, block * TILE)
     _score_keys(keys, qs, s, max(lo, last), count)
 
 
@@ -222,20 +223,12 @@ def _widen_values(values, first, n, block):  # pragma: no cover - compiled
 def scores_blocked(keys, qs, s, lo, count):  # pragma: no cover - compiled
     """`scores`, with the same bits: its blocks of keys widened to fp32 KEY_BLOCK keys at a
     time, once for every lane."""
-    lanes, dim = qs.shape
     first, last = _tiled(lo, count, s.shape[1])
-    block = np.empty((dim, KEY_BLOCK), np.float32)
-    quads = lanes // 4 * 4
+    block = np.empty((qs.shape[1], KEY_BLOCK), np.float32)
     for start in range(first, last, KEY_BLOCK):
         n = min(KEY_BLOCK, last - start)
         _widen_keys(keys, start, n, block)
-        for r in range(0, quads, 4):
-            block_score_tiles4(block, qs, s, r, 0, n, start)
-        if lanes - quads == 3:
-            block_score_tiles3(block, qs, s, quads, 0, n, start)
-        else:
-            for r in range(quads, lanes):
-                block_score_tiles1(block, qs, s, r, 0, n, start)
+        _score_block(block, qs, s, n, start)
     scores(keys, qs, s, max(lo, last), count)
 
 
