@@ -6,6 +6,11 @@ bits of the kernel over an fp32 cache holding the same values."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -41,14 +46,28 @@ def random_cache(kv_heads: int, length: int, dim: int, seed: int, dtype=torch.fl
     gen = torch.Generator().manual_seed(seed)
     k = torch.randn(1, kv_heads, dim, attn.padded(length), generator=gen)
     v = attn.ones_column(torch.randn(1, kv_heads, attn.padded(length), dim, generator=gen))
-    return blocked_keys(k).to(dtype), v.to(dtype)
+    return blocked_keys(k, dtype), v.to(dtype)
 
 
-def blocked_keys(keys_t: torch.Tensor) -> torch.Tensor:
-    """Keys [..., dim, L] (L a multiple of KEY_TILE) in the cache's blocks [..., L / 16, dim, 16]."""
+def blocked_keys(keys_t: torch.Tensor, dtype=None) -> torch.Tensor:
+    """Keys [..., dim, L] (L a multiple of KEY_TILE) in the cache's blocks [..., L / 16, dim, 16]
+    (a bf16 cache's blocks hold pairs of dims: attention.store_keys)."""
     *lead, dim, length = keys_t.shape
-    tile = attn.KEY_TILE
-    return keys_t.reshape(*lead, dim, length // tile, tile).transpose(-3, -2).contiguous()
+    blocks = torch.zeros(*lead, length // attn.KEY_TILE, dim, attn.KEY_TILE, dtype=dtype or keys_t.dtype)
+    attn.store_keys(blocks, 0, keys_t.transpose(-2, -1))
+    return blocks
+
+
+def bf16_query(qs: np.ndarray) -> np.ndarray:
+    """Queries as the kernel scores them against a bf16 cache: 0 below KEY_FLOOR, else bf16."""
+    q = torch.from_numpy(qs)
+    return torch.where(q.abs() < attn.KEY_FLOOR, 0, q).bfloat16().float().numpy()
+
+
+def swapped_pairs(x: torch.Tensor) -> torch.Tensor:
+    """The last dim's pairs swapped (dims 1, 0, 3, 2, ...): a bf16 cache's order of a score's
+    products, as an fp32 kernel adds them in order."""
+    return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
 
 
 KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the caches the kernel reads
@@ -91,6 +110,8 @@ def test_each_query_gets_the_bits_of_a_call_of_its_own(routine, kv_dtype, heads,
         assert torch.equal(together[j], alone[0]), j
     keys, values = attn.keys_of(k_cache, past + t).float(), v_cache[:, :, : past + t, :dim].float()
     mask = torch.ones(t, past + t, dtype=torch.bool).tril(past)
+    if routine == "kernel" and kv_dtype == "bf16":  # it scores bf16 queries (scale 1/4: exact)
+        q = torch.from_numpy(bf16_query(q.numpy()))
     expected = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask,
                                               enable_gqa=heads != kv_heads)[0].transpose(0, 1)
     torch.testing.assert_close(together, expected, rtol=1e-5, atol=1e-5)
@@ -185,11 +206,12 @@ def test_a_tree_node_gets_the_bits_of_its_path_attended_step_by_step(routine, kv
 
 
 @pytest.mark.parametrize("threads", ["attend", "attend_parallel"])
-def test_the_kernel_reads_a_bf16_cache_as_an_fp32_one_of_the_same_values(threads):
-    """A bf16 element is widened exactly and then takes the fp32 kernel's arithmetic in the same
-    order: over a bf16 cache, the bits of the kernel over an fp32 cache holding the same values
-    (its new keys and values given rounded), for chains and trees, stored (store >= 0, as the
-    one-call layers store a tree's nodes) or not; and what it stores is torch's cast."""
+def test_the_kernel_scores_a_bf16_cache_in_pairs_of_bf16_products(threads):
+    """Over a bf16 cache a score multiplies bf16 queries by bf16 keys, each pair of dims' odd
+    product first (vdpbf16ps's order), and the rest is the fp32 kernel's arithmetic: the bits of
+    the fp32 kernel given the rounded queries, keys and values with each pair of dims swapped,
+    for chains and trees, stored (store >= 0, as the one-call layers store a tree's nodes) or
+    not; what it stores is torch's cast."""
     if not attn.uses_kernel("cpu"):
         pytest.skip("numba is not installed")
     import specdec.backends.native.kernels.jit.attention as jit
@@ -206,21 +228,29 @@ def test_the_kernel_reads_a_bf16_cache_as_an_fp32_one_of_the_same_values(threads
              (attn.plan_chain(1100, 6, 3, "cpu", True, window=300), 1094),
              (attn.plan_tree(1000, [-1, 0, 0, 1, 2, 2], [0, 1, 1, 2, 2, 2], 3, "cpu", True), -1),
              (attn.plan_tree(1000, [-1, 0, 1, -1, 3, 3], [0, 1, 2, 0, 1, 1], 3, "cpu", True), 1000))
+    rounded_q = swapped_pairs(torch.from_numpy(bf16_query(q.numpy()))).numpy()  # scale 1/8: exact
+    rounded = [swapped_pairs(k.bfloat16().float()).numpy(), v.bfloat16().float().numpy()]
     for plan, store in plans:
-        wide, narrow = [c.float() for c in bf16], [c.clone() for c in bf16]
-        rounded = [x.bfloat16().float().numpy() for x in (k, v)]
+        narrow = [c.clone() for c in bf16]
+        wide = [blocked_keys(swapped_pairs(attn.keys_of(bf16[0], 1200).float()).transpose(-2, -1)),
+                bf16[1].float()]
         got = attend(q.numpy(), k.numpy(), v.numpy(), *arrays(narrow), 0, store, *plan.arrays, 0.125)
-        want = attend(q.numpy(), *rounded, *arrays(wide), 0, store, *plan.arrays, 0.125)
+        want = attend(rounded_q, *rounded, *arrays(wide), 0, store, *plan.arrays, 0.125)
         assert np.array_equal(got, want), (plan.paths.shape, store)
-        assert all(torch.equal(a.float(), b) for a, b in zip(narrow, wide, strict=True))  # stored alike
-        unrounded = attend(q.numpy(), k.numpy(), v.numpy(), *arrays(wide), 0, store, *plan.arrays, 0.125)
-        assert not np.array_equal(got, unrounded)  # the rounding shows
+        stored = swapped_pairs(attn.keys_of(narrow[0], 1200).float())
+        assert torch.equal(stored, attn.keys_of(wide[0], 1200)) and torch.equal(narrow[1].float(), wide[1])
+        same_values = [blocked_keys(attn.keys_of(bf16[0], 1200).float().transpose(-2, -1)), bf16[1].float()]
+        in_order = attend(bf16_query(q.numpy()), k.bfloat16().float().numpy(), rounded[1],
+                          *arrays(same_values),
+                          0, store, *plan.arrays, 0.125)
+        assert not np.array_equal(got, in_order)  # the order shows
 
 
 def test_the_kernel_stores_bf16_as_torch_casts_it():
     """Keys and values stored by the kernel into a bf16 cache: torch's cast bit for bit (to
     nearest, ties to even), over ties, halfway values at each exponent, infinities, values that
-    round up to infinity, subnormals and signed zeros; a NaN stays a NaN."""
+    round up to infinity, subnormals and signed zeros; a NaN stays a NaN. Keys below KEY_FLOOR
+    are stored as 0, as attention.store_keys stores them."""
     if not attn.uses_kernel("cpu"):
         pytest.skip("numba is not installed")
     gen = torch.Generator().manual_seed(7)
@@ -230,12 +260,22 @@ def test_the_kernel_stores_bf16_as_torch_casts_it():
     k = bits.to(torch.int32).view(torch.float32)
     k = torch.where(k.isnan(), torch.full_like(k, 2.5), k)
     k[3, 0, 0] = float("nan")
+    k[2, 0, :2] = torch.tensor([2.0**-56, -(2.0**-57)])  # the floor itself is kept, below it is 0
     k_cache, v_cache = attn.new_cache((1,), 3, 64, 64, dtype=torch.bfloat16)
     numba_ops.attend_kernel(torch.zeros(4, 3, 64), k, -k, k_cache, v_cache, 0, 0, np.arange(1, 5),
                             np.full((4, 0), -1))
     stored_k, stored_v = attn.keys_of(k_cache[0], 4).transpose(0, 1), v_cache[0, :, :4, :64].transpose(0, 1)
+    no_nan = torch.where(k.isnan(), 1.0, k)  # the places of a cache's pairs, alike
+    by_kernel, _ = attn.new_cache((1,), 3, 64, 64, dtype=torch.bfloat16)
+    numba_ops.attend_kernel(torch.zeros(4, 3, 64), no_nan, no_nan, by_kernel, v_cache.clone(), 0, 0,
+                            np.arange(1, 5), np.full((4, 0), -1))
+    by_torch = torch.zeros_like(by_kernel)
+    attn.store_keys(by_torch[0], 0, no_nan.transpose(0, 1))
+    assert torch.equal(by_kernel.view(torch.int16), by_torch.view(torch.int16))
     finite = ~k.isnan()
-    assert torch.equal(stored_k[finite].view(torch.int16), k[finite].bfloat16().view(torch.int16))
+    floored = torch.where(k.abs() < attn.KEY_FLOOR, 0, k)
+    assert floored[2, 0, 0] != 0 and floored[2, 0, 1] == 0 and (floored == 0).sum() > (k == 0).sum() + 1
+    assert torch.equal(stored_k[finite].view(torch.int16), floored[finite].bfloat16().view(torch.int16))
     assert torch.equal(stored_v[finite].view(torch.int16), (-k[finite]).bfloat16().view(torch.int16))
     assert stored_k[3, 0, 0].isnan() and stored_v[3, 0, 0].isnan()
 
@@ -257,10 +297,14 @@ def test_the_kernel_takes_fp32_and_bf16_caches_and_the_routine_the_rest(monkeypa
             assert not any(numba_ops.usable(cpu, dtype) for dtype in KV_DTYPES.values())
 
 
-def sequential_scores(keys: np.ndarray, qs: np.ndarray) -> np.ndarray:
-    """s[r, i] = sum over d of qs[r, d] * keys[d, i], added one product after another from 0."""
+def sequential_scores(keys: np.ndarray, qs: np.ndarray, paired: bool = False) -> np.ndarray:
+    """s[r, i] = sum over d of qs[r, d] * keys[d, i], added one product after another from 0;
+    `paired`: each pair's odd dim first, the queries rounded to bf16 (a bf16 cache's scores)."""
     s = np.zeros((qs.shape[0], keys.shape[1]), np.float32)
-    for d in range(keys.shape[0]):
+    if paired:
+        qs = bf16_query(qs)
+    for n in range(keys.shape[0]):
+        d = n ^ 1 if paired else n
         s = s + qs[:, d : d + 1] * keys[d][None, :]
     return s
 
@@ -293,6 +337,8 @@ def test_the_kernels_register_tiles_keep_every_sum_in_order(kv_dtype, lanes, dim
     keys_t = torch.randn(dim, keys, generator=gen).to(KV_DTYPES[kv_dtype])
     values = attn.ones_column(torch.randn(keys, dim, generator=gen)).to(KV_DTYPES[kv_dtype])
     qs = torch.randn(lanes, dim, generator=gen).numpy()
+    if kv_dtype == "bf16":  # the kernel rounds them before its scores (jit/attention.head)
+        qs = bf16_query(qs)
     weights = torch.rand(lanes, keys, generator=gen).numpy()
     counts = np.full(lanes, keys, np.int64)
     if form == "blocks":
@@ -301,7 +347,7 @@ def test_the_kernels_register_tiles_keep_every_sum_in_order(kv_dtype, lanes, dim
                                                                             jit.weighted_sums_blocked)
     whole = -(-keys // attn.KEY_TILE) * attn.KEY_TILE  # the cache's blocks, the last one padded
     cache = numba_ops.cache_array(blocked_keys(F.pad(keys_t, (0, whole - keys))))
-    expected = sequential_scores(keys_t.float().numpy(), qs).view(np.int32).tolist()
+    expected = sequential_scores(keys_t.float().numpy(), qs, kv_dtype == "bf16").view(np.int32).tolist()
     for width in (keys, whole):  # the last block's keys one at a time, or a tile past the last key
         s = np.full((lanes, width), np.nan, np.float32)
         scores(cache, qs, s, 0, keys)
@@ -437,3 +483,67 @@ def test_real_model_chains_and_trees_are_bit_identical_to_steps(routine, kv_dtyp
         steps.rollback(len(past))
         path = [chain_ids[j] for j in tree_path(parents, i)]
         assert torch.equal(logits[i], one_by_one(steps, path)[-1]), i
+
+
+PATH_CHECK = """
+import hashlib, numpy as np, torch
+from specdec.backends.native.kernels import attention as attn
+from specdec.backends.native.kernels import numba_ops
+from specdec.backends.native.kernels.jit import attention as jit, ir
+assert ir.BF16_DOT == {dot}
+gen = torch.Generator().manual_seed(11)
+q, k, v = (torch.randn(5, 9, 64, generator=gen), torch.randn(5, 3, 64, generator=gen),
+           torch.randn(5, 3, 64, generator=gen))
+k_cache, v_cache = attn.new_cache((1,), 3, 400, 64, dtype=torch.bfloat16)
+keys = torch.randn(3, 400, 64, generator=gen)
+keys[:, ::3] *= 2.0**-70  # products below fp32's normal range but for KEY_FLOOR
+q[:, :4] *= 2.0**-70
+attn.store_keys(k_cache[0], 0, keys)
+v_cache[0, :, :400, :64] = torch.randn(3, 400, 64, generator=gen).bfloat16()
+digest = hashlib.sha256()
+cache = numba_ops.cache_array(k_cache)
+scaled = q[:, 0].numpy() * 0.125  # head 0 of each query, as attend scales it
+qs = np.array([[jit.query_value(np.float32(x), cache) for x in row] for row in scaled], np.float32)
+for score in (jit.scores, jit.scores_blocked):  # the scores themselves
+    s = np.zeros((5, 400), np.float32)
+    score(cache[0, 0], qs, s, 0, 400)
+    digest.update(s.tobytes())
+for plan, store in ((attn.plan_chain(390, 5, 3, "cpu", True), 385),
+                    (attn.plan_tree(380, [-1, 0, 0, 1, 2], [0, 1, 1, 2, 2], 3, "cpu", True), -1)):
+    caches = [numba_ops.cache_array(c.clone()) for c in (k_cache, v_cache)]
+    for threads in (1, 2):
+        out = jit.attend_parallel(q.numpy(), k.numpy(), v.numpy(), *caches, 0, store, *plan.arrays, 0.125,
+                                  threads)
+        digest.update(out.tobytes())
+    digest.update(caches[0].tobytes())
+print(digest.hexdigest())
+"""
+
+
+@pytest.mark.slow
+def test_both_instruction_paths_of_the_bf16_scores_give_the_same_bits():
+    """vdpbf16ps (AVX-512 BF16) and its replica in fp32 multiplies and adds, each compiled in a
+    process of its own, over keys and queries small enough that, but for KEY_FLOOR, partial
+    sums would be subnormal (which vdpbf16ps flushes): the same outputs and stored keys."""
+    if not attn.uses_kernel("cpu"):
+        pytest.skip("numba is not installed")
+    from specdec.backends.native.kernels.jit import ir
+
+    paths = ["0"] + (["1"] if ir.BF16_DOT else [])
+    digests = set()
+    for dot in paths:
+        env = {**os.environ, ir.BF16_DOT_ENV: dot}
+        done = subprocess.run([sys.executable, "-c", PATH_CHECK.format(dot=dot == "1")], env=env,
+                              capture_output=True, text=True, cwd=Path(__file__).parent.parent, timeout=600)
+        assert done.returncode == 0, f"{dot}: {done.stderr[-2000:]}"
+        digests.add(done.stdout.strip())
+    assert len(digests) == 1, digests
+    if not ir.BF16_DOT:
+        pytest.skip("this CPU has no AVX-512 BF16: only the replica ran")
+
+
+def test_the_bf16_scores_path_follows_the_cpu_features():
+    from specdec.backends.native.kernels.jit.ir import bf16_dot_for
+
+    assert bf16_dot_for("+avx2,+avx512bf16,+avx512vnni")
+    assert not bf16_dot_for("+avx2,-avx512bf16,+avx512vnni") and not bf16_dot_for("+neon,+bf16")

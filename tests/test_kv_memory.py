@@ -76,15 +76,24 @@ def test_the_window_is_the_models_own_by_default(model):
 
 
 def test_a_heads_keys_are_one_stretch_of_memory_in_blocks(model):
-    """Keys [layers, slots, kv_heads, length / 16, dim, 16]: position p in block p // 16, column
-    p % 16, so a head's keys are one stretch that a pass reads as one stream."""
-    pool = model.new_pool(slots=2, kv_dtype=torch.bfloat16)
-    assert pool.k.is_contiguous()
-    assert pool.k.shape[3:] == (padded_length(pool.max_length) // KEY_TILE, pool.k.shape[4], KEY_TILE)
-    keys = torch.randn(pool.k.shape[2], 40, pool.k.shape[4]).bfloat16()  # [kv_heads, 40, dim]
-    store_keys(pool.k[0, 1], 5, keys)
-    assert torch.equal(pool.k[0, 1, :, 39 // KEY_TILE, :, 39 % KEY_TILE], keys[:, 39 - 5])  # position 39
-    assert torch.equal(keys_of(pool.k[0, 1], 45)[:, 5:], keys) and not pool.k[0, 0].any()
+    """Keys [layers, slots, kv_heads, length / 16, dim, 16]: position p in block p // 16, so a
+    head's keys are one stretch that a pass reads as one stream. An fp32 block holds dim d of
+    its keys in row d; a bf16 block holds pairs, dims 2j and 2j + 1 of key c at flat 32j + 2c
+    and 32j + 2c + 1 (vdpbf16ps's operand: 16 keys' pair j in one stretch of 64 bytes)."""
+    for dtype in (torch.bfloat16, torch.float32):
+        pool = model.new_pool(slots=2, kv_dtype=dtype)
+        assert pool.k.is_contiguous()
+        assert pool.k.shape[3:] == (padded_length(pool.max_length) // KEY_TILE, pool.k.shape[4], KEY_TILE)
+        keys = torch.randn(pool.k.shape[2], 40, pool.k.shape[4]).to(dtype)  # [kv_heads, 40, dim]
+        store_keys(pool.k[0, 1], 5, keys)
+        block = pool.k[0, 1, :, 39 // KEY_TILE]  # position 39: column 7 of its block
+        if dtype == torch.bfloat16:
+            flat = block.flatten(-2)
+            assert torch.equal(flat[:, 2 * 7 :: 2 * KEY_TILE], keys[:, 39 - 5, 0::2])  # even dims
+            assert torch.equal(flat[:, 2 * 7 + 1 :: 2 * KEY_TILE], keys[:, 39 - 5, 1::2])
+        else:
+            assert torch.equal(block[:, :, 7], keys[:, 39 - 5])
+        assert torch.equal(keys_of(pool.k[0, 1], 45)[:, 5:], keys) and not pool.k[0, 0].any()
 
 
 def test_keys_past_a_sequence_in_its_last_block_are_never_read(model):

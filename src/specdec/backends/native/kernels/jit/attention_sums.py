@@ -6,7 +6,9 @@ so a lane's bits do not depend on which lanes share the pass (jit/attention.py r
 The keys come in the cache's blocks of TILE keys, [blocks, dim, TILE] (kernels/attention.py's
 `new_cache`): a block is one stretch of memory, so a pass over a head's keys is one stream the
 CPU's prefetcher follows (keys transposed whole, [dim, length], were head_dim streams, more than
-it follows). Two forms of each reduction, with the same bits:
+it follows). A bf16 cache's blocks hold pairs of dims, and its scores add a pair's odd product
+first over queries rounded to bf16 (`query_value`, `dim_order`, `key_at`; the pair tiles of
+attention_tiles.py). Two forms of each reduction, with the same bits:
 - `scores` and `weighted_sums` pass over the cache's own keys and values, up to four lanes at
   a time (the register tiles of jit/attention_tiles.py widen bf16 elements as they load them);
 - `scores_blocked` and `weighted_sums_blocked`, for many lanes (a chain, a prompt, a tree),
@@ -27,10 +29,13 @@ from specdec.backends.native.kernels.jit.attention_tiles import (
     block_sum_tiles1,
     block_sum_tiles3,
     block_sum_tiles4,
+    pair_score_tiles1,
+    pair_score_tiles3,
+    pair_score_tiles4,
     sum_tiles3,
     sum_tiles4,
 )
-from specdec.backends.native.kernels.jit.kv import load
+from specdec.backends.native.kernels.jit.kv import encode, load
 
 KEY_BLOCK = 64  # keys (or value rows) widened at a time: 64 x 64 dims in fp32 is 16 KiB, half an L1
 BLOCKED_LANES = 12  # lanes from which a widened block pays for its copy (below, the tiles widen as they load)
@@ -49,16 +54,91 @@ def _long_fp32(cache, keys):  # pragma: no cover - compiled
     return cache.itemsize == 4 and keys >= FP32_STREAM_KEYS
 
 
+KEY_FLOOR = np.float32(2.0**-56)  # kernels/attention.KEY_FLOOR: a bf16 cache's keys and queries below: 0
+
+
+@njit(cache=True, nogil=True, inline="always")
+def key_element(x, cache):  # pragma: no cover - compiled
+    """The element `cache` stores for key value x: over a bf16 cache, 0 below KEY_FLOOR (no
+    product of a score is then subnormal, nor any sum of them), else torch's cast (kv.encode)."""
+    if cache.itemsize == 2 and abs(x) < KEY_FLOOR:
+        x = np.float32(0)
+    return encode(x, cache)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def query_value(x, cache):  # pragma: no cover - compiled
+    """A scaled query's element as the scores take it: itself over an fp32 cache; over a bf16
+    one, rounded to bf16 like a key (key_element), since vdpbf16ps multiplies bf16 by bf16."""
+    if cache.itemsize == 4:
+        return x
+    return load(key_element(x, cache))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def key_slot(d, column):  # pragma: no cover - compiled
+    """(row, column) of a bf16 block [dim, TILE] that holds key `column`'s dim d (key_at)."""
+    flat = (d // 2) * 2 * TILE + 2 * column + (d & 1)
+    return flat // TILE, flat % TILE
+
+
+@njit(cache=True, nogil=True, inline="always")
+def dim_order(d, paired):  # pragma: no cover - compiled
+    """The d-th dim a score adds: in order, or over a bf16 cache each pair's odd dim first
+    (vdpbf16ps's order: attention_tiles._pair_products)."""
+    return d ^ 1 if paired else d
+
+
+@njit(cache=True, nogil=True, inline="always")
+def key_at(block, column, d):  # pragma: no cover - compiled
+    """Key `column`'s dim d of a block [dim, TILE] of the cache, as fp32: an fp32 block holds
+    dim d in row d; a bf16 block holds pairs, row 2p .. 2p + 1 the TILE keys' dims 2p and
+    2p + 1 side by side (kernels/attention.py)."""
+    if block.itemsize == 4:
+        return load(block[d, column])
+    row, at = key_slot(d, column)
+    return load(block[row, at])
+
+
 @njit(cache=True, nogil=True, inline="always")
 def _score_keys(keys, qs, s, lo, count):  # pragma: no cover - compiled
     """s[r, i] for every lane r and the keys lo <= i < count one at a time (the keys outside
     whole blocks): a tile's sums, in its order."""
+    paired = keys.itemsize == 2
     for r in range(qs.shape[0]):
         for i in range(lo, count):
             block, column, x = i // TILE, i % TILE, np.float32(0)
-            for d in range(qs.shape[1]):
-                x += qs[r, d] * load(keys[block, d, column])
+            for n in range(qs.shape[1]):
+                d = dim_order(n, paired)
+                x += qs[r, d] * key_at(keys[block], column, d)
             s[r, i] = x
+
+
+@njit(cache=True, nogil=True)
+def query_pairs(qs):  # pragma: no cover - compiled
+    """qs [lanes, dim] (each a bf16 value) -> [lanes, dim / 2] uint32: dims 2p and 2p + 1 as
+    one pair of bf16, the even dim in the low half (vdpbf16ps's operand)."""
+    bits, half = qs.view(np.uint32), qs.shape[1] // 2
+    pairs = np.empty((qs.shape[0], half), np.uint32)
+    for r in range(qs.shape[0]):
+        for p in range(half):
+            pairs[r, p] = (bits[r, 2 * p] >> np.uint32(16)) | (bits[r, 2 * p + 1] & np.uint32(0xFFFF0000))
+    return pairs
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _score_pair_block(block, pairs, s, first):  # pragma: no cover - compiled
+    """Every lane's scores over one block of a bf16 cache, keys first .. first + TILE - 1: four
+    lanes a tile, then the last three together or one at a time (as _score_block)."""
+    lanes = pairs.shape[0]
+    quads = lanes // 4 * 4
+    for r in range(0, quads, 4):
+        pair_score_tiles4(block, pairs, s, r, first)
+    if lanes - quads == 3:
+        pair_score_tiles3(block, pairs, s, quads, first)
+    else:
+        for r in range(quads, lanes):
+            pair_score_tiles1(block, pairs, s, r, first)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -94,8 +174,13 @@ def scores(keys, qs, s, lo, count):  # pragma: no cover - compiled
     (no query reads those); where s ends inside the last block, that block's keys go one at a
     time."""
     first, last = _tiled(lo, count, s.shape[1])
-    for block in range(first // TILE, last // TILE):
-        _score_block(keys[block], qs, s, TILE, block * TILE)
+    if keys.itemsize == 2:  # a bf16 cache's pairs
+        pairs = query_pairs(qs)
+        for block in range(first // TILE, last // TILE):
+            _score_pair_block(keys[block], pairs, s, block * TILE)
+    else:
+        for block in range(first // TILE, last // TILE):
+            _score_block(keys[block], qs, s, TILE, block * TILE)
     _score_keys(keys, qs, s, max(lo, last), count)
 
 
@@ -222,7 +307,10 @@ def _widen_values(values, first, n, block):  # pragma: no cover - compiled
 @njit(cache=True, nogil=True)
 def scores_blocked(keys, qs, s, lo, count):  # pragma: no cover - compiled
     """`scores`, with the same bits: its blocks of keys widened to fp32 KEY_BLOCK keys at a
-    time, once for every lane."""
+    time, once for every lane (an fp32 cache; a bf16 cache's pair tiles widen nothing)."""
+    if keys.itemsize == 2:
+        scores(keys, qs, s, lo, count)
+        return
     first, last = _tiled(lo, count, s.shape[1])
     block = np.empty((qs.shape[1], KEY_BLOCK), np.float32)
     for start in range(first, last, KEY_BLOCK):

@@ -12,6 +12,12 @@ block: from memory the first pass over a block otherwise waits on every row). Ea
 still the same separately rounded products added one after another in the same order, from 0
 or from what the accumulator held, so a lane's bits are those of the loops they replace, on
 any CPU (the vectors only say how many sums run side by side).
+
+A bf16 cache's scores take `pair_score_tiles`: 16 keys' pair of dims is one 64-byte load, and
+vdpbf16ps (AVX-512 BF16) adds a query's two bf16 products to each key's sum, the odd dim's first,
+each exact and rounded once, at twice the fp32 rate. Elsewhere the same products go through fp32
+multiplies and adds in that order (`BF16_DOT`, jit/ir.py): the same bits, since no input is
+subnormal (kernels/attention.KEY_FLOOR), which is all vdpbf16ps treats otherwise.
 """
 
 from __future__ import annotations
@@ -21,7 +27,14 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from specdec.backends.native.kernels.jit.ir import data_pointer, prefetch, splat_value, vec
+from specdec.backends.native.kernels.jit.ir import (
+    BF16_DOT,
+    call_intrinsic,
+    data_pointer,
+    prefetch,
+    splat_value,
+    vec,
+)
 
 TILE = 16  # keys per score tile and per block of the key cache (kernels/attention.KEY_TILE); columns
 # per weighted-sum tile: two vectors of 8
@@ -101,6 +114,93 @@ def _score_tiles(lanes: int):
         return types.void(keys_t, qs, s, r, lo, end, shift), codegen
 
     return score_tiles
+
+
+class _BFloat(ir.types.Type):
+    """LLVM's bfloat, which llvmlite does not name: only the operand type of vdpbf16ps."""
+
+    null = "0.0"
+
+    def _to_string(self):
+        return "bfloat"
+
+    def __eq__(self, other):
+        return isinstance(other, _BFloat)
+
+    def __hash__(self):
+        return hash("bfloat")
+
+
+V16, I16x = vec(f32, 2 * WIDTH), vec(i32, 2 * WIDTH)
+HIGH_HALF = ir.Constant(vec(i32, WIDTH), [-65536] * WIDTH)  # 0xFFFF0000: a pair's odd dim as a float
+
+
+def _pair_products(b, accs, keys, pair):
+    """accs (<16 x float> with vdpbf16ps, else two <8 x float>) <- accs + the odd dims'
+    products, then + the even dims': keys <16 x i32> (16 keys' bf16 dims 2p and 2p + 1),
+    pair i32 (a query's). vdpbf16ps adds the two products one after the other, each exact
+    and rounded once (its inputs are never subnormal: kernels/attention.py's KEY_FLOOR), which
+    is what the fp32 multiplies and adds do."""
+    if BF16_DOT:
+        bf = vec(_BFloat(), 4 * WIDTH)
+        spread = b.bitcast(splat_value(b, pair, 2 * WIDTH), bf)
+        total = call_intrinsic(b, "llvm.x86.avx512bf16.dpbf16ps.512", V16,
+                               [b.load(accs[0]), b.bitcast(keys, bf), spread])
+        b.store(total, accs[0])
+        return
+    q = splat_value(b, pair, WIDTH)
+    q_odd, q_even = (b.bitcast(b.and_(q, HIGH_HALF), V8),
+                     b.bitcast(b.shl(q, ir.Constant(vec(i32, WIDTH), [16] * WIDTH)), V8))
+    for h in range(2):
+        picks = ir.Constant(vec(i32, WIDTH), list(range(WIDTH * h, WIDTH * h + WIDTH)))
+        half = b.shuffle_vector(keys, keys, picks)
+        k_odd = b.bitcast(b.and_(half, HIGH_HALF), V8)
+        k_even = b.bitcast(b.shl(half, ir.Constant(vec(i32, WIDTH), [16] * WIDTH)), V8)
+        _add_product(b, accs[h], q_odd, k_odd)
+        _add_product(b, accs[h], q_even, k_even)
+
+
+def _nothing(context, b, sig, args):
+    return context.get_dummy_value()
+
+
+def _pair_score_tiles(lanes: int):
+    @intrinsic
+    def pair_score_tiles(typingctx, block, pairs, s, r, shift):
+        """s[r + x, shift + i] for the `lanes` lanes x and the TILE keys i of a bf16 cache's
+        block [dim, TILE] (held as dim / 2 rows of TILE keys' pairs of dims: kernels/attention.py),
+        over the pairs p in order: + q[2p + 1] * k[2p + 1], then + q[2p] * k[2p], from 0. pairs
+        [lanes, dim / 2] uint32: each lane's query as bf16 pairs."""
+        if not _row_major(block, pairs, s) or pairs.dtype != types.uint32:
+            return None
+        if block.dtype != types.uint16:  # an fp32 cache's kernels type this call, never make it
+            return types.void(block, pairs, s, r, shift), _nothing
+
+        def codegen(context, b, sig, args):
+            ((kp, _), (qp, half_dim), (sp, sstride)) = [_array(context, b, sig, args, k) for k in range(3)]
+            rows = [b.add(args[3], ir.Constant(i64, x)) for x in range(lanes)]
+            kind, width = (V16, 1) if BF16_DOT else (V8, 2)  # a lane's 16 sums: one vector, or two
+            accs = [[cgutils.alloca_once(b, kind) for _ in range(width)] for _ in range(lanes)]
+            for lane in accs:
+                for slot in lane:
+                    b.store(ir.Constant(slot.type.pointee, None), slot)
+            with cgutils.for_range(b, half_dim) as loop:
+                p = loop.index
+                at = b.gep(kp, [b.mul(p, ir.Constant(i64, 2 * TILE))])
+                keys = b.load(b.bitcast(at, I16x.as_pointer()), align=4)
+                for x in range(lanes):
+                    pair = b.load(b.gep(qp, [b.add(b.mul(rows[x], half_dim), p)]))
+                    _pair_products(b, accs[x], keys, pair)
+            for x in range(lanes):
+                for h, slot in enumerate(accs[x]):
+                    column = b.add(args[4], ir.Constant(i64, WIDTH * h))
+                    at = b.gep(sp, [b.add(b.mul(rows[x], sstride), column)])
+                    b.store(b.load(slot), b.bitcast(at, slot.type.pointee.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return types.void(block, pairs, s, r, shift), codegen
+
+    return pair_score_tiles
 
 
 def _sum_tiles(lanes: int):
@@ -201,3 +301,5 @@ sum_tiles4, sum_tiles3 = _sum_tiles(4), _sum_tiles(3)
 block_score_tiles4, block_score_tiles3, block_score_tiles1 = _score_tiles(4), _score_tiles(3), _score_tiles(1)
 block_sum_tiles4, block_sum_tiles3, block_sum_tiles1 = (_block_sum_tiles(4), _block_sum_tiles(3),
                                                        _block_sum_tiles(1))
+pair_score_tiles4, pair_score_tiles3, pair_score_tiles1 = (_pair_score_tiles(4), _pair_score_tiles(3),
+                                                          _pair_score_tiles(1))

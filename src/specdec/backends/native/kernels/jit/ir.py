@@ -77,7 +77,31 @@ def _target_dot() -> str:
 
 
 DOT = _target_dot()
+BF16_DOT_ENV = "SPECDEC_BF16_DOT"
 
+
+def _target_bf16_dot() -> bool:
+    """Whether the attention's bf16 score tiles use vdpbf16ps (AVX-512 BF16) or its replica in
+    fp32 multiplies and adds (the same bits: jit/attention_tiles.py). SPECDEC_BF16_DOT=0 or 1
+    forces one (the tests compile both; the cache folder's name includes it, jit/__init__.py)."""
+    forced = os.environ.get(BF16_DOT_ENV)
+    if forced:
+        if forced not in ("0", "1"):
+            raise ValueError(f"{BF16_DOT_ENV}={forced!r}: expected 0 or 1")
+        return forced == "1"
+    if config.CPU_FEATURES is not None:
+        return bf16_dot_for(config.CPU_FEATURES)
+    if config.CPU_NAME is not None:
+        return False
+    return bf16_dot_for(binding.get_host_cpu_features().flatten())
+
+
+def bf16_dot_for(features: str) -> bool:
+    """Whether an LLVM feature string ("+avx512bf16,-amx-tile,...") has vdpbf16ps."""
+    return "+avx512bf16" in features.split(",")
+
+
+BF16_DOT = _target_bf16_dot()
 
 CACHE = "SPECDEC_INT8_DOT" not in os.environ  # a forced path must not land in the shared cache
 
