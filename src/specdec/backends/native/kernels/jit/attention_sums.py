@@ -32,9 +32,11 @@ from specdec.backends.native.kernels.jit.attention_tiles import (
     pair_score_tiles1,
     pair_score_tiles3,
     pair_score_tiles4,
+    pair_score_tiles8,
     sum_tiles3,
     sum_tiles4,
 )
+from specdec.backends.native.kernels.jit.ir import BF16_DOT
 from specdec.backends.native.kernels.jit.kv import encode, load
 
 KEY_BLOCK = 64  # keys (or value rows) widened at a time: 64 x 64 dims in fp32 is 16 KiB, half an L1
@@ -128,11 +130,14 @@ def query_pairs(qs):  # pragma: no cover - compiled
 
 @njit(cache=True, nogil=True, inline="always")
 def _score_pair_block(block, pairs, s, first):  # pragma: no cover - compiled
-    """Every lane's scores over one block of a bf16 cache, keys first .. first + TILE - 1: four
-    lanes a tile, then the last three together or one at a time (as _score_block)."""
+    """Every lane's scores over one block of a bf16 cache, keys first .. first + TILE - 1: eight
+    lanes a tile with vdpbf16ps, then four, then the last three together or one at a time."""
     lanes = pairs.shape[0]
-    quads = lanes // 4 * 4
-    for r in range(0, quads, 4):
+    octets = lanes // 8 * 8 if BF16_DOT else 0  # 8 lanes' sums fit zmm registers, not ymm ones
+    for r in range(0, octets, 8):
+        pair_score_tiles8(block, pairs, s, r, first)
+    quads = octets + (lanes - octets) // 4 * 4
+    for r in range(octets, quads, 4):
         pair_score_tiles4(block, pairs, s, r, first)
     if lanes - quads == 3:
         pair_score_tiles3(block, pairs, s, quads, first)

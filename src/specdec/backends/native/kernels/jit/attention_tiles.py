@@ -301,5 +301,5 @@ sum_tiles4, sum_tiles3 = _sum_tiles(4), _sum_tiles(3)
 block_score_tiles4, block_score_tiles3, block_score_tiles1 = _score_tiles(4), _score_tiles(3), _score_tiles(1)
 block_sum_tiles4, block_sum_tiles3, block_sum_tiles1 = (_block_sum_tiles(4), _block_sum_tiles(3),
                                                        _block_sum_tiles(1))
-pair_score_tiles4, pair_score_tiles3, pair_score_tiles1 = (_pair_score_tiles(4), _pair_score_tiles(3),
-                                                          _pair_score_tiles(1))
+pair_score_tiles8, pair_score_tiles4 = _pair_score_tiles(8), _pair_score_tiles(4)
+pair_score_tiles3, pair_score_tiles1 = _pair_score_tiles(3), _pair_score_tiles(1)
