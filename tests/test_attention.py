@@ -1,8 +1,9 @@
 """The batch-invariant attention routine (backends/native/attention.py): a query's bits do not
 depend on how many queries share the call, for chains, token trees and batched rows, on tiny
 random models and on the real one; and it is attention (it matches SDPA within rounding).
-Each holds for an fp32 and a bf16 cache (`kv_dtype`); the kernel over a bf16 cache gives the
-bits of the kernel over an fp32 cache holding the same values."""
+Each holds for an fp32 and a bf16 cache (`kv_dtype`); over a bf16 cache the kernel's scores
+take bf16 queries and each pair of dims' odd product first (the fp32 kernel's bits for those
+values in that order), with the same bits on both of its instruction paths."""
 
 from __future__ import annotations
 
