@@ -7,11 +7,6 @@ values in that order), with the same bits on both of its instruction paths."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -63,12 +58,6 @@ def bf16_query(qs: np.ndarray) -> np.ndarray:
     """Queries as the kernel scores them against a bf16 cache: 0 below KEY_FLOOR, else bf16."""
     q = torch.from_numpy(qs)
     return torch.where(q.abs() < attn.KEY_FLOOR, 0, q).bfloat16().float().numpy()
-
-
-def swapped_pairs(x: torch.Tensor) -> torch.Tensor:
-    """The last dim's pairs swapped (dims 1, 0, 3, 2, ...): a bf16 cache's order of a score's
-    products, as an fp32 kernel adds them in order."""
-    return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
 
 
 KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the caches the kernel reads
@@ -204,81 +193,6 @@ def test_a_tree_node_gets_the_bits_of_its_path_attended_step_by_step(routine, kv
             out = attn.attention(q[node : node + 1], k[node : node + 1], v[node : node + 1], k_cache, v_cache,
                                  [step], True)
         assert torch.equal(tree[i], out[0]), i
-
-
-@pytest.mark.parametrize("threads", ["attend", "attend_parallel"])
-def test_the_kernel_scores_a_bf16_cache_in_pairs_of_bf16_products(threads):
-    """Over a bf16 cache a score multiplies bf16 queries by bf16 keys, each pair of dims' odd
-    product first (vdpbf16ps's order), and the rest is the fp32 kernel's arithmetic: the bits of
-    the fp32 kernel given the rounded queries, keys and values with each pair of dims swapped,
-    for chains and trees, stored (store >= 0, as the one-call layers store a tree's nodes) or
-    not; what it stores is torch's cast."""
-    if not attn.uses_kernel("cpu"):
-        pytest.skip("numba is not installed")
-    import specdec.backends.native.kernels.jit.attention as jit
-
-    kernel, gen = getattr(jit, threads), torch.Generator().manual_seed(5)
-
-    def attend(*args):
-        return kernel(*args, 2) if threads == "attend_parallel" else kernel(*args)
-
-    q, k, v = (torch.randn(6, 9, 64, generator=gen), torch.randn(6, 3, 64, generator=gen),
-               torch.randn(6, 3, 64, generator=gen))
-    bf16 = random_cache(3, 1200, 64, seed=6, dtype=torch.bfloat16)
-    plans = ((attn.plan_chain(1100, 6, 3, "cpu", True), 1094),
-             (attn.plan_chain(1100, 6, 3, "cpu", True, window=300), 1094),
-             (attn.plan_tree(1000, [-1, 0, 0, 1, 2, 2], [0, 1, 1, 2, 2, 2], 3, "cpu", True), -1),
-             (attn.plan_tree(1000, [-1, 0, 1, -1, 3, 3], [0, 1, 2, 0, 1, 1], 3, "cpu", True), 1000))
-    rounded_q = swapped_pairs(torch.from_numpy(bf16_query(q.numpy()))).numpy()  # scale 1/8: exact
-    rounded = [swapped_pairs(k.bfloat16().float()).numpy(), v.bfloat16().float().numpy()]
-    for plan, store in plans:
-        narrow = [c.clone() for c in bf16]
-        wide = [blocked_keys(swapped_pairs(attn.keys_of(bf16[0], 1200).float()).transpose(-2, -1)),
-                bf16[1].float()]
-        got = attend(q.numpy(), k.numpy(), v.numpy(), *arrays(narrow), 0, store, *plan.arrays, 0.125)
-        want = attend(rounded_q, *rounded, *arrays(wide), 0, store, *plan.arrays, 0.125)
-        assert np.array_equal(got, want), (plan.paths.shape, store)
-        stored = swapped_pairs(attn.keys_of(narrow[0], 1200).float())
-        assert torch.equal(stored, attn.keys_of(wide[0], 1200)) and torch.equal(narrow[1].float(), wide[1])
-        same_values = [blocked_keys(attn.keys_of(bf16[0], 1200).float().transpose(-2, -1)), bf16[1].float()]
-        in_order = attend(bf16_query(q.numpy()), k.bfloat16().float().numpy(), rounded[1],
-                          *arrays(same_values),
-                          0, store, *plan.arrays, 0.125)
-        assert not np.array_equal(got, in_order)  # the order shows
-
-
-def test_the_kernel_stores_bf16_as_torch_casts_it():
-    """Keys and values stored by the kernel into a bf16 cache: torch's cast bit for bit (to
-    nearest, ties to even), over ties, halfway values at each exponent, infinities, values that
-    round up to infinity, subnormals and signed zeros; a NaN stays a NaN. Keys below KEY_FLOOR
-    are stored as 0, as attention.store_keys stores them."""
-    if not attn.uses_kernel("cpu"):
-        pytest.skip("numba is not installed")
-    gen = torch.Generator().manual_seed(7)
-    bits = torch.randint(-(2**31), 2**31, (4, 3, 64), generator=gen, dtype=torch.int64)
-    bits[0] = (bits[0] & ~0xFFFF) | 0x8000  # exact ties: even and odd high halves
-    bits[1, 0, :8] = torch.tensor([0x7F800000, -0x800000, 0x7F7FFFFF, 0x7F7F8000, 1, 0x8000, 0, -(2**31)])
-    k = bits.to(torch.int32).view(torch.float32)
-    k = torch.where(k.isnan(), torch.full_like(k, 2.5), k)
-    k[3, 0, 0] = float("nan")
-    k[2, 0, :2] = torch.tensor([2.0**-56, -(2.0**-57)])  # the floor itself is kept, below it is 0
-    k_cache, v_cache = attn.new_cache((1,), 3, 64, 64, dtype=torch.bfloat16)
-    numba_ops.attend_kernel(torch.zeros(4, 3, 64), k, -k, k_cache, v_cache, 0, 0, np.arange(1, 5),
-                            np.full((4, 0), -1))
-    stored_k, stored_v = attn.keys_of(k_cache[0], 4).transpose(0, 1), v_cache[0, :, :4, :64].transpose(0, 1)
-    no_nan = torch.where(k.isnan(), 1.0, k)  # the places of a cache's pairs, alike
-    by_kernel, _ = attn.new_cache((1,), 3, 64, 64, dtype=torch.bfloat16)
-    numba_ops.attend_kernel(torch.zeros(4, 3, 64), no_nan, no_nan, by_kernel, v_cache.clone(), 0, 0,
-                            np.arange(1, 5), np.full((4, 0), -1))
-    by_torch = torch.zeros_like(by_kernel)
-    attn.store_keys(by_torch[0], 0, no_nan.transpose(0, 1))
-    assert torch.equal(by_kernel.view(torch.int16), by_torch.view(torch.int16))
-    finite = ~k.isnan()
-    floored = torch.where(k.abs() < attn.KEY_FLOOR, 0, k)
-    assert floored[2, 0, 0] != 0 and floored[2, 0, 1] == 0 and (floored == 0).sum() > (k == 0).sum() + 1
-    assert torch.equal(stored_k[finite].view(torch.int16), floored[finite].bfloat16().view(torch.int16))
-    assert torch.equal(stored_v[finite].view(torch.int16), (-k[finite]).bfloat16().view(torch.int16))
-    assert stored_k[3, 0, 0].isnan() and stored_v[3, 0, 0].isnan()
 
 
 def test_the_kernel_takes_fp32_and_bf16_caches_and_the_routine_the_rest(monkeypatch):
@@ -484,67 +398,3 @@ def test_real_model_chains_and_trees_are_bit_identical_to_steps(routine, kv_dtyp
         steps.rollback(len(past))
         path = [chain_ids[j] for j in tree_path(parents, i)]
         assert torch.equal(logits[i], one_by_one(steps, path)[-1]), i
-
-
-PATH_CHECK = """
-import hashlib, numpy as np, torch
-from specdec.backends.native.kernels import attention as attn
-from specdec.backends.native.kernels import numba_ops
-from specdec.backends.native.kernels.jit import attention as jit, ir
-assert ir.BF16_DOT == {dot}
-gen = torch.Generator().manual_seed(11)
-q, k, v = (torch.randn(5, 9, 64, generator=gen), torch.randn(5, 3, 64, generator=gen),
-           torch.randn(5, 3, 64, generator=gen))
-k_cache, v_cache = attn.new_cache((1,), 3, 400, 64, dtype=torch.bfloat16)
-keys = torch.randn(3, 400, 64, generator=gen)
-keys[:, ::3] *= 2.0**-70  # products below fp32's normal range but for KEY_FLOOR
-q[:, :4] *= 2.0**-70
-attn.store_keys(k_cache[0], 0, keys)
-v_cache[0, :, :400, :64] = torch.randn(3, 400, 64, generator=gen).bfloat16()
-digest = hashlib.sha256()
-cache = numba_ops.cache_array(k_cache)
-scaled = q[:, 0].numpy() * 0.125  # head 0 of each query, as attend scales it
-qs = np.array([[jit.query_value(np.float32(x), cache) for x in row] for row in scaled], np.float32)
-for score in (jit.scores, jit.scores_blocked):  # the scores themselves
-    s = np.zeros((5, 400), np.float32)
-    score(cache[0, 0], qs, s, 0, 400)
-    digest.update(s.tobytes())
-for plan, store in ((attn.plan_chain(390, 5, 3, "cpu", True), 385),
-                    (attn.plan_tree(380, [-1, 0, 0, 1, 2], [0, 1, 1, 2, 2], 3, "cpu", True), -1)):
-    caches = [numba_ops.cache_array(c.clone()) for c in (k_cache, v_cache)]
-    for threads in (1, 2):
-        out = jit.attend_parallel(q.numpy(), k.numpy(), v.numpy(), *caches, 0, store, *plan.arrays, 0.125,
-                                  threads)
-        digest.update(out.tobytes())
-    digest.update(caches[0].tobytes())
-print(digest.hexdigest())
-"""
-
-
-@pytest.mark.slow
-def test_both_instruction_paths_of_the_bf16_scores_give_the_same_bits():
-    """vdpbf16ps (AVX-512 BF16) and its replica in fp32 multiplies and adds, each compiled in a
-    process of its own, over keys and queries small enough that, but for KEY_FLOOR, partial
-    sums would be subnormal (which vdpbf16ps flushes): the same outputs and stored keys."""
-    if not attn.uses_kernel("cpu"):
-        pytest.skip("numba is not installed")
-    from specdec.backends.native.kernels.jit import ir
-
-    paths = ["0"] + (["1"] if ir.BF16_DOT else [])
-    digests = set()
-    for dot in paths:
-        env = {**os.environ, ir.BF16_DOT_ENV: dot}
-        done = subprocess.run([sys.executable, "-c", PATH_CHECK.format(dot=dot == "1")], env=env,
-                              capture_output=True, text=True, cwd=Path(__file__).parent.parent, timeout=600)
-        assert done.returncode == 0, f"{dot}: {done.stderr[-2000:]}"
-        digests.add(done.stdout.strip())
-    assert len(digests) == 1, digests
-    if not ir.BF16_DOT:
-        pytest.skip("this CPU has no AVX-512 BF16: only the replica ran")
-
-
-def test_the_bf16_scores_path_follows_the_cpu_features():
-    from specdec.backends.native.kernels.jit.ir import bf16_dot_for
-
-    assert bf16_dot_for("+avx2,+avx512bf16,+avx512vnni")
-    assert not bf16_dot_for("+avx2,-avx512bf16,+avx512vnni") and not bf16_dot_for("+neon,+bf16")
