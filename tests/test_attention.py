@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from conftest import tiny_llama
 from specdec.backends import make_backend
 from specdec.backends.native.kernels import attention as attn
-from specdec.backends.native.kernels import numba_ops
+from specdec.backends.native.kernels import kv_layout, numba_ops
 from specdec.backends.native.model.config import KVRow
 from specdec.tree import depth_first, tree_depths, tree_path
 
@@ -49,15 +49,16 @@ def blocked_keys(keys_t: torch.Tensor, dtype=None) -> torch.Tensor:
     """Keys [..., dim, L] (L a multiple of KEY_TILE) in the cache's blocks [..., L / 16, dim, 16]
     (a bf16 cache's blocks hold pairs of dims: attention.store_keys)."""
     *lead, dim, length = keys_t.shape
-    blocks = torch.zeros(*lead, length // attn.KEY_TILE, dim, attn.KEY_TILE, dtype=dtype or keys_t.dtype)
-    attn.store_keys(blocks, 0, keys_t.transpose(-2, -1))
+    tile = kv_layout.KEY_TILE
+    blocks = torch.zeros(*lead, length // tile, dim, tile, dtype=dtype or keys_t.dtype)
+    kv_layout.store_keys(blocks, 0, keys_t.transpose(-2, -1))
     return blocks
 
 
 def bf16_query(qs: np.ndarray) -> np.ndarray:
-    """Queries as the kernel scores them against a bf16 cache: 0 below KEY_FLOOR, else bf16."""
+    """Queries as the kernel scores them against a bf16 cache: 0 below PAIR_FLOOR, else bf16."""
     q = torch.from_numpy(qs)
-    return torch.where(q.abs() < attn.KEY_FLOOR, 0, q).bfloat16().float().numpy()
+    return torch.where(q.abs() < kv_layout.PAIR_FLOOR, 0, q).bfloat16().float().numpy()
 
 
 KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the caches the kernel reads
@@ -86,7 +87,8 @@ def routine(request, monkeypatch):
 @pytest.mark.parametrize(("past", "t"), [(0, 1), (5, 8), (60, 9), (64, 3), (190, 17)])
 def test_each_query_gets_the_bits_of_a_call_of_its_own(routine, kv_dtype, heads, kv_heads, past, t):
     """T queries in one call against each query alone (its keys up to its position): equal bits,
-    and both within rounding of SDPA with a causal mask over the cache's values."""
+    and both within rounding of SDPA with a causal mask over the cache's values (the kernel
+    weighs a bf16 cache's values with bf16 weights: 2^-9 of each product)."""
     dim, gen = 16, torch.Generator().manual_seed(past + t)
     q = torch.randn(t, heads, dim, generator=gen)
     k, v = torch.randn(t, kv_heads, dim, generator=gen), torch.randn(t, kv_heads, dim, generator=gen)
@@ -98,13 +100,14 @@ def test_each_query_gets_the_bits_of_a_call_of_its_own(routine, kv_dtype, heads,
         alone = attn.attention(q[j : j + 1], k[j : j + 1], v[j : j + 1], k_cache, v_cache, [row],
                                heads != kv_heads)
         assert torch.equal(together[j], alone[0]), j
-    keys, values = attn.keys_of(k_cache, past + t).float(), v_cache[:, :, : past + t, :dim].float()
+    keys, values = kv_layout.keys_of(k_cache, past + t).float(), v_cache[:, :, : past + t, :dim].float()
     mask = torch.ones(t, past + t, dtype=torch.bool).tril(past)
     if routine == "kernel" and kv_dtype == "bf16":  # it scores bf16 queries (scale 1/4: exact)
         q = torch.from_numpy(bf16_query(q.numpy()))
     expected = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask,
                                               enable_gqa=heads != kv_heads)[0].transpose(0, 1)
-    torch.testing.assert_close(together, expected, rtol=1e-5, atol=1e-5)
+    tolerance = 8e-3 if routine == "kernel" and kv_dtype == "bf16" else 1e-5
+    torch.testing.assert_close(together, expected, rtol=tolerance, atol=tolerance)
 
 
 def test_the_kernel_gives_the_same_bits_on_one_thread_or_several(kv_dtype):
@@ -254,13 +257,16 @@ def test_the_kernels_register_tiles_keep_every_sum_in_order(kv_dtype, lanes, dim
     qs = torch.randn(lanes, dim, generator=gen).numpy()
     if kv_dtype == "bf16":  # the kernel rounds them before its scores (jit/attention.head)
         qs = bf16_query(qs)
-    weights = torch.rand(lanes, keys, generator=gen).numpy()
+    weights = torch.rand(lanes, keys, generator=gen)
+    if kv_dtype == "bf16":  # so are the weights (jit/attention.lane_weights)
+        weights = weights.bfloat16().float()
+    weights = weights.numpy()
     counts = np.full(lanes, keys, np.int64)
     if form == "blocks":
         counts -= np.arange(lanes)[::-1] // 3  # a chain: each query reads one key more than the last
     scores, sums = (jit.scores, jit.weighted_sums) if form == "tiles" else (jit.scores_blocked,
                                                                             jit.weighted_sums_blocked)
-    whole = -(-keys // attn.KEY_TILE) * attn.KEY_TILE  # the cache's blocks, the last one padded
+    whole = -(-keys // kv_layout.KEY_TILE) * kv_layout.KEY_TILE  # the cache's blocks, the last one padded
     cache = numba_ops.cache_array(blocked_keys(F.pad(keys_t, (0, whole - keys))))
     expected = sequential_scores(keys_t.float().numpy(), qs, kv_dtype == "bf16").view(np.int32).tolist()
     for width in (keys, whole):  # the last block's keys one at a time, or a tile past the last key

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specdec.backends.native.kernels import attention as attn
-from specdec.backends.native.kernels import numba_ops
+from specdec.backends.native.kernels import kv_layout, numba_ops
 from test_attention import arrays, bf16_query, blocked_keys, random_cache
 
 
@@ -25,12 +25,13 @@ def swapped_pairs(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("threads", ["attend", "attend_parallel"])
-def test_the_kernel_scores_a_bf16_cache_in_pairs_of_bf16_products(threads):
+def test_the_kernel_attends_a_bf16_cache_in_pairs_of_bf16_products(threads):
     """Over a bf16 cache a score multiplies bf16 queries by bf16 keys, each pair of dims' odd
-    product first (vdpbf16ps's order), and the rest is the fp32 kernel's arithmetic: the bits of
-    the fp32 kernel given the rounded queries, keys and values with each pair of dims swapped,
-    for chains and trees, stored (store >= 0, as the one-call layers store a tree's nodes) or
-    not; what it stores is torch's cast."""
+    product first (vdpbf16ps's order), and the weighted sums bf16 weights by bf16 values (their
+    bits: test_attention's register tiles test): within that rounding of the fp32 kernel given
+    the rounded queries, keys and values with each pair of dims swapped, and not within the
+    scores' rounding of it unswapped, for chains and trees, stored (store >= 0, as the one-call
+    layers store a tree's nodes) or not; what it stores is torch's cast."""
     if not attn.uses_kernel("cpu"):
         pytest.skip("numba is not installed")
     import specdec.backends.native.kernels.jit.attention as jit
@@ -51,25 +52,27 @@ def test_the_kernel_scores_a_bf16_cache_in_pairs_of_bf16_products(threads):
     rounded = [swapped_pairs(k.bfloat16().float()).numpy(), v.bfloat16().float().numpy()]
     for plan, store in plans:
         narrow = [c.clone() for c in bf16]
-        wide = [blocked_keys(swapped_pairs(attn.keys_of(bf16[0], 1200).float()).transpose(-2, -1)),
+        wide = [blocked_keys(swapped_pairs(kv_layout.keys_of(bf16[0], 1200).float()).transpose(-2, -1)),
                 bf16[1].float()]
         got = attend(q.numpy(), k.numpy(), v.numpy(), *arrays(narrow), 0, store, *plan.arrays, 0.125)
         want = attend(rounded_q, *rounded, *arrays(wide), 0, store, *plan.arrays, 0.125)
-        assert np.array_equal(got, want), (plan.paths.shape, store)
-        stored = swapped_pairs(attn.keys_of(narrow[0], 1200).float())
-        assert torch.equal(stored, attn.keys_of(wide[0], 1200)) and torch.equal(narrow[1].float(), wide[1])
-        same_values = [blocked_keys(attn.keys_of(bf16[0], 1200).float().transpose(-2, -1)), bf16[1].float()]
+        np.testing.assert_allclose(got, want, rtol=0, atol=4e-3)  # the weights' 2^-9
+        assert not np.array_equal(got, want)
+        keys_of = kv_layout.keys_of
+        stored = swapped_pairs(keys_of(narrow[0], 1200).float())
+        assert torch.equal(stored, keys_of(wide[0], 1200)) and torch.equal(narrow[1].float(), wide[1])
+        same_values = [blocked_keys(keys_of(bf16[0], 1200).float().transpose(-2, -1)), bf16[1].float()]
         in_order = attend(bf16_query(q.numpy()), k.bfloat16().float().numpy(), rounded[1],
                           *arrays(same_values),
                           0, store, *plan.arrays, 0.125)
-        assert not np.array_equal(got, in_order)  # the order shows
+        assert abs(in_order - want).max() > 0  # the order shows in the fp32 kernel's bits
 
 
 def test_the_kernel_stores_bf16_as_torch_casts_it():
     """Keys and values stored by the kernel into a bf16 cache: torch's cast bit for bit (to
     nearest, ties to even), over ties, halfway values at each exponent, infinities, values that
-    round up to infinity, subnormals and signed zeros; a NaN stays a NaN. Keys below KEY_FLOOR
-    are stored as 0, as attention.store_keys stores them."""
+    round up to infinity, subnormals and signed zeros; a NaN stays a NaN. Keys and values below
+    PAIR_FLOOR are stored as 0, as kv_layout.store_keys and store_values store them."""
     if not attn.uses_kernel("cpu"):
         pytest.skip("numba is not installed")
     gen = torch.Generator().manual_seed(7)
@@ -83,26 +86,53 @@ def test_the_kernel_stores_bf16_as_torch_casts_it():
     k_cache, v_cache = attn.new_cache((1,), 3, 64, 64, dtype=torch.bfloat16)
     numba_ops.attend_kernel(torch.zeros(4, 3, 64), k, -k, k_cache, v_cache, 0, 0, np.arange(1, 5),
                             np.full((4, 0), -1))
-    stored_k, stored_v = attn.keys_of(k_cache[0], 4).transpose(0, 1), v_cache[0, :, :4, :64].transpose(0, 1)
+    stored_k = kv_layout.keys_of(k_cache[0], 4).transpose(0, 1)
+    stored_v = v_cache[0, :, :4, :64].transpose(0, 1)
     no_nan = torch.where(k.isnan(), 1.0, k)  # the places of a cache's pairs, alike
     by_kernel, _ = attn.new_cache((1,), 3, 64, 64, dtype=torch.bfloat16)
     numba_ops.attend_kernel(torch.zeros(4, 3, 64), no_nan, no_nan, by_kernel, v_cache.clone(), 0, 0,
                             np.arange(1, 5), np.full((4, 0), -1))
     by_torch = torch.zeros_like(by_kernel)
-    attn.store_keys(by_torch[0], 0, no_nan.transpose(0, 1))
+    kv_layout.store_keys(by_torch[0], 0, no_nan.transpose(0, 1))
     assert torch.equal(by_kernel.view(torch.int16), by_torch.view(torch.int16))
     finite = ~k.isnan()
-    floored = torch.where(k.abs() < attn.KEY_FLOOR, 0, k)
+    floored = torch.where(k.abs() < kv_layout.PAIR_FLOOR, 0, k)
     assert floored[2, 0, 0] != 0 and floored[2, 0, 1] == 0 and (floored == 0).sum() > (k == 0).sum() + 1
     assert torch.equal(stored_k[finite].view(torch.int16), floored[finite].bfloat16().view(torch.int16))
-    assert torch.equal(stored_v[finite].view(torch.int16), (-k[finite]).bfloat16().view(torch.int16))
+    negated = torch.where(k.abs() < kv_layout.PAIR_FLOOR, 0, -k)  # the values: +0 below the floor
+    assert torch.equal(stored_v[finite].view(torch.int16), negated[finite].bfloat16().view(torch.int16))
+    by_torch = torch.zeros_like(v_cache)
+    kv_layout.store_values(by_torch[0], 0, -k.transpose(0, 1))
+    assert torch.equal(by_torch[0, :, :4, :64][finite.transpose(0, 1)].view(torch.int16),
+                       v_cache[0, :, :4, :64][finite.transpose(0, 1)].view(torch.int16))
     assert stored_k[3, 0, 0].isnan() and stored_v[3, 0, 0].isnan()
+
+
+def test_softmax_weights_round_to_bf16_as_the_sums_take_them():
+    """round_weights (a bf16 cache's softmax weights, in integer steps that vectorise) against
+    torch's cast with the floor: ties to even at both parities, the floor itself kept and just
+    below it 0, 1 and 0 as they are, and weights spread from 1 down past the floor."""
+    if not attn.uses_kernel("cpu"):
+        pytest.skip("numba is not installed")
+    from specdec.backends.native.kernels.jit import attention_sums
+
+    gen = torch.Generator().manual_seed(9)
+    w = torch.exp(-60 * torch.rand(4096, generator=gen))  # e^-60: below PAIR_FLOOR (e^-38.8)
+    w[:4] = torch.tensor([1.0, 0.0, kv_layout.PAIR_FLOOR, kv_layout.PAIR_FLOOR * (1 - 2**-20)])
+    bits = w.view(torch.int32)
+    bits[4:260] = (bits[4:260] & ~0xFFFF) | 0x8000  # exact ties
+    assert (bits[4:260] & 0x10000).unique().numel() == 2  # ties of both parities
+    got = w.numpy().copy()
+    attention_sums.round_weights(got)
+    want = torch.where(w < kv_layout.PAIR_FLOOR, 0, w).bfloat16().float()
+    assert (want == 0).sum() > 100 and want[2] > 0 and want[3] == 0
+    assert torch.equal(torch.from_numpy(got).view(torch.int32), want.view(torch.int32))
 
 
 PATH_CHECK = """
 import hashlib, numpy as np, torch
 from specdec.backends.native.kernels import attention as attn
-from specdec.backends.native.kernels import numba_ops
+from specdec.backends.native.kernels import kv_layout, numba_ops
 from specdec.backends.native.kernels.jit import attention as jit, ir
 assert ir.BF16_DOT == {dot}
 gen = torch.Generator().manual_seed(11)
@@ -110,18 +140,38 @@ q, k, v = (torch.randn(5, 9, 64, generator=gen), torch.randn(5, 3, 64, generator
            torch.randn(5, 3, 64, generator=gen))
 k_cache, v_cache = attn.new_cache((1,), 3, 400, 64, dtype=torch.bfloat16)
 keys = torch.randn(3, 400, 64, generator=gen)
-keys[:, ::3] *= 2.0**-70  # products below fp32's normal range but for KEY_FLOOR
+keys[:, ::3] *= 2.0**-70  # products below fp32's normal range but for PAIR_FLOOR
 q[:, :4] *= 2.0**-70
-attn.store_keys(k_cache[0], 0, keys)
-v_cache[0, :, :400, :64] = torch.randn(3, 400, 64, generator=gen).bfloat16()
+q[:, 6:] *= 12  # scores far apart: weights below PAIR_FLOOR, and above it with subnormal products
+values = torch.randn(3, 400, 64, generator=gen)
+values[:, ::5] *= 2.0**-70
+kv_layout.store_keys(k_cache[0], 0, keys)
+kv_layout.store_values(v_cache[0], 0, values)
 digest = hashlib.sha256()
 cache = numba_ops.cache_array(k_cache)
 scaled = q[:, 0].numpy() * 0.125  # head 0 of each query, as attend scales it
-qs = np.array([[jit.query_value(np.float32(x), cache) for x in row] for row in scaled], np.float32)
+qs = np.array([[jit.pair_operand(np.float32(x), cache) for x in row] for row in scaled], np.float32)
 for score in (jit.scores, jit.scores_blocked):  # the scores themselves
     s = np.zeros((5, 400), np.float32)
     score(cache[0, 0], qs, s, 0, 400)
     digest.update(s.tobytes())
+# weighted sums whose every product is subnormal but for the floors: column 0 holds values of 2^-50
+# at keys weighing 2^-81 .. 2^-101 (weights below the floor), column 1 values of 2^-75 (below it) at
+# keys weighing 2^-52 .. 2^-55, and the other keys hold 0 there
+s = np.zeros((8, 416), np.float32)
+s[:, :400] = -(np.arange(400) % 80) - np.arange(8)[:, None] / 8
+values = torch.zeros(1, 400, 64)
+values[0, (np.arange(400) % 80 >= 56) & (np.arange(400) % 80 < 70), 0] = 2.0**-50
+values[0, (np.arange(400) % 80 >= 36) & (np.arange(400) % 80 < 39), 1] = 2.0**-75
+values[0, :, 2:] = torch.randn(400, 62, generator=gen)
+_, tiny = attn.new_cache((1,), 1, 400, 64, dtype=torch.bfloat16)
+kv_layout.store_values(tiny[0], 0, values)
+tiny = numba_ops.cache_array(tiny)[0, 0]
+for x in range(8):
+    jit.lane_weights(s, np.zeros((8, 64), np.float32), x, 0, 400, np.empty(0, np.int64), k.numpy(), 0, tiny)
+acc = np.zeros((8, 64), np.float32)
+jit.weighted_sums(tiny, s, acc, 0, np.full(8, 400), 0, 64)
+digest.update(acc.tobytes())
 for plan, store in ((attn.plan_chain(390, 5, 3, "cpu", True), 385),
                     (attn.plan_tree(380, [-1, 0, 0, 1, 2], [0, 1, 1, 2, 2], 3, "cpu", True), -1)):
     caches = [numba_ops.cache_array(c.clone()) for c in (k_cache, v_cache)]
@@ -135,10 +185,11 @@ print(digest.hexdigest())
 
 
 @pytest.mark.slow
-def test_both_instruction_paths_of_the_bf16_scores_give_the_same_bits():
-    """vdpbf16ps (AVX-512 BF16) and its replica in fp32 multiplies and adds, each compiled in a
-    process of its own, over keys and queries small enough that, but for KEY_FLOOR, partial
-    sums would be subnormal (which vdpbf16ps flushes): the same outputs and stored keys."""
+def test_both_instruction_paths_of_bf16_attention_give_the_same_bits():
+    """vdpbf16ps (AVX-512 BF16) and its replica in fp32 multiplies and adds (the scores) or the
+    fp32 loops (the weighted sums), each compiled in a process of its own, over keys, queries,
+    values and weights small enough that, but for PAIR_FLOOR, partial sums would be subnormal
+    (which vdpbf16ps flushes): the same outputs and stored keys."""
     if not attn.uses_kernel("cpu"):
         pytest.skip("numba is not installed")
     from specdec.backends.native.kernels.jit import ir

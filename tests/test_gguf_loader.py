@@ -20,9 +20,9 @@ from specdec.backends.native import quant_types
 from specdec.backends.native.arch import llama as llama_arch
 from specdec.backends.native.gguf.layers import runs_int8_activations
 from specdec.backends.native.gguf.reader import read_gguf
-from specdec.backends.native.kernels.attention import keys_of
 from specdec.backends.native.kernels.int4_blocks import prompt_tiles
 from specdec.backends.native.kernels.int8_ort import OrtBlockLinear8, ort_8bit_usable
+from specdec.backends.native.kernels.kv_layout import keys_of
 from specdec.backends.native.model import native_model
 from specdec.backends.native.model.config import SUPPORTED_TYPES
 from specdec.backends.native.model.native_model import NativeModel

@@ -8,8 +8,8 @@ import torch
 
 from conftest import tiny_llama
 from specdec.backends import KVMemory
-from specdec.backends.native.kernels.attention import KEY_TILE, keys_of, store_keys
 from specdec.backends.native.kernels.attention import padded as padded_length  # `padded` names a pool here
+from specdec.backends.native.kernels.kv_layout import KEY_TILE, keys_of, store_keys
 from specdec.backends.native.model import kv_memory
 from specdec.backends.native.model.kv_memory import LazyTensor, resident_bytes
 from specdec.backends.native.model.native_model import NativeModel

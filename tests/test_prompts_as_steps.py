@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specdec.backends import make_backend
-from specdec.backends.native.kernels.attention import keys_of
+from specdec.backends.native.kernels.kv_layout import keys_of
 from specdec.backends.native.model import batch_runner
 from specdec.backends.native.model.native_model import NativeModel
 from specdec.backends.prefix_cache import PREFILL_CHUNK, PrefixCache

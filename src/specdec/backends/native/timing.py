@@ -18,7 +18,7 @@ import torch
 
 from specdec.backends.native.gguf.layers import linear_from_quant
 from specdec.backends.native.gguf.reader import read_gguf
-from specdec.backends.native.kernels import attention, cpu
+from specdec.backends.native.kernels import attention, cpu, kv_layout
 from specdec.backends.native.kernels.int4_blocks import unpack_tile_t_jit
 from specdec.backends.native.kernels.int8_blocks import BlockLinear8, quantized
 from specdec.backends.native.kernels.numba_ops import attend_kernel, importable, numba_threads, rms_norm_f32
@@ -115,8 +115,8 @@ def attention_pass(cached: int, new: int, heads: int, kv_heads: int, dim: int, m
     length = cached + new
     k_cache, v_cache = attention.new_cache((1,), kv_heads, length, dim, dtype=torch.bfloat16)
     keys = torch.randn(kv_heads, dim, cached, generator=gen).bfloat16()
-    attention.store_keys(k_cache[0], 0, keys.transpose(1, 2))
-    v_cache[0, :, :cached, :dim] = torch.randn(kv_heads, cached, dim, generator=gen).bfloat16()
+    kv_layout.store_keys(k_cache[0], 0, keys.transpose(1, 2))
+    kv_layout.store_values(v_cache[0], 0, torch.randn(kv_heads, cached, dim, generator=gen).bfloat16())
     q, k, v = (torch.randn(new, n, dim, generator=gen) for n in (heads, kv_heads, kv_heads))
     mask = torch.ones(new, length, dtype=torch.bool).tril(cached)
     plan = attention.plan_chain(length, new, heads // kv_heads, q.device, attention.uses_kernel("cpu"))

@@ -28,19 +28,16 @@ per layer computes each query on its own (kernels/numba_ops.py: batch-invariant 
 construction, and far fewer ops at one query); elsewhere the PyTorch routine below. A cache
 pool picks one when it is made (`plan_chain`, `plan_tree`); they differ in the last bits, so
 a process never mixes them for one cache. The kernel reads fp32 and bf16 caches; an fp16
-cache takes the routine. Over a bf16 cache the kernel's scores multiply bf16 by bf16: the
-queries are rounded to bf16 like the keys, and a score adds each pair of dims' two products,
-the odd dim's first, which is what AVX-512 BF16's vdpbf16ps computes at twice the fp32 rate
-(its replica on other CPUs gives the same bits); the rest is fp32. Either way a tree's own
+cache takes the routine. Over a bf16 cache the kernel multiplies bf16 by bf16: the queries
+are rounded to bf16 like the keys, and a score adds each pair of dims' two products, the odd
+dim's first, which is what AVX-512 BF16's vdpbf16ps computes at twice the fp32 rate (its
+replica on other CPUs gives the same bits); the softmax weights are rounded to bf16 too (their
+sum, the normaliser, is of the rounded ones), and the weighted sums add a key's product at a
+time, two keys to a vdpbf16ps where it exists. The rest is fp32. Either way a tree's own
 keys and values are rounded to the cache's type before they are read, as a step reads them back.
 
-The cache keeps keys in blocks of KEY_TILE, [kv_heads, length / KEY_TILE, dim, KEY_TILE]: a
-block's scores run along contiguous keys, and a pass over a head's keys is one stream from memory.
-An fp32 block holds dim d of its keys in row d; a bf16 block holds them in pairs of dims, [dim /
-2, KEY_TILE, 2], so that one 64-byte load is 16 keys' pair (`keys_of`, `keys_at` and `store_keys`
-read and write either by position). Values are [kv_heads, length, dim + 1] with a last column
-of ones (the routine's normaliser; the kernel adds a query's weights itself, in a fixed order of
-its own).
+The cache's layout (keys in blocks of KEY_TILE, values [kv_heads, length, dim + 1] with a last
+column of ones: the routine's normaliser) is kv_layout.py's.
 """
 
 from __future__ import annotations
@@ -51,13 +48,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specdec.backends.native.kernels.kv_layout import KEY_TILE, keys_of, store_keys, store_values
 from specdec.backends.native.kernels.numba_ops import attend_kernel, attend_op, usable
 
-KEY_TILE = 16  # keys a block of the key cache holds (jit/attention_tiles.TILE: the kernel's score tile)
-# A bf16 cache's keys, and the queries scored against them, below this are 0: every product of
-# two such bf16 values is then a multiple of 2^-126, so no score's partial sum is subnormal, and
-# vdpbf16ps (which flushes subnormals) gives the bits of fp32 multiplies and adds (jit/attention_tiles.py)
-KEY_FLOOR = 2.0**-56
 CHUNK = 64  # keys per block of the weights @ values reduction, aligned to absolute positions
 BLOCK = 16  # score columns per GEMM: a fixed shape whatever the number of queries
 
@@ -102,49 +95,6 @@ def new_cache(lead: tuple[int, ...], kv_heads: int, length: int, dim: int, dtype
         raise ValueError(f"a bf16 cache holds keys in pairs of dims; head_dim {dim} is odd")
     keys = torch.zeros(*lead, kv_heads, length // KEY_TILE, dim, KEY_TILE, dtype=dtype, device=device)
     return keys, ones_column(torch.zeros(*lead, kv_heads, length, dim, dtype=dtype, device=device))
-
-
-def key_blocks(positions: int) -> int:
-    """Blocks of the key cache that hold positions 0 .. positions - 1."""
-    return -(-positions // KEY_TILE)
-
-
-def _by_key(k_cache: torch.Tensor) -> torch.Tensor:
-    """k_cache [..., blocks, dim, KEY_TILE] as a view [..., blocks, KEY_TILE, *each key]: a
-    key's dims (fp32), or its dim / 2 pairs of dims (bf16: a block holds [dim / 2, KEY_TILE, 2])."""
-    if k_cache.dtype != torch.bfloat16:
-        return k_cache.transpose(-2, -1)
-    *lead, dim, tile = k_cache.shape
-    return k_cache.view(*lead, dim // 2, tile, 2).movedim(-2, -3)
-
-
-def _at(k_cache: torch.Tensor, positions: torch.Tensor) -> tuple:
-    """The index of `positions`' keys in _by_key(k_cache)."""
-    each_key = 2 if k_cache.dtype == torch.bfloat16 else 1
-    return (..., positions // KEY_TILE, positions % KEY_TILE) + (slice(None),) * each_key
-
-
-def keys_of(k_cache: torch.Tensor, count: int) -> torch.Tensor:
-    """k_cache [..., blocks, dim, KEY_TILE] -> its first `count` keys [..., count, dim] (a copy;
-    fewer where the cache holds fewer)."""
-    blocks = _by_key(k_cache[..., : key_blocks(count), :, :])
-    lead = k_cache.shape[:-3]
-    return blocks.reshape(*lead, -1, k_cache.shape[-2])[..., :count, :]
-
-
-def keys_at(k_cache: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """k_cache [..., blocks, dim, KEY_TILE] -> the keys at `positions` [P], [..., P, dim] (a copy)."""
-    keys = _by_key(k_cache)[_at(k_cache, positions)]
-    return keys.flatten(-2) if k_cache.dtype == torch.bfloat16 else keys
-
-
-def store_keys(k_cache: torch.Tensor, first: int, keys: torch.Tensor) -> None:
-    """Write keys [..., n, dim] at positions first .. first + n - 1 of k_cache [..., blocks, dim,
-    KEY_TILE]; into a bf16 cache, 0 below KEY_FLOOR, as the kernel stores them."""
-    positions = torch.arange(first, first + keys.shape[-2], device=k_cache.device)
-    if k_cache.dtype == torch.bfloat16:
-        keys = torch.where(keys.abs() < KEY_FLOOR, torch.zeros_like(keys), keys).unflatten(-1, (-1, 2))
-    _by_key(k_cache)[_at(k_cache, positions)] = keys.to(k_cache.dtype)
 
 
 def uses_kernel(device, kv_dtype: torch.dtype = torch.float32) -> bool:
@@ -261,7 +211,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
                                       row.slot, row.store, *row.plan.arrays, scale))
             continue
         store_keys(k_cache[row.slot], row.store, rows_k.transpose(0, 1))
-        v_cache[row.slot, :, row.store : row.store + t, :dim] = rows_v.transpose(0, 1)
+        store_values(v_cache[row.slot], row.store, rows_v.transpose(0, 1))
         if row.mask is not None:  # a prompt chunk or an eagle draft tree: one masked pass
             outs.append(_masked_row(q[row.start : row.end], k_cache, v_cache[..., :dim], row, gqa,
                                     masked_dtype or k_cache.dtype, scale))

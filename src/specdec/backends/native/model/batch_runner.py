@@ -14,7 +14,8 @@ from typing import Protocol
 import torch
 
 from specdec.backends import KVMemory
-from specdec.backends.native.kernels.attention import KEY_TILE, key_blocks, padded, plan_chain, uses_kernel
+from specdec.backends.native.kernels.attention import padded, plan_chain, uses_kernel
+from specdec.backends.native.kernels.kv_layout import KEY_TILE, key_blocks
 from specdec.backends.native.model.config import DECODE_ATTENTION_MAX, KVRow, NativeConfig
 from specdec.backends.native.model.kv_memory import LazyTensor, committed_bytes
 from specdec.backends.native.model.sequence import COMPILE_BUCKETS, NativeSequence, PooledModel

@@ -9,7 +9,8 @@ from typing import Protocol
 
 import torch
 
-from specdec.backends.native.kernels.attention import keys_at, plan_tree, store_keys
+from specdec.backends.native.kernels.attention import plan_tree
+from specdec.backends.native.kernels.kv_layout import keys_at, store_keys, store_values
 from specdec.backends.native.model.config import KVRow
 from specdec.backends.native.model.draft_head import HeadSource, NativeFeatures
 from specdec.backends.prefix_cache import PrefixCache, chunked_prefill
@@ -190,9 +191,9 @@ class NativeSequence:
             self.pool.v[:, self.slot, :, base:end] = self.pool.v[:, self.slot, :, src]
         elif tree_kv is not None:
             for layer, (k_nodes, v_nodes) in enumerate(tree_kv):  # [T, kv_heads, dim] each
-                store_keys(self.pool.k[layer, self.slot], base, k_nodes.index_select(0, path).transpose(0, 1))
-                values = v_nodes.index_select(0, path).transpose(0, 1)
-                self.pool.v[layer, self.slot, :, base:end, :-1] = values
+                k_path, v_path = (x.index_select(0, path).transpose(0, 1) for x in (k_nodes, v_nodes))
+                store_keys(self.pool.k[layer, self.slot], base, k_path)
+                store_values(self.pool.v[layer, self.slot], base, v_path)
         if moved and self._keep_hidden:
             rows = self.pool.hidden_buffer()[self.slot]  # [max_length, hidden]
             rows[base : base + len(indices)] = rows.index_select(0, src)

@@ -16,16 +16,17 @@ from specdec.backends.native.kernels.jit.attention_sums import (
     BLOCKED_LANES,
     KEY_BLOCK,
     dim_order,
-    key_element,
     key_slot,
-    query_value,
+    pair_operand,
+    round_weights,
     scores,
     scores_blocked,
+    stored_element,
     weighted_sums,
     weighted_sums_blocked,
 )
 from specdec.backends.native.kernels.jit.attention_tiles import TILE
-from specdec.backends.native.kernels.jit.kv import encode, load
+from specdec.backends.native.kernels.jit.kv import load
 from specdec.backends.native.kernels.jit.norms import (
     bf16_rows,
     split_norm_rotate,
@@ -43,12 +44,14 @@ ELEMENTS = ("float32", "uint16")  # a cache's elements: fp32, or bf16 bits (kv.p
 
 
 @njit(cache=True, nogil=True)
-def lane_weights(s, qs, r, first, n, path, k_new, h, paired):  # pragma: no cover - compiled
+def lane_weights(s, qs, r, first, n, path, k_new, h, cache):  # pragma: no cover - compiled
     """Lane r's softmax numerators, in place of its scores s[r, :n + E] (E = len(path)) over
     the cached keys first .. n - 1 and its path's own keys (a tree), less their maximum; keys
     before `first` (outside a sliding window) weigh exactly 0. Returns their sum, the
-    normaliser (softmax.weights_total). `paired`: a bf16 cache's order of dims (dim_order)."""
-    dim, extra = qs.shape[1], path.shape[0]
+    normaliser (softmax.weights_total). Over a bf16 `cache` (the keys' or the values'), a
+    score adds pairs of dims in dim_order, and the weights are rounded to bf16 (round_weights)
+    before they are summed: the weighted sums multiply them by bf16 values."""
+    dim, extra, paired = qs.shape[1], path.shape[0], cache.itemsize == 2
     for i in range(first):
         s[r, i] = LOWEST
     for e in range(extra):  # the tree's own keys: the same sums in the same order
@@ -60,6 +63,8 @@ def lane_weights(s, qs, r, first, n, path, k_new, h, paired):  # pragma: no cove
     exp_shifted(s[r], largest(s[r], n + extra), n + extra, s[r])
     for i in range(first):  # an exact 0: adding 0 * value leaves every later sum's bits as they are
         s[r, i] = 0
+    if paired:
+        round_weights(s[r, first : n + extra])
     return weights_total(s[r], first, n + extra)
 
 
@@ -150,7 +155,7 @@ def head(q, k_new, v_new, keys, values, h, first, last, limits, paths, starts, w
         while extras[x] < paths.shape[1] and paths[j, extras[x]] >= 0:
             extras[x] += 1
         for d in range(dim):
-            qs[x, d] = query_value(q[j, h * group + g, d] * scale, keys)
+            qs[x, d] = pair_operand(q[j, h * group + g, d] * scale, keys)
     reach = counts.max()  # the keys any of these lanes reads (a prompt's first queries read fewer)
     lo = min(begins[:lanes].min(), reach) // 4 * 4  # keys before every lane's window: not read at all
     blocked = lanes >= BLOCKED_LANES  # the same bits either way (attention_sums.py)
@@ -160,7 +165,7 @@ def head(q, k_new, v_new, keys, values, h, first, last, limits, paths, starts, w
         scores(keys, qs, w, lo, reach)
     for x in range(lanes):
         totals[x] = lane_weights(w, qs, x, begins[x], counts[x], paths[(first + x) // group, : extras[x]],
-                                 k_new, h, keys.itemsize == 2)
+                                 k_new, h, keys)
     if blocked:
         weighted_sums_blocked(values, w, acc, lo, counts)
     else:
@@ -180,7 +185,7 @@ def begin(q, k_new, v_new, k_cache, v_cache, slot, store):  # pragma: no cover -
     for j in range(k_new.shape[0]):
         for h in range(k_new.shape[1]):
             for d in range(k_new.shape[2]):
-                key, value = key_element(k_new[j, h, d], k_cache), encode(v_new[j, h, d], v_cache)
+                key, value = stored_element(k_new[j, h, d], k_cache), stored_element(v_new[j, h, d], v_cache)
                 k_own[j, h, d], v_own[j, h, d] = load(key), load(value)
                 if store >= 0:
                     row, column = d, (store + j) % TILE
@@ -255,7 +260,7 @@ def attend_split(q, k_own, v_own, k_cache, v_cache, slots, offsets, limits, star
             j = offsets[r] + x // group
             counts[i, x], begins[i, x] = limits[j], starts[j]
             for d in range(dim):
-                qs[i, x, d] = query_value(q[j, h * group + x % group, d] * scale, k_cache)
+                qs[i, x, d] = pair_operand(q[j, h * group + x % group, d] * scale, k_cache)
         los[i] = min(begins[i].min(), counts[i].max()) // 4 * 4
     w = np.empty((items, lanes, limits.max() + TILE), np.float32)  # room for the last block's tile
     acc, totals = np.empty((items, lanes, dim), np.float32), np.empty((items, lanes), np.float32)
@@ -269,7 +274,7 @@ def attend_split(q, k_own, v_own, k_cache, v_cache, slots, offsets, limits, star
             i, x = n // lanes, n % lanes
             h = i % kv_heads
             totals[i, x] = lane_weights(w[i], qs[i], x, begins[i, x], counts[i, x], no_path, k_own, h,
-                                        k_cache.itemsize == 2)
+                                        k_cache)
     for t in prange(threads):
         for i in range(items):
             r, h = i // kv_heads, i % kv_heads

@@ -3,12 +3,14 @@ the scores (queries x keys) and the weighted sums (weights x values; the normali
 softmax's own, softmax.weights_total). Every sum adds its products one after another in a fixed order,
 so a lane's bits do not depend on which lanes share the pass (jit/attention.py relies on it).
 
-The keys come in the cache's blocks of TILE keys, [blocks, dim, TILE] (kernels/attention.py's
-`new_cache`): a block is one stretch of memory, so a pass over a head's keys is one stream the
-CPU's prefetcher follows (keys transposed whole, [dim, length], were head_dim streams, more than
-it follows). A bf16 cache's blocks hold pairs of dims, and its scores add a pair's odd product
-first over queries rounded to bf16 (`query_value`, `dim_order`, `key_at`; the pair tiles of
-attention_tiles.py). Two forms of each reduction, with the same bits:
+The keys come in the cache's blocks of TILE keys, [blocks, dim, TILE] (kv_layout.py): a block
+is one stretch of memory, so a pass over a head's keys is one stream the CPU's prefetcher follows
+(keys transposed whole, [dim, length], were head_dim streams, more than it follows). A bf16
+cache's blocks hold pairs of dims, and its scores add a pair's odd product first over queries
+rounded to bf16 (`pair_operand`, `dim_order`, `key_at`; the pair tiles of attention_tiles.py).
+Its weighted sums take bf16 weights, and where vdpbf16ps exists `paired_sums` pairs the value
+rows of two keys for it: the bits of the fp32 loops below, which every other CPU runs. Two
+forms of each reduction, with the same bits:
 - `scores` and `weighted_sums` pass over the cache's own keys and values, up to four lanes at
   a time (the register tiles of jit/attention_tiles.py widen bf16 elements as they load them);
 - `scores_blocked` and `weighted_sums_blocked`, for many lanes (a chain, a prompt, a tree),
@@ -33,6 +35,10 @@ from specdec.backends.native.kernels.jit.attention_tiles import (
     pair_score_tiles3,
     pair_score_tiles4,
     pair_score_tiles8,
+    pair_sum_tiles1,
+    pair_sum_tiles3,
+    pair_sum_tiles4,
+    pair_sum_tiles8,
     sum_tiles3,
     sum_tiles4,
 )
@@ -56,25 +62,42 @@ def _long_fp32(cache, keys):  # pragma: no cover - compiled
     return cache.itemsize == 4 and keys >= FP32_STREAM_KEYS
 
 
-KEY_FLOOR = np.float32(2.0**-56)  # kernels/attention.KEY_FLOOR: a bf16 cache's keys and queries below: 0
+PAIR_FLOOR = np.float32(2.0**-56)  # kv_layout.PAIR_FLOOR: a bf16 cache's operands below it are 0
 
 
 @njit(cache=True, nogil=True, inline="always")
-def key_element(x, cache):  # pragma: no cover - compiled
-    """The element `cache` stores for key value x: over a bf16 cache, 0 below KEY_FLOOR (no
-    product of a score is then subnormal, nor any sum of them), else torch's cast (kv.encode)."""
-    if cache.itemsize == 2 and abs(x) < KEY_FLOOR:
+def stored_element(x, cache):  # pragma: no cover - compiled
+    """The element `cache` stores for a key's or a value's x: over a bf16 cache, 0 below
+    PAIR_FLOOR (no product of a score or a weighted sum is then subnormal, nor any sum of them),
+    else torch's cast (kv.encode)."""
+    if cache.itemsize == 2 and abs(x) < PAIR_FLOOR:
         x = np.float32(0)
     return encode(x, cache)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def query_value(x, cache):  # pragma: no cover - compiled
-    """A scaled query's element as the scores take it: itself over an fp32 cache; over a bf16
-    one, rounded to bf16 like a key (key_element), since vdpbf16ps multiplies bf16 by bf16."""
+def pair_operand(x, cache):  # pragma: no cover - compiled
+    """A scaled query's element or a softmax weight as the sums take it: itself over an fp32
+    cache; over a bf16 one, rounded to bf16 like a key (stored_element), since vdpbf16ps
+    multiplies bf16 by bf16."""
     if cache.itemsize == 4:
         return x
-    return load(key_element(x, cache))
+    return load(stored_element(x, cache))
+
+
+FLOOR_BITS = np.uint32(0x23800000)  # PAIR_FLOOR's bits
+
+
+@njit(cache=True, nogil=True, inline="always")
+def round_weights(w):  # pragma: no cover - compiled
+    """Softmax weights w (each >= 0, or NaN) in place as pair_operand takes them over a bf16 cache:
+    0 below PAIR_FLOOR, else rounded to bf16, ties to even; in integer steps without branches, so
+    the loop vectorises (pair_operand's, a weight at a time, cost a prefill more than its sums)."""
+    bits = w.view(np.uint32)
+    for i in range(bits.shape[0]):
+        x = bits[i]
+        rounded = (x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+        bits[i] = rounded if x >= FLOOR_BITS else np.uint32(0)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -95,7 +118,7 @@ def dim_order(d, paired):  # pragma: no cover - compiled
 def key_at(block, column, d):  # pragma: no cover - compiled
     """Key `column`'s dim d of a block [dim, TILE] of the cache, as fp32: an fp32 block holds
     dim d in row d; a bf16 block holds pairs, row 2p .. 2p + 1 the TILE keys' dims 2p and
-    2p + 1 side by side (kernels/attention.py)."""
+    2p + 1 side by side (kv_layout.py)."""
     if block.itemsize == 4:
         return load(block[d, column])
     row, at = key_slot(d, column)
@@ -251,6 +274,75 @@ def weighted_sum3(values, w, acc, r, lo, count):  # pragma: no cover - compiled
             a2[c] = (((a2[c] + x20 * p0) + x21 * p1) + x22 * p2) + x23 * p3
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _pair_group(lanes, r):  # pragma: no cover - compiled
+    """The lanes r .. r + size - 1 whose sums share a pair tile: eight, four, the last three, or one."""
+    left = lanes - r
+    return 8 if left >= 8 else (4 if left >= 4 else (3 if left == 3 else 1))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _weight_pairs(bits, x, first, n, pairs):  # pragma: no cover - compiled
+    """pairs[x, p] = lane x's bf16 weights of keys first + 2p (high half) and first + 2p + 1
+    (low half), from their fp32 bits (bf16 values: the low halves are 0), for p < n / 2."""
+    row, out = bits[x, first : first + n], pairs[x]  # sliced from 0: the loop vectorises
+    for p in range(n // 2):
+        out[p] = (row[2 * p] & np.uint32(0xFFFF0000)) | (row[2 * p + 1] >> np.uint32(16))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _pair_tiles(values, pairs, acc, r, size, p0, p1, shift, c0, c1):  # pragma: no cover - compiled
+    """pair_sum_tiles for the `size` lanes r .. (8, 4, 3 or 1) over the pairs p0 .. p1 - 1."""
+    if size == 8:
+        pair_sum_tiles8(values, pairs, acc, r, p0, p1, shift, c0, c1)
+    elif size == 4:
+        pair_sum_tiles4(values, pairs, acc, r, p0, p1, shift, c0, c1)
+    elif size == 3:
+        pair_sum_tiles3(values, pairs, acc, r, p0, p1, shift, c0, c1)
+    else:
+        pair_sum_tiles1(values, pairs, acc, r, p0, p1, shift, c0, c1)
+
+
+@njit(cache=True, nogil=True)
+def paired_sums(values, w, acc, lo, counts, c0, c1):  # pragma: no cover - compiled
+    """`weighted_sums` over a bf16 cache with vdpbf16ps, the same bits as its fp32 loops given
+    bf16 weights (lane_weights rounds them, and no product or sum is subnormal: PAIR_FLOOR): each
+    group of up to eight lanes takes the keys all of them read (to a multiple of four) a pair of
+    keys at a time, in order (the pair's high half first), KEY_BLOCK keys at a time (which stay
+    in L1 while every tile of columns passes), then each lane its own last keys. The tiles pair
+    the cache's rows as they load them (a block of rows paired once for every lane measured
+    slower at any lane count)."""
+    acc[:, c0:c1] = 0
+    lanes = acc.shape[0]
+    ends = np.empty(lanes, np.int64)  # each lane's keys taken in pairs: lo .. ends[x] - 1
+    r = 0
+    while r < lanes:
+        size = _pair_group(lanes, r)
+        ends[r : r + size] = max(lo, counts[r : r + size].min() // 4 * 4)
+        r += size
+    top, bits = ends.max(), w.view(np.uint32)
+    pairs = np.empty((lanes, (top - lo) // 2), np.uint32)  # pair p - lo / 2: keys 2p and 2p + 1
+    for x in range(lanes):
+        _weight_pairs(bits, x, lo, ends[x] - lo, pairs)
+    for first in range(lo, top, KEY_BLOCK):
+        r = 0
+        while r < lanes:
+            size, last = _pair_group(lanes, r), min(first + KEY_BLOCK, ends[r])
+            if last > first:
+                _pair_tiles(values, pairs, acc, r, size, first // 2, last // 2, lo // 2, c0, c1)
+            r += size
+    for x in range(lanes):
+        weighted_sum(values, w[x], acc[x], ends[x], counts[x], c0, c1)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _pairs_suit(values, c0, c1):  # pragma: no cover - compiled
+    """Whether the weighted sums of these columns take paired_sums: a bf16 cache, whole tiles of
+    columns, and vdpbf16ps (elsewhere the fp32 loops give the same bits, and faster than a replica)."""
+    return BF16_DOT and values.itemsize == 2 and (values.shape[1] - 1) % TILE == 0 and c0 % TILE == 0 and (
+        c1 % TILE == 0)
+
+
 @njit(cache=True, nogil=True)
 def weighted_sums(values, w, acc, lo, counts, c0, c1):  # pragma: no cover - compiled
     """acc[r, c] = w[r, :counts[r]] @ values[:counts[r], c] for every lane r and the columns
@@ -261,6 +353,9 @@ def weighted_sums(values, w, acc, lo, counts, c0, c1):  # pragma: no cover - com
     past the last four, three at a time or one (as `scores`). Where the columns are whole
     tiles, the shared keys go through sum_tiles (from FP32_STREAM_KEYS keys of an fp32 cache,
     only for a part of the columns). A column's sums do not depend on the range."""
+    if _pairs_suit(values, c0, c1):
+        paired_sums(values, w, acc, lo, counts, c0, c1)
+        return
     acc[:, c0:c1] = 0
     lanes = acc.shape[0]
     quads = lanes // 4 * 4
@@ -338,7 +433,7 @@ def weighted_sums_blocked(values, w, acc, lo, counts):  # pragma: no cover - com
     (to a multiple of four) from blocks of KEY_BLOCK value rows widened to fp32 once for every
     lane, then each lane its own last keys."""
     lanes, dim = acc.shape[0], values.shape[1] - 1
-    if dim % TILE:
+    if dim % TILE or _pairs_suit(values, 0, dim):
         weighted_sums(values, w, acc, lo, counts, 0, dim)
         return
     acc[:] = 0

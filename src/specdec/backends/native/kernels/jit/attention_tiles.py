@@ -17,7 +17,9 @@ A bf16 cache's scores take `pair_score_tiles`: 16 keys' pair of dims is one 64-b
 vdpbf16ps (AVX-512 BF16) adds a query's two bf16 products to each key's sum, the odd dim's first,
 each exact and rounded once, at twice the fp32 rate. Elsewhere the same products go through fp32
 multiplies and adds in that order (`BF16_DOT`, jit/ir.py): the same bits, since no input is
-subnormal (kernels/attention.KEY_FLOOR), which is all vdpbf16ps treats otherwise.
+subnormal, nor any product (kv_layout.PAIR_FLOOR), which is all vdpbf16ps treats otherwise. Its
+weighted sums take `pair_sum_tiles` where vdpbf16ps exists: 16 columns of two value rows
+paired, and a lane's bf16 weights of those two keys, the first key's product first.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from specdec.backends.native.kernels.jit.ir import (
     vec,
 )
 
-TILE = 16  # keys per score tile and per block of the key cache (kernels/attention.KEY_TILE); columns
+TILE = 16  # keys per score tile and per block of the key cache (kv_layout.KEY_TILE); columns
 # per weighted-sum tile: two vectors of 8
 WIDTH = 8  # floats per vector
 BLOCK_KEYS = 128  # keys a weighted-sum block holds in L1 for all its column tiles
@@ -139,7 +141,7 @@ def _pair_products(b, accs, keys, pair):
     """accs (<16 x float> with vdpbf16ps, else two <8 x float>) <- accs + the odd dims'
     products, then + the even dims': keys <16 x i32> (16 keys' bf16 dims 2p and 2p + 1),
     pair i32 (a query's). vdpbf16ps adds the two products one after the other, each exact
-    and rounded once (its inputs are never subnormal: kernels/attention.py's KEY_FLOOR), which
+    and rounded once (its inputs are never subnormal: kv_layout.PAIR_FLOOR), which
     is what the fp32 multiplies and adds do."""
     if BF16_DOT:
         bf = vec(_BFloat(), 4 * WIDTH)
@@ -168,7 +170,7 @@ def _pair_score_tiles(lanes: int):
     @intrinsic
     def pair_score_tiles(typingctx, block, pairs, s, r, shift):
         """s[r + x, shift + i] for the `lanes` lanes x and the TILE keys i of a bf16 cache's
-        block [dim, TILE] (held as dim / 2 rows of TILE keys' pairs of dims: kernels/attention.py),
+        block [dim, TILE] (held as dim / 2 rows of TILE keys' pairs of dims: kv_layout.py),
         over the pairs p in order: + q[2p + 1] * k[2p + 1], then + q[2p] * k[2p], from 0. pairs
         [lanes, dim / 2] uint32: each lane's query as bf16 pairs."""
         if not _row_major(block, pairs, s) or pairs.dtype != types.uint32:
@@ -201,6 +203,61 @@ def _pair_score_tiles(lanes: int):
         return types.void(block, pairs, s, r, shift), codegen
 
     return pair_score_tiles
+
+
+def _value_pairs(b, vp, vstride, p, c):
+    """<16 x i32>: columns c .. c + 15 of a bf16 cache's value rows 2p (the high halves) and
+    2p + 1 (the low halves), paired as they load."""
+    row = b.mul(b.mul(p, ir.Constant(i64, 2)), vstride)
+    halves = []
+    for at in (row, b.add(row, vstride)):
+        raw = b.load(b.bitcast(b.gep(vp, [b.add(at, c)]), vec(i16, 2 * WIDTH).as_pointer()), align=2)
+        halves.append(b.zext(raw, I16x))
+    return b.or_(b.shl(halves[0], ir.Constant(I16x, [16] * 2 * WIDTH)), halves[1])
+
+
+def _pair_sum_tiles(lanes: int):
+    @intrinsic
+    def pair_sum_tiles(typingctx, values, pairs, acc, r, p0, p1, shift, c0, c1):
+        """acc[r + x, c] += over the pairs p0 <= p < p1 in order: the high half's product, then
+        the low half's, of pairs[r + x, p - shift] (a lane's weights of keys 2p and 2p + 1, as
+        bf16) and those keys' values in column c (rows 2p and 2p + 1 of `values`, a bf16
+        cache's [L, dim + 1], paired as they load), for the `lanes` lanes x and the columns
+        c0 <= c < c1 (multiples of TILE): a bf16 cache's weighted sums, a key at a time in
+        order (attention_sums.paired_sums), with vdpbf16ps or its replica."""
+        if not _row_major(values, pairs, acc) or pairs.dtype != types.uint32:
+            return None
+        if values.dtype != types.uint16:  # an fp32 cache's kernels type this call, never make it
+            return types.void(values, pairs, acc, r, p0, p1, shift, c0, c1), _nothing
+
+        def codegen(context, b, sig, args):
+            (vp, vstride), (wp, wstride), (ap, astride) = [_array(context, b, sig, args, k) for k in range(3)]
+            rows = [b.add(args[3], ir.Constant(i64, x)) for x in range(lanes)]
+            kind, width = (V16, 1) if BF16_DOT else (V8, 2)  # a lane's 16 sums: one vector, or two
+            accs = [[cgutils.alloca_once(b, kind) for _ in range(width)] for _ in range(lanes)]
+
+            def sums_at(x, c, h):
+                at = b.gep(ap, [b.add(b.mul(rows[x], astride), b.add(c, ir.Constant(i64, WIDTH * h)))])
+                return b.bitcast(at, kind.as_pointer())
+
+            with cgutils.for_range_slice(b, args[7], args[8], ir.Constant(i64, TILE), inc=True) as (c, _):
+                for x in range(lanes):
+                    for h, slot in enumerate(accs[x]):
+                        b.store(b.load(sums_at(x, c, h), align=4), slot)
+                with cgutils.for_range_slice(b, args[4], args[5], ir.Constant(i64, 1), inc=True) as (p, _):
+                    held = _value_pairs(b, vp, vstride, p, c)
+                    at = b.sub(p, args[6])
+                    for x in range(lanes):
+                        pair = b.load(b.gep(wp, [b.add(b.mul(rows[x], wstride), at)]))
+                        _pair_products(b, accs[x], held, pair)
+                for x in range(lanes):
+                    for h, slot in enumerate(accs[x]):
+                        b.store(b.load(slot), sums_at(x, c, h), align=4)
+            return context.get_dummy_value()
+
+        return types.void(values, pairs, acc, r, p0, p1, shift, c0, c1), codegen
+
+    return pair_sum_tiles
 
 
 def _sum_tiles(lanes: int):
@@ -303,3 +360,5 @@ block_sum_tiles4, block_sum_tiles3, block_sum_tiles1 = (_block_sum_tiles(4), _bl
                                                        _block_sum_tiles(1))
 pair_score_tiles8, pair_score_tiles4 = _pair_score_tiles(8), _pair_score_tiles(4)
 pair_score_tiles3, pair_score_tiles1 = _pair_score_tiles(3), _pair_score_tiles(1)
+pair_sum_tiles8, pair_sum_tiles4 = _pair_sum_tiles(8), _pair_sum_tiles(4)
+pair_sum_tiles3, pair_sum_tiles1 = _pair_sum_tiles(3), _pair_sum_tiles(1)
