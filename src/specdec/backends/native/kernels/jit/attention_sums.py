@@ -51,6 +51,10 @@ BLOCKED_LANES = 12  # lanes from which a widened block pays for its copy (below,
 # takes the loops of weighted_sum4 rather than the column tiles: the tiles made a two-token step
 # after 4,000 tokens about 1.3x dearer than those loops, while over a short context they are faster.
 FP32_STREAM_KEYS = 2048
+# From PAIRED_LANES lanes a bf16 cache's weighted sums take vdpbf16ps pairs: below, a decode row's
+# three lanes over values from memory (a cache past the L3) ran 0.051 ms an item on the fp32
+# tiles against 0.059 on pairs, level at four lanes, 0.093 against 0.059 at eight.
+PAIRED_LANES = 4
 
 vector, matrix = "float32[::1]", "float32[:, ::1]"  # numba signatures
 ELEMENTS = ("float32", "uint16")  # a cache's elements: fp32, or bf16 bits (kv.py)
@@ -336,11 +340,12 @@ def paired_sums(values, w, acc, lo, counts, c0, c1):  # pragma: no cover - compi
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _pairs_suit(values, c0, c1):  # pragma: no cover - compiled
-    """Whether the weighted sums of these columns take paired_sums: a bf16 cache, whole tiles of
-    columns, and vdpbf16ps (elsewhere the fp32 loops give the same bits, and faster than a replica)."""
-    return BF16_DOT and values.itemsize == 2 and (values.shape[1] - 1) % TILE == 0 and c0 % TILE == 0 and (
-        c1 % TILE == 0)
+def _pairs_suit(values, lanes, c0, c1):  # pragma: no cover - compiled
+    """Whether the weighted sums of these lanes and columns take paired_sums: a bf16 cache, whole
+    tiles of columns, vdpbf16ps (elsewhere the fp32 loops give the same bits, and faster than a
+    replica), and PAIRED_LANES lanes or more."""
+    return (BF16_DOT and values.itemsize == 2 and lanes >= PAIRED_LANES and (values.shape[1] - 1) % TILE == 0
+            and c0 % TILE == 0 and c1 % TILE == 0)
 
 
 @njit(cache=True, nogil=True)
@@ -353,7 +358,7 @@ def weighted_sums(values, w, acc, lo, counts, c0, c1):  # pragma: no cover - com
     past the last four, three at a time or one (as `scores`). Where the columns are whole
     tiles, the shared keys go through sum_tiles (from FP32_STREAM_KEYS keys of an fp32 cache,
     only for a part of the columns). A column's sums do not depend on the range."""
-    if _pairs_suit(values, c0, c1):
+    if _pairs_suit(values, acc.shape[0], c0, c1):
         paired_sums(values, w, acc, lo, counts, c0, c1)
         return
     acc[:, c0:c1] = 0
@@ -433,7 +438,7 @@ def weighted_sums_blocked(values, w, acc, lo, counts):  # pragma: no cover - com
     (to a multiple of four) from blocks of KEY_BLOCK value rows widened to fp32 once for every
     lane, then each lane its own last keys."""
     lanes, dim = acc.shape[0], values.shape[1] - 1
-    if dim % TILE or _pairs_suit(values, 0, dim):
+    if dim % TILE or _pairs_suit(values, lanes, 0, dim):
         weighted_sums(values, w, acc, lo, counts, 0, dim)
         return
     acc[:] = 0

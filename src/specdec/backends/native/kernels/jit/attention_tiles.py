@@ -42,6 +42,7 @@ TILE = 16  # keys per score tile and per block of the key cache (kv_layout.KEY_T
 # per weighted-sum tile: two vectors of 8
 WIDTH = 8  # floats per vector
 BLOCK_KEYS = 128  # keys a weighted-sum block holds in L1 for all its column tiles
+PAIRS_AHEAD = 32  # pairs of value rows the pair tiles fetch ahead: attention_sums.KEY_BLOCK's keys
 
 i16, i32, i64, f32 = ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 V8 = vec(f32, WIDTH)
@@ -245,6 +246,10 @@ def _pair_sum_tiles(lanes: int):
                     for h, slot in enumerate(accs[x]):
                         b.store(b.load(sums_at(x, c, h), align=4), slot)
                 with cgutils.for_range_slice(b, args[4], args[5], ir.Constant(i64, 1), inc=True) as (p, _):
+                    row = b.mul(b.add(p, ir.Constant(i64, PAIRS_AHEAD)), ir.Constant(i64, 2))
+                    for below in range(2):  # the next block's rows: this pass's columns of them
+                        at = b.gep(vp, [b.add(b.mul(b.add(row, ir.Constant(i64, below)), vstride), c)])
+                        prefetch(b, b.bitcast(at, ir.IntType(8).as_pointer()))
                     held = _value_pairs(b, vp, vstride, p, c)
                     at = b.sub(p, args[6])
                     for x in range(lanes):
