@@ -45,7 +45,7 @@ from specdec.backends.native.kernels.jit.attention_tiles import (
 from specdec.backends.native.kernels.jit.ir import BF16_DOT
 from specdec.backends.native.kernels.jit.kv import encode, load
 
-KEY_BLOCK = 64  # keys (or value rows) widened at a time: 64 x 64 dims in fp32 is 16 KiB, half an L1
+KEY_BLOCK = 64  # keys or value rows widened (or paired) at a time: 64 x 64 fp32 is 16 KiB, half an L1
 BLOCKED_LANES = 12  # lanes from which a widened block pays for its copy (below, the tiles widen as they load)
 # From FP32_STREAM_KEYS values of an fp32 cache on (from memory, not the caches), weighted_sums
 # takes the loops of weighted_sum4 rather than the column tiles: the tiles made a two-token step
@@ -81,9 +81,8 @@ def stored_element(x, cache):  # pragma: no cover - compiled
 
 @njit(cache=True, nogil=True, inline="always")
 def pair_operand(x, cache):  # pragma: no cover - compiled
-    """A scaled query's element or a softmax weight as the sums take it: itself over an fp32
-    cache; over a bf16 one, rounded to bf16 like a key (stored_element), since vdpbf16ps
-    multiplies bf16 by bf16."""
+    """A scaled query's element as the scores take it: itself over an fp32 cache; over a bf16
+    one, rounded to bf16 like a key (stored_element), since vdpbf16ps multiplies bf16 by bf16."""
     if cache.itemsize == 4:
         return x
     return load(stored_element(x, cache))
@@ -94,9 +93,10 @@ FLOOR_BITS = np.uint32(0x23800000)  # PAIR_FLOOR's bits
 
 @njit(cache=True, nogil=True, inline="always")
 def round_weights(w):  # pragma: no cover - compiled
-    """Softmax weights w (each >= 0, or NaN) in place as pair_operand takes them over a bf16 cache:
-    0 below PAIR_FLOOR, else rounded to bf16, ties to even; in integer steps without branches, so
-    the loop vectorises (pair_operand's, a weight at a time, cost a prefill more than its sums)."""
+    """Softmax weights w (each >= 0, or NaN) in place, as the weighted sums over a bf16 cache
+    take them: 0 below PAIR_FLOOR, else rounded to bf16, ties to even (pair_operand's bits), in
+    integer steps without branches, so the loop vectorises (pair_operand a weight at a time cost a
+    prompt's attention more than the vdpbf16ps sums saved)."""
     bits = w.view(np.uint32)
     for i in range(bits.shape[0]):
         x = bits[i]
@@ -357,7 +357,8 @@ def weighted_sums(values, w, acc, lo, counts, c0, c1):  # pragma: no cover - com
     at a time as far as all four have keys (weighted_sum4), each lane on its own after that;
     past the last four, three at a time or one (as `scores`). Where the columns are whole
     tiles, the shared keys go through sum_tiles (from FP32_STREAM_KEYS keys of an fp32 cache,
-    only for a part of the columns). A column's sums do not depend on the range."""
+    only for a part of the columns). A column's sums do not depend on the range. Over a bf16
+    cache, from PAIRED_LANES lanes, paired_sums with the same bits."""
     if _pairs_suit(values, acc.shape[0], c0, c1):
         paired_sums(values, w, acc, lo, counts, c0, c1)
         return
