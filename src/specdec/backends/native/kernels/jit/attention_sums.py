@@ -286,6 +286,19 @@ def _pair_group(lanes, r):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _shared_ends(lanes, lo, counts, paired):  # pragma: no cover - compiled
+    """Where each lane's group (_pair_group's where `paired`, else _group's) stops taking keys
+    together: the fewest keys any of them reads, down to a multiple of four, and not below lo."""
+    ends = np.empty(lanes, np.int64)
+    r = 0
+    while r < lanes:
+        size = _pair_group(lanes, r) if paired else _group(lanes, r)
+        ends[r : r + size] = max(lo, counts[r : r + size].min() // 4 * 4)
+        r += size
+    return ends
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _weight_pairs(bits, x, first, n, pairs):  # pragma: no cover - compiled
     """pairs[x, p] = lane x's bf16 weights of keys first + 2p (high half) and first + 2p + 1
     (low half), from their fp32 bits (bf16 values: the low halves are 0), for p < n / 2."""
@@ -318,12 +331,7 @@ def paired_sums(values, w, acc, lo, counts, c0, c1):  # pragma: no cover - compi
     slower at any lane count)."""
     acc[:, c0:c1] = 0
     lanes = acc.shape[0]
-    ends = np.empty(lanes, np.int64)  # each lane's keys taken in pairs: lo .. ends[x] - 1
-    r = 0
-    while r < lanes:
-        size = _pair_group(lanes, r)
-        ends[r : r + size] = max(lo, counts[r : r + size].min() // 4 * 4)
-        r += size
+    ends = _shared_ends(lanes, lo, counts, True)  # each lane's keys taken in pairs: lo .. ends[x] - 1
     top, bits = ends.max(), w.view(np.uint32)
     pairs = np.empty((lanes, (top - lo) // 2), np.uint32)  # pair p - lo / 2: keys 2p and 2p + 1
     for x in range(lanes):
@@ -443,12 +451,7 @@ def weighted_sums_blocked(values, w, acc, lo, counts):  # pragma: no cover - com
         weighted_sums(values, w, acc, lo, counts, 0, dim)
         return
     acc[:] = 0
-    ends = np.empty(lanes, np.int64)  # each lane's keys taken in blocks: lo .. ends[x] - 1
-    r = 0
-    while r < lanes:
-        size = _group(lanes, r)
-        ends[r : r + size] = max(lo, counts[r : r + size].min() // 4 * 4)
-        r += size
+    ends = _shared_ends(lanes, lo, counts, False)  # each lane's keys taken in blocks: lo .. ends[x] - 1
     block = np.empty((KEY_BLOCK, dim), np.float32)
     top = ends.max()
     for first in range(lo, top, KEY_BLOCK):
