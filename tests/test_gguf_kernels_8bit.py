@@ -137,7 +137,8 @@ def test_logits_keep_top1_and_kl(qtype, kernel):
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("m", [1, 2, 5])  # decode and a two-token chain (several weight rows a pass), a batch
+# decode, a two-token chain, a batch, and 11 rows: a wide pass (8 rows with VNNI) then one of 4 with a repeat
+@pytest.mark.parametrize("m", [1, 2, 5, 11])
 @pytest.mark.parametrize("k", [512, 288])  # 288: an odd number of blocks of 32 (small-block kinds)
 def test_numba_and_torch_kernels_agree_bit_for_bit(monkeypatch, qtype, m, k):
     if not numba_ops.importable():
@@ -185,8 +186,8 @@ from tests.test_gguf_kernels_8bit import activations, make_tensor
 assert ir.DOT == {dot!r}
 for qtype, k in (("Q8_0", 288), ("Q5_0", 288), ("Q5_1", 288), ("Q4_0", 288), ("Q4_1", 288), ("Q6_K", 512),
                  ("Q5_K", 512), ("Q4_K", 512)):
-    tensor, x = make_tensor(qtype, n=24, k=k), activations(5, k)
-    for m in (1, 2, 5):
+    tensor, x = make_tensor(qtype, n=24, k=k), activations(11, k)
+    for m in (1, 2, 5, 11):
         got = k8.BlockLinear8(tensor, kernel="numba")(x[:m])
         assert torch.equal(got, k8.BlockLinear8(tensor, kernel="torch")(x[:m])), (qtype, m)
 """

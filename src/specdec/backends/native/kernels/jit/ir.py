@@ -105,6 +105,20 @@ BF16_DOT = _target_bf16_dot()
 
 CACHE = "SPECDEC_INT8_DOT" not in os.environ  # a forced path must not land in the shared cache
 
+# activation rows of the widest pass over a tile: AVX-512's 32 registers hold 8 rows' sums beside
+# a block's weights; AVX2's 16 registers keep DOT_ROWS
+WIDE_ROWS = 8 if DOT == "vnni" else DOT_ROWS
+
+
+@njit(cache=CACHE, nogil=True, inline="always")
+def pass_width(left):  # pragma: no cover - compiled
+    """Rows of a tile's next pass with `left` activation rows to go: WIDE_ROWS while they last,
+    then DOT_ROWS (3 rows take it, one repeated), then 1 or 2. Rows share no arithmetic, so the
+    split never changes a bit."""
+    if left >= WIDE_ROWS:
+        return WIDE_ROWS
+    return DOT_ROWS if left > 2 else left
+
 
 def load(b, ptr, offset, vector_type):
     return b.load(b.bitcast(b.gep(ptr, [offset]), vector_type.as_pointer()), align=1)

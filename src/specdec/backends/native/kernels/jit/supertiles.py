@@ -40,6 +40,7 @@ from specdec.backends.native.kernels.jit.ir import (
     CACHE,
     DOT,
     DOT_ROWS,
+    WIDE_ROWS,
     Rows,
     call_intrinsic,
     const,
@@ -47,6 +48,7 @@ from specdec.backends.native.kernels.jit.ir import (
     dispatch,
     fp16_lanes,
     load,
+    pass_width,
     prefetch,
     raw_array,
     splat,
@@ -67,9 +69,10 @@ from specdec.backends.native.quant_types import SUPERBLOCKS, Q, QuantType
 i8, i16, i32, i64, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 HALVES = 2 if DOT == "avx2" else 1  # passes per tile: AVX2 holds 8 rows a vector (plain IR: 16, as VNNI)
 LANES = TILE // HALVES
-# Super-blocks ahead that a one-row pass prefetches, for Q5_K, whose high bits lie in a plane of
-# their own: its two interleaved streams outran the hardware prefetcher, while one stream (Q4_K,
-# Q6_K's whole bytes) does not (docs/performance-notes.md).
+# Super-blocks ahead that a pass prefetches: a one-row pass of Q5_K, whose high bits lie in a
+# plane of their own (two interleaved streams outran the hardware prefetcher, one stream does
+# not), and with VNNI every pass of several rows, whose compute no longer hides the memory's
+# latency (docs/performance-notes.md).
 PREFETCH_AHEAD = 4
 SIXTEEN_CODE = next(t.code for t in SUPERBLOCKS if t.sub_block == 16)  # Q6_K: sub-blocks of 16
 
@@ -234,7 +237,7 @@ def _tile_rows(rows: int, qt: QuantType):
                 with cgutils.for_range(b, args[1]) as loop:
                     u = loop.index
                     src = b.gep(tp, [b.mul(u, const(width))])
-                    if rows == 1 and qt.q_bits > 4 and not whole_bytes(qt):
+                    if (rows > 1 and DOT == "vnni") or (rows == 1 and qt.q_bits > 4 and not whole_bytes(qt)):
                         for line in range(0, width, 64):
                             prefetch(b, b.gep(src, [const(PREFETCH_AHEAD * width + line)]))
                     row_offsets = [b.gep(hp, [b.add(b.mul(pick, per_sixteen), b.mul(u, const(16)))])
@@ -284,8 +287,9 @@ def _min_terms(b, src, at: int, sums, dmin, x_scales):
 
 def _by_width(qt: QuantType):
     """`run(code, args)`: `qt`'s tile against args = (tile, units, xq, xs, xsum, offsets, first,
-    width, out), `width` (1, 2 or DOT_ROWS) activation rows. Inlined into the cached kernel."""
-    one, two, many = (_tile_rows(rows, qt) for rows in (1, 2, DOT_ROWS))
+    width, out), `width` (1, 2, DOT_ROWS or WIDE_ROWS) activation rows. Inlined into the cached kernel."""
+    one, two, four = (_tile_rows(rows, qt) for rows in (1, 2, DOT_ROWS))
+    wide = _tile_rows(WIDE_ROWS, qt) if WIDE_ROWS > DOT_ROWS else four
 
     @njit(nogil=True, inline="always")
     def run(code, args):  # pragma: no cover - compiled
@@ -294,8 +298,10 @@ def _by_width(qt: QuantType):
             one(tile, units, xq, xs, xsum, offsets, first, out)
         elif width == 2:
             two(tile, units, xq, xs, xsum, offsets, first, out)
+        elif width == DOT_ROWS:
+            four(tile, units, xq, xs, xsum, offsets, first, out)
         else:
-            many(tile, units, xq, xs, xsum, offsets, first, out)
+            wide(tile, units, xq, xs, xsum, offsets, first, out)
 
     return run
 
@@ -335,15 +341,15 @@ def matmul(kind, tiles, rows, units, xq, xs, xsum, xsum4, y, column):  # pragma:
     """kind: the type's code (quant_types.SUPERBLOCKS: Q6_K, Q5_K, Q4_K); tiles [ceil(N / 16), units *
     tile bytes] (kernels/supertiles.py's layout), rows = N; activations from
     activations.quantize_rows_k -> y[:, column : column + N]. Activation rows in passes of
-    DOT_ROWS, the last ones narrower."""
+    ir.pass_width's rows."""
     m = xq.shape[0]
     offsets = _sixteen_offsets(xq, xsum4) if kind == SIXTEEN_CODE else np.empty((m, 0), np.int32)
     for t in prange(tiles.shape[0]):
-        out = np.empty(DOT_ROWS * 16, np.float32)
+        out = np.empty(WIDE_ROWS * 16, np.float32)
         count = min(16, rows - 16 * t)
         first = 0
         while first < m:
-            width = DOT_ROWS if m - first > 2 else m - first
+            width = pass_width(m - first)
             _pass(kind, tiles[t], units, xq, xs, xsum, offsets, first, width, out)
             for r in range(min(width, m - first)):
                 for j in range(count):

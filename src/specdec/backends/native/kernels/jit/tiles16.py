@@ -30,11 +30,13 @@ on x[m] and row n: not on M, nor on the thread count (threads share out whole ti
 Instructions: a vector's 16 lanes are the tile's 16 rows, so one `dot4` (vpdpbusd with
 AVX-512 VNNI) takes four elements of 16 rows, and a block's scaling is one vector product
 for all of them (one weight row at a time, a block pair's scaling took a convert, two
-products, a permute and an add per row). A tile's block is unpacked once for up to four
-activation rows: a fifth bit costs a shift, a mask and an or per vector of 64 weights. On AVX2
-(16 registers of 8 lanes) two or more activation rows take each half of the tile (8 rows) in a
-pass of its own, so that a pass's sums stay in registers, and pmaddubsw's pair sums add in 16
-bits before one pmaddwd per block (`_half_tile_rows`): the same integers and float operations.
+products, a permute and an add per row). A tile's block is unpacked once for up to WIDE_ROWS
+activation rows (8 with VNNI, else 4): a fifth bit costs a shift, a mask and an or per vector
+of 64 weights. With VNNI a pass of several rows prefetches the tile's bytes FETCH_AHEAD ahead,
+since their compute no longer hides the memory's latency. On AVX2 (16 registers of 8 lanes)
+two or more activation rows take each half of the tile (8 rows) in a pass of its own, so that
+a pass's sums stay in registers, and pmaddubsw's pair sums add in 16 bits before one pmaddwd
+per block (`_half_tile_rows`): the same integers and float operations.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from specdec.backends.native.kernels.jit.ir import (
     CACHE,
     DOT,
     DOT_ROWS,
+    WIDE_ROWS,
     Rows,
     call_intrinsic,
     const,
@@ -57,6 +60,8 @@ from specdec.backends.native.kernels.jit.ir import (
     dot4,
     fp16_lanes,
     load,
+    pass_width,
+    prefetch,
     raw_array,
     splat,
     splat_value,
@@ -69,6 +74,7 @@ i1, i8, i16, i32, i64, f32 = (ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.I
                               ir.FloatType())
 _f32_2d, _i8_2d, _i32_2d = types.float32[:, ::1], types.int8[:, ::1], types.int32[:, ::1]
 TILE = 16  # rows a tile
+FETCH_AHEAD = 4096  # bytes ahead that a pass of several rows prefetches (13 blocks of a Q4_1 tile)
 
 
 def _unpack(b, src, qt: QuantType):
@@ -147,7 +153,11 @@ def _tile_rows(rows: int, qt: QuantType):
             mins = [cgutils.alloca_once_value(b, zeros) for _ in range(rows if with_min else 0)]
             with cgutils.for_range(b, args[1]) as loop:
                 index = loop.index
-                weights, d, mn = _unpack(b, b.gep(tp, [b.mul(index, const(width))]), qt)
+                src = b.gep(tp, [b.mul(index, const(width))])
+                if rows > 1 and DOT == "vnni":  # several rows' compute no longer hides the latency
+                    for line in range(0, width, 64):
+                        prefetch(b, b.gep(src, [const(FETCH_AHEAD + line)]))
+                weights, d, mn = _unpack(b, src, qt)
                 for r, pick in enumerate(passing.picks):
                     total = _block_dot(b, weights, b.gep(qp, [b.mul(pick, k)]), b.mul(index, const(32)),
                                        signed)
@@ -276,10 +286,11 @@ def _store_rows(b, accs, mins, first, m, op, column: int):
 
 def _by_width(qt: QuantType):
     """`run(code, args)`: `qt`'s tile against args = (tile, blocks, xq, xs, xsum, first, width,
-    out), `width` (1, 2 or DOT_ROWS) activation rows. Inlined into the cached kernel, so not
+    out), `width` (1, 2, DOT_ROWS or WIDE_ROWS) activation rows. Inlined into the cached kernel, so not
     cached itself."""
     several = _half_tile_rows if DOT == "avx2" else _tile_rows  # one row: no registers to spare
-    one, two, many = _tile_rows(1, qt), several(2, qt), several(DOT_ROWS, qt)
+    one, two, four = _tile_rows(1, qt), several(2, qt), several(DOT_ROWS, qt)
+    wide = several(WIDE_ROWS, qt) if WIDE_ROWS > DOT_ROWS else four
 
     @njit(nogil=True, inline="always")
     def run(code, args):  # pragma: no cover - compiled
@@ -288,8 +299,10 @@ def _by_width(qt: QuantType):
             one(tile, blocks, xq, xs, xsum, first, out)
         elif width == 2:
             two(tile, blocks, xq, xs, xsum, first, out)
+        elif width == DOT_ROWS:
+            four(tile, blocks, xq, xs, xsum, first, out)
         else:
-            many(tile, blocks, xq, xs, xsum, first, out)
+            wide(tile, blocks, xq, xs, xsum, first, out)
 
     return run
 
@@ -308,14 +321,14 @@ def matmul(kind, tiles, rows, blocks, xq, xs, xsum, y, column):  # pragma: no co
     """kind: the type's code (quant_types.BLOCKS32: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0); tiles [ceil(N / 16),
     blocks * TILE_BYTES] (the module docstring's layout), rows = N, `blocks` per row; activations from
     activations.quantize_rows -> y[:, column : column + N]. Activation rows in passes of
-    DOT_ROWS, the last ones narrower."""
+    ir.pass_width's rows."""
     m = xq.shape[0]
     for t in prange(tiles.shape[0]):
-        out = np.empty(DOT_ROWS * 16, np.float32)
+        out = np.empty(WIDE_ROWS * 16, np.float32)
         count = min(16, rows - 16 * t)
         first = 0
         while first < m:
-            width = DOT_ROWS if m - first > 2 else m - first
+            width = pass_width(m - first)
             _pass(kind, tiles[t], blocks, xq, xs, xsum, first, width, out)
             for r in range(min(width, m - first)):
                 for j in range(count):
