@@ -69,10 +69,10 @@ from specdec.backends.native.quant_types import SUPERBLOCKS, Q, QuantType
 i8, i16, i32, i64, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 HALVES = 2 if DOT == "avx2" else 1  # passes per tile: AVX2 holds 8 rows a vector (plain IR: 16, as VNNI)
 LANES = TILE // HALVES
-# Super-blocks ahead that a pass prefetches: a one-row pass of Q5_K, whose high bits lie in a
-# plane of their own (two interleaved streams outran the hardware prefetcher, one stream does
-# not), and with VNNI every pass of several rows, whose compute no longer hides the memory's
-# latency (docs/performance-notes.md).
+# Super-blocks ahead that a one-row pass prefetches, for Q5_K, whose high bits lie in a plane of
+# their own: its two interleaved streams outran the hardware prefetcher, while one stream (Q4_K,
+# Q6_K's whole bytes) does not; passes of several rows measured no faster with it
+# (docs/performance-notes.md).
 PREFETCH_AHEAD = 4
 SIXTEEN_CODE = next(t.code for t in SUPERBLOCKS if t.sub_block == 16)  # Q6_K: sub-blocks of 16
 
@@ -237,7 +237,7 @@ def _tile_rows(rows: int, qt: QuantType):
                 with cgutils.for_range(b, args[1]) as loop:
                     u = loop.index
                     src = b.gep(tp, [b.mul(u, const(width))])
-                    if (rows > 1 and DOT == "vnni") or (rows == 1 and qt.q_bits > 4 and not whole_bytes(qt)):
+                    if rows == 1 and qt.q_bits > 4 and not whole_bytes(qt):
                         for line in range(0, width, 64):
                             prefetch(b, b.gep(src, [const(PREFETCH_AHEAD * width + line)]))
                     row_offsets = [b.gep(hp, [b.add(b.mul(pick, per_sixteen), b.mul(u, const(16)))])
