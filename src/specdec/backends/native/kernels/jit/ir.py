@@ -24,7 +24,7 @@ def raw_array(dtype):
 LANES = 16
 
 
-DOT_ROWS = 4  # activation rows per pass over a weight row (at most; 1 or 2 for the last ones)
+DOT_ROWS = 4  # activation rows of a narrow pass over a tile (WIDE_ROWS below: the widest)
 
 
 i8, i16, i32, i64, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
