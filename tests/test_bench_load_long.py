@@ -130,17 +130,19 @@ SPECDEC_OFF = Target("specdec", "off", "specdec plain", "http://s",
 LLAMA_ON = Target("llama-server", "on", "llama-server ngram-mod", "http://l")
 
 
-@pytest.mark.parametrize("target, raw, route", [
-    (SPECDEC_ON, True, "/v1/completions"), (SPECDEC_OFF, True, "/v1/completions"),
-    (LLAMA_ON, True, "/v1/completions"), (SPECDEC_OFF, False, "/v1/chat/completions"),
-    (LLAMA_ON, False, "/v1/chat/completions"),
+@pytest.mark.parametrize("target, raw, route, ignore_eos", [
+    (SPECDEC_ON, True, "/v1/completions", False), (SPECDEC_OFF, True, "/v1/completions", True),
+    (LLAMA_ON, True, "/v1/completions", True), (SPECDEC_OFF, False, "/v1/chat/completions", False),
+    (LLAMA_ON, False, "/v1/chat/completions", False), (SPECDEC_ON, False, "/v1/chat/completions", True),
 ])
-def test_request_bodies(target, raw, route):
+def test_request_bodies(target, raw, route, ignore_eos):
     session = make_long_sessions(1, 2, rough_count)[0]
     messages = walk(session, "reply")[1]
-    got_route, body = loadbench.request_body(target, messages, bench_args(raw_prompt=raw), lambda m: "TEXT")
+    args = bench_args(raw_prompt=raw, ignore_eos=ignore_eos)
+    got_route, body = loadbench.request_body(target, messages, args, lambda m: "TEXT")
     assert got_route == route
     assert body["temperature"] == 0.0 and body["max_tokens"] == 128 and body["stream"] is True
+    assert body.get("ignore_eos", False) is ignore_eos  # llama-server takes it too
     assert (body.get("prompt"), body.get("messages")) == (("TEXT", None) if raw else (None, messages))
     specdec_fields = {"drafter", "return_spec_decode"} & set(body)
     assert specdec_fields == (set(target.extra) if target.engine == "specdec" else set())

@@ -128,8 +128,9 @@ def test_stop_string_inside_an_accepted_block(target):
     assert result.stats.accept_lengths[0] == 9
 
 
-def test_eos_inside_an_accepted_block(target):
-    # Declare as EOS a token that first appears at position >= 10 of the plain output.
+def _eos_mid_reply(target):
+    """(prompt, its plain reply, a token that first appears at position >= 10 of that reply, a
+    copy of the target whose EOS it is)."""
     prompt, plain, eos = next(
         (p, plain, t)
         for p in PROMPTS
@@ -139,13 +140,29 @@ def test_eos_inside_an_accepted_block(target):
     )
     model = copy.deepcopy(target.model)
     model.generation_config.eos_token_id = [eos]
-    with_eos = type(target)(name="tiny-eos", model=model, tokenizer=target.tokenizer)
+    return prompt, plain, eos, type(target)(name="tiny-eos", model=model, tokenizer=target.tokenizer)
+
+
+def test_eos_inside_an_accepted_block(target):
+    prompt, plain, eos, with_eos = _eos_mid_reply(target)
     result = Engine(target=with_eos, drafter=perfect_drafter(with_eos), k=8).generate(
         prompt, max_new_tokens=30, chat=False
     )
     end = plain.token_ids.index(eos) + 1
     assert result.token_ids == plain.token_ids[:end] == hf_greedy(with_eos, result.prompt_ids, 30)
     assert result.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("drafter", ["none", "perfect"])
+def test_ignore_eos_runs_past_it_to_the_limit(target, drafter):
+    prompt, plain, eos, with_eos = _eos_mid_reply(target)
+    draft = DRAFTERS[drafter](with_eos)
+    result = Engine(target=with_eos, drafter=draft, k=8).generate(prompt, max_new_tokens=30, chat=False,
+                                                                  ignore_eos=True)
+    assert result.token_ids == plain.token_ids and eos in plain.token_ids[:-1] and len(plain.token_ids) == 30
+    assert result.finish_reason == "length"
+    if drafter == "perfect":
+        assert result.stats.accepted_per_pos[0] > 0, "nothing accepted: the test would pass vacuously"
 
 
 def test_context_limit_stops_cleanly():

@@ -30,7 +30,7 @@ CHAT_REFUSED = [  # (extra_body, param); messages replace the default ones
     ({"repetition_penalty": 1.1}, "repetition_penalty"),
     ({"stop_token_ids": [2]}, "stop_token_ids"),
     ({"min_p": 0.1}, "min_p"),
-    ({"ignore_eos": True}, "ignore_eos"),
+    ({"min_tokens": 4}, "min_tokens"),
     ({"guided_json": {"type": "object"}}, "guided_json"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"frequency_penalty": -1.0}, "frequency_penalty"),
@@ -115,6 +115,22 @@ def test_harmless_values_and_metadata_are_accepted(client):
     done = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, user="u",
                                      extra_body={"best_of": 1})
     assert done.choices[0].logprobs is None
+
+
+def test_ignore_eos_is_taken_and_alike_under_speculation(client):
+    """vLLM's ignore_eos reaches the request (test_engine.py shows a reply running past its EOS):
+    every reply runs to max_tokens, the same with and without speculation."""
+    base = dict(model=MODEL, messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=40, temperature=0)
+    runs = {drafter: client.chat.completions.create(**base, extra_body={
+        "ignore_eos": True, "drafter": drafter, "return_spec_decode": True})
+        for drafter in ("none", "ngram:min=1")}
+    for got in runs.values():
+        assert got.choices[0].finish_reason == "length" and got.usage.completion_tokens == 40
+    assert runs["ngram:min=1"].choices[0].message.content == runs["none"].choices[0].message.content
+    assert runs["ngram:min=1"].model_extra["spec_decode"]["accepted"] > 0, "nothing accepted"
+    done = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert done.usage.completion_tokens == 12 and done.choices[0].finish_reason == "length"
 
 
 # ---- logprobs -----------------------------------------------------------------------------

@@ -104,16 +104,18 @@ class Engine:
         response_format: dict | Constraint | None = None,
         json_schema: dict | None = None,
         logprobs: int | None = None,
+        ignore_eos: bool = False,
         **tool_args,  # tools, tool_choice, parallel_tool_calls, tool_parser: see stream()
     ) -> GenerationResult:
         """The whole reply, for a `request.Request` or the arguments that build one
         (`Request.build`). `response_format` (OpenAI's shape, or a grammar.Constraint) or
         `json_schema` (a schema, enforced strictly) constrain it: see grammar.py. `logprobs=n`
-        fills `result.logprobs`: each token's logprob and its n likeliest rivals (logprobs.py)."""
+        fills `result.logprobs`: each token's logprob and its n likeliest rivals (logprobs.py).
+        `ignore_eos`: the reply runs to max_new_tokens past end-of-sequence tokens."""
         request = _as_request(prompt, dict(
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
             seed=seed, chat=chat, response_format=response_format, json_schema=json_schema, logprobs=logprobs,
-            **tool_args))
+            ignore_eos=ignore_eos, **tool_args))
         stream = self.stream(request, _text=bool(request.stop))
         for _ in stream:
             pass
@@ -139,6 +141,7 @@ class Engine:
         parallel_tool_calls: bool | None = None,
         tool_parser: str = DEFAULT_PARSER,
         logprobs: int | None = None,
+        ignore_eos: bool = False,
     ) -> GenerationStream:
         """Validate now (so bad input fails before the first delta), generate lazily.
         `tools` (OpenAI function tools), `tool_choice` and `parallel_tool_calls` as in the
@@ -148,7 +151,7 @@ class Engine:
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
             seed=seed, chat=chat, response_format=response_format, json_schema=json_schema, tools=tools,
             tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls, tool_parser=tool_parser,
-            logprobs=logprobs))
+            logprobs=logprobs, ignore_eos=ignore_eos))
         job = request.prepare(self.tokenizer, self.eos_token_ids, max_length=self.backend.max_length)
         stream = GenerationStream(iter(()))
         stream._deltas = self._run(stream, job, _text)

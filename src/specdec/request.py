@@ -46,6 +46,9 @@ class Request:
     tools: ToolPlan | None = None  # tools, tool_choice, parallel_tool_calls (tools.py)
     response_format: Constraint | None = None  # the reply's structure, besides the tools' (grammar.py)
     logprobs: int | None = None  # None: off; n: each token's logprob and its n likeliest rivals
+    # an end-of-sequence token does not end the reply, which runs to its limit (vLLM's field: load
+    # tests give every reply one length); a grammar's end still ends it
+    ignore_eos: bool = False
 
     def __post_init__(self):
         self.sampling.validate()
@@ -78,6 +81,7 @@ class Request:
         parallel_tool_calls: bool | None = None,
         tool_parser: str = DEFAULT_PARSER,
         logprobs: int | None = None,
+        ignore_eos: bool = False,
     ) -> Request:
         """From Engine.generate's keyword arguments (and the CLI's flags, which are those)."""
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -86,7 +90,7 @@ class Request:
             prompt, chat, SamplingParams(float(temperature), int(top_k), float(top_p)), max_new_tokens,
             "max_new_tokens", tuple(stop) if stop else None, seed,
             tool_plan(tools, tool_choice, parallel_tool_calls, tool_parser),
-            request_constraint(response_format, json_schema), logprobs,
+            request_constraint(response_format, json_schema), logprobs, bool(ignore_eos),
         )
 
     def constraint(self) -> Constraint | None:

@@ -94,7 +94,9 @@ class Sequence:
         self.backend, self.drafter, self.request = backend, drafter, job.request
         prompt_ids, self.prompt_ids, self.max_new_tokens = job.prompt_ids, job.prompt_ids, job.max_new_tokens
         self.params = runtime.config.decode_params(job.request.sampling)
-        self.eos_token_ids, self.track_text = runtime.eos_token_ids, track_text
+        # ignore_eos: no token ends the reply (request.Request)
+        self.eos_token_ids = frozenset() if job.request.ignore_eos else runtime.eos_token_ids
+        self.track_text = track_text
         self.stats = SpecStats(prompt_tokens=len(prompt_ids))
         seed = job.request.seed if job.request.seed is not None else int(torch.seed() % 2**63)
         self.generator = torch.Generator().manual_seed(seed)  # the drafter's own draws

@@ -23,7 +23,8 @@ Long agent sessions and peers:
 `--raw-prompt` renders each conversation to text once, with specdec's chat template code, and
 sends it to /v1/completions, so that every engine gets the same prompt text (later turns still
 carry each engine's own replies). `--peer llama-server` adds llama.cpp's server, plain and with
-`--spec-type ngram-mod` (llama_server.py); it only ever gets standard OpenAI fields. `--rounds N`
+`--spec-type ngram-mod` (llama_server.py); it only gets standard OpenAI fields and, with
+`--ignore-eos`, `ignore_eos` (every reply runs to `--max-tokens` on both engines). `--rounds N`
 runs every (engine, mode, concurrency) N times, the engines in turns within a round, and
 reports medians (load_rounds.py); errors and lost replies are counted, never dropped. Each mode
 of each engine is its own server process (with `--url`, one server takes both), and every
@@ -171,6 +172,8 @@ def request_body(target: Target, messages: list[dict], args, render) -> tuple[st
             "stream_options": {"include_usage": True}}
     if args.model is not None:
         body["model"] = args.model
+    if args.ignore_eos:  # both engines take it: every reply runs to max_tokens
+        body["ignore_eos"] = True
     if args.raw_prompt:
         route, body["prompt"] = "/v1/completions", render(messages)
     else:
@@ -309,6 +312,8 @@ def _parser() -> argparse.ArgumentParser:
                         "other sessions' requests meet its idle cache")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--ignore-eos", action="store_true", help="every reply runs to --max-tokens (ignore_eos), "
+                   "so every configuration decodes as many tokens")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--workload", choices=("short", "long-agent"), default="short",

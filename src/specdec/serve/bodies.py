@@ -66,6 +66,7 @@ def chat_request(body: ChatCompletionRequest, tool_parser: str,
         tools=tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, tool_parser),
         response_format=constraint_from_response_format(body.response_format),
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        ignore_eos=bool(body.ignore_eos),
     )
 
 
@@ -80,6 +81,7 @@ def completion_request(body: CompletionRequest, vocab_size: int) -> Request:
         stop=stops(body.stop),
         seed=body.seed,
         logprobs=body.logprobs,
+        ignore_eos=bool(body.ignore_eos),
     )
 
 

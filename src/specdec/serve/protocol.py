@@ -72,7 +72,7 @@ NOT_SUPPORTED = frozenset({
     "web_search_options", "prompt_cache_retention", "prompt_cache_options", "moderation", "functions",
     "function_call", "image_url", "input_audio", "file",
     "continuous_usage_stats", "include_obfuscation", "echo",
-    "repetition_penalty", "min_p", "min_tokens", "ignore_eos", "stop_token_ids", "bad_words",
+    "repetition_penalty", "min_p", "min_tokens", "stop_token_ids", "bad_words",
     "allowed_token_ids", "use_beam_search", "length_penalty", "include_stop_str_in_output",
     "skip_special_tokens", "spaces_between_special_tokens", "prompt_logprobs", "truncate_prompt_tokens",
     "logits_processors", "return_tokens_as_token_ids", "guided_json", "guided_regex", "guided_choice",
@@ -182,6 +182,8 @@ class _Sampling(_Strict):
     return_spec_decode: bool | None = Field(default=None, description="add the spec_decode statistics")
     drafter: str | None = Field(default=None, max_length=512, description="drafter spec, e.g. ngram or none")
     k: int | Literal["auto"] | None = Field(default=None, description=f"draft length, 0..{MAX_K} or auto")
+    ignore_eos: bool | None = Field(default=None, description="run to the token limit past end-of-sequence "
+                                                              "tokens (vLLM extension)")
 
 
 class ChatCompletionRequest(_Sampling):
