@@ -172,8 +172,7 @@ def request_body(target: Target, messages: list[dict], args, render) -> tuple[st
             "stream_options": {"include_usage": True}}
     if args.model is not None:
         body["model"] = args.model
-    if args.ignore_eos:  # both engines take it: every reply runs to max_tokens
-        body["ignore_eos"] = True
+    body.update({"ignore_eos": True} if args.ignore_eos else {})  # both engines take it
     if args.raw_prompt:
         route, body["prompt"] = "/v1/completions", render(messages)
     else:
