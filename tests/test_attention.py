@@ -306,8 +306,8 @@ def fixed_order_total(w: np.ndarray, first: int, count: int) -> np.float32:
     return total
 
 
-@pytest.mark.parametrize(("first", "count"),
-                         [(0, 1), (0, 31), (0, 32), (0, 100), (5, 70), (33, 64), (40, 1000)])
+@pytest.mark.parametrize(("first", "count"), [(0, 1), (0, 31), (0, 32), (0, 47), (0, 100), (5, 70), (33, 64),
+                                              (3, 120), (40, 1000)])
 def test_the_softmax_normaliser_adds_in_its_fixed_order(first, count):
     """The normaliser (softmax.weights_total) against its order written out, over weights with
     exact zeros before `first` (a sliding window's), and the numerators and the maximum it
@@ -325,6 +325,7 @@ def test_the_softmax_normaliser_adds_in_its_fixed_order(first, count):
     expected, bits = np.empty(count, np.float32), np.empty(count, np.int32)
     norms.exp_nonpositive(s[:count] - top, count, expected, bits)
     assert w[:count].view(np.int32).tolist() == expected.view(np.int32).tolist()
+    assert np.isnan(w[count:]).all()  # nothing past the scores written
     w[:first] = 0
     total = np.float32(softmax.weights_total(w, first, count))  # numba hands back the float32 as a float
     assert total.view(np.int32) == fixed_order_total(w, first, count).view(np.int32)

@@ -58,32 +58,40 @@ def _exp8(b, x):
     return b.fmul(p, b.bitcast(power, V8))
 
 
-def _vectors(b, ptr, at):
-    return [b.gep(ptr, [b.add(at, ir.Constant(i64, WIDTH * j))]) for j in range(SIDE)]
+def _vectors(b, ptr, at, side: int = SIDE):
+    return [b.gep(ptr, [b.add(at, ir.Constant(i64, WIDTH * j))]) for j in range(side)]
 
 
 def _load(b, at):
     return b.load(b.bitcast(at, V8.as_pointer()), align=4)
 
 
-@intrinsic
-def _exp_body(typingctx, s, top, end, w):
-    """w[i] = exp(s[i] - top) for 0 <= i < end (a multiple of STRIDE)."""
-    if not (isinstance(s, types.Array) and isinstance(w, types.Array)) or top != types.float32:
-        return None
+def _exp_run(side: int):
+    """An intrinsic `run(s, top, start, end, w)`: w[i] = exp(s[i] - top) for start <= i < end
+    (end - start a multiple of `side` vectors), `side` vectors a pass."""
 
-    def codegen(context, b, sig, args):
-        sp, wp = data_pointer(context, b, sig, args, 0), data_pointer(context, b, sig, args, 3)
-        shift = b.insert_element(ir.Constant(V8, None), args[1], ir.Constant(i32, 0))
-        shift = b.shuffle_vector(shift, ir.Constant(V8, None), ir.Constant(I8, [0] * WIDTH))
-        body = (ir.Constant(i64, 0), args[2], ir.Constant(i64, STRIDE))
-        with cgutils.for_range_slice(b, *body, inc=True) as (i, _):
-            values = [_exp8(b, b.fsub(_load(b, at), shift)) for at in _vectors(b, sp, i)]
-            for value, at in zip(values, _vectors(b, wp, i), strict=True):
-                b.store(value, b.bitcast(at, V8.as_pointer()), align=4)
-        return context.get_dummy_value()
+    @intrinsic
+    def run(typingctx, s, top, start, end, w):
+        if not (isinstance(s, types.Array) and isinstance(w, types.Array)) or top != types.float32:
+            return None
 
-    return types.void(s, top, end, w), codegen
+        def codegen(context, b, sig, args):
+            sp, wp = data_pointer(context, b, sig, args, 0), data_pointer(context, b, sig, args, 4)
+            shift = b.insert_element(ir.Constant(V8, None), args[1], ir.Constant(i32, 0))
+            shift = b.shuffle_vector(shift, ir.Constant(V8, None), ir.Constant(I8, [0] * WIDTH))
+            body = (args[2], args[3], ir.Constant(i64, WIDTH * side))
+            with cgutils.for_range_slice(b, *body, inc=True) as (i, _):
+                values = [_exp8(b, b.fsub(_load(b, at), shift)) for at in _vectors(b, sp, i, side)]
+                for value, at in zip(values, _vectors(b, wp, i, side), strict=True):
+                    b.store(value, b.bitcast(at, V8.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return types.void(s, top, start, end, w), codegen
+
+    return run
+
+
+_exp_body, _exp_vector = _exp_run(SIDE), _exp_run(1)  # STRIDE floats a pass, then WIDTH
 
 
 @intrinsic
@@ -168,7 +176,9 @@ def exp_shifted(s, top, count, w):  # pragma: no cover - compiled
     """w[i] = exp(s[i] - top) for i < count (s[i] <= top): norms.exp_nonpositive's bits for the
     differences, in one pass (softmax numerators)."""
     body = count // STRIDE * STRIDE
-    _exp_body(s, top, body, w)
-    for i in range(body, count):
+    _exp_body(s, top, 0, body, w)
+    vectors = count // WIDTH * WIDTH  # a scalar exp costs about what a vector's does
+    _exp_vector(s, top, body, vectors, w)
+    for i in range(vectors, count):
         p, bits = exp_terms(s[i] - top)
         w[i] = p * as_float(np.int32(bits))
